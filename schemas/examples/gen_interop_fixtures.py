@@ -1,0 +1,95 @@
+"""Writes schemas/fixtures/interop/python_*.msgpack: events as a Python publisher encodes them.
+
+Run from the repository root with the `msgpack` package installed:
+
+    python3 schemas/examples/gen_interop_fixtures.py
+
+Each `<name>.msgpack` is what `msgpack.packb` produces for a dict built the way a Python worker
+would build it (its own key order, an extra field the router does not know); `<name>.json` is the
+envelope the router must decode it to, in the canonical form of the golden fixtures.
+tests/wire_contract.rs checks both.
+"""
+
+import json
+import pathlib
+
+import msgpack
+
+OUT = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "interop"
+
+PUBLISHER_ID = 0x8F3A6C2E91D4B705
+TS = 1_700_000_000_123_456
+
+CASES = {
+    # Key order of a worker that builds the event first and stamps it last, an unknown key, and
+    # `etok` as None (msgpack nil): "not known".
+    "python_admitted": (
+        {
+            "kind": "admitted",
+            "rid": "req-py-1",
+            "wid": 12,
+            "dp": 0,
+            "ptok": 1000,
+            "etok": None,
+            "trace": {"span": "a1b2", "sampled": True},
+            "v": 1,
+            "pub": PUBLISHER_ID,
+            "seq": 7,
+            "ts": TS,
+        },
+        {
+            "v": 1,
+            "pub": PUBLISHER_ID,
+            "seq": 7,
+            "ts": TS,
+            "kind": "admitted",
+            "rid": "req-py-1",
+            "wid": 12,
+            "dp": 0,
+            "ptok": 1000,
+        },
+    ),
+    "python_progressed": (
+        {
+            "v": 1,
+            "pub": PUBLISHER_ID,
+            "seq": 8,
+            "ts": TS + 5,
+            "kind": "progressed",
+            "rid": "req-py-1",
+            "wid": 12,
+            "dp": 0,
+            "stage": "prefill_done",
+            "otok": 0,
+            "gpu_util": 0.83,
+        },
+        {
+            "v": 1,
+            "pub": PUBLISHER_ID,
+            "seq": 8,
+            "ts": TS + 5,
+            "kind": "progressed",
+            "rid": "req-py-1",
+            "wid": 12,
+            "dp": 0,
+            "stage": "prefill_done",
+            "otok": 0,
+        },
+    ),
+    # `dp` as None in a reset: every rank.
+    "python_worker_reset": (
+        {"v": 1, "pub": PUBLISHER_ID, "seq": 9, "ts": TS + 9, "kind": "worker_reset", "wid": 12, "dp": None},
+        {"v": 1, "pub": PUBLISHER_ID, "seq": 9, "ts": TS + 9, "kind": "worker_reset", "wid": 12},
+    ),
+}
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, (sent, decoded) in CASES.items():
+        (OUT / f"{name}.msgpack").write_bytes(msgpack.packb(sent, use_bin_type=True))
+        (OUT / f"{name}.json").write_text(json.dumps(decoded, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,907 @@
+//! Connecting to NATS.
+//!
+//! [`connect`] retries with exponential backoff (see [`crate::retry`]) while the servers are
+//! unreachable, up to [`NatsConnectConfig::connect_deadline`]; an authorization failure is
+//! permanent and reported at once. Once connected, the client reconnects on its own, forever,
+//! with a bounded delay ([`NatsConnectConfig::reconnect`]).
+//!
+//! [`ConnectionStats`] follows the connection through the client's event callback: connected
+//! or not, reconnects, disconnects, slow-consumer events, last error. Failures are logged with
+//! a rate limit ([`LogRateLimiter`]), so a server that stays down does not flood the log.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event, ServerAddr};
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, Notify};
+use tokio_util::sync::CancellationToken;
+
+use crate::retry::{retry_detailed, Attempt, GaveUp, RetryPolicy};
+
+/// The shortest time given to one connect attempt, even at the deadline.
+const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(250);
+
+/// The URL of the usual local server.
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+
+/// How a client proves who it is. More methods (nkey, creds file, TLS client certificates)
+/// slot in here as further variants.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub enum NatsAuth {
+    /// No credentials (or credentials embedded in the URLs, `nats://user:pass@host`).
+    #[default]
+    None,
+    /// User and password.
+    UserPassword { user: String, password: String },
+    /// A bearer token.
+    Token(String),
+}
+
+impl fmt::Debug for NatsAuth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NatsAuth::None => f.write_str("None"),
+            NatsAuth::UserPassword { user, .. } => f
+                .debug_struct("UserPassword")
+                .field("user", user)
+                .field("password", &"<redacted>")
+                .finish(),
+            NatsAuth::Token(_) => f.write_str("Token(<redacted>)"),
+        }
+    }
+}
+
+impl NatsAuth {
+    fn apply(&self, options: ConnectOptions) -> ConnectOptions {
+        match self {
+            NatsAuth::None => options,
+            NatsAuth::UserPassword { user, password } => {
+                options.user_and_password(user.clone(), password.clone())
+            }
+            NatsAuth::Token(token) => options.token(token.clone()),
+        }
+    }
+}
+
+/// Where and how to connect.
+#[derive(Clone, Debug)]
+pub struct NatsConnectConfig {
+    /// One server, or several servers of a cluster (`nats://host:port`).
+    pub urls: Vec<String>,
+    /// How long [`connect`] keeps retrying while no server answers. Default 30 s.
+    pub connect_deadline: Duration,
+    /// Connection name shown by the server's monitoring.
+    pub name: Option<String>,
+    pub auth: NatsAuth,
+    /// Bound of one TCP connect + handshake to one server. Default 5 s.
+    pub connection_timeout: Duration,
+    /// Delays between attempts of the first connect (its deadline is `connect_deadline`).
+    pub connect_retry: RetryPolicy,
+    /// Delays between reconnect attempts once connected (no deadline: retries forever; the
+    /// first attempt after a disconnect is immediate).
+    pub reconnect: RetryPolicy,
+    /// Client PING interval (dead-connection detection). `None`: the client's default.
+    pub ping_interval: Option<Duration>,
+    /// Messages buffered per subscription. `None`: the client's default.
+    pub subscription_capacity: Option<usize>,
+}
+
+impl Default for NatsConnectConfig {
+    fn default() -> Self {
+        Self {
+            urls: vec![DEFAULT_NATS_URL.to_string()],
+            connect_deadline: Duration::from_secs(30),
+            name: None,
+            auth: NatsAuth::None,
+            connection_timeout: Duration::from_secs(5),
+            connect_retry: RetryPolicy::new()
+                .with_initial(Duration::from_millis(100))
+                .with_max_interval(Duration::from_secs(2))
+                .with_randomization(0.2),
+            reconnect: RetryPolicy::new()
+                .with_initial(Duration::from_millis(50))
+                .with_max_interval(Duration::from_secs(2))
+                .with_randomization(0.2),
+            ping_interval: None,
+            subscription_capacity: None,
+        }
+    }
+}
+
+impl NatsConnectConfig {
+    /// Defaults, with these server URLs.
+    pub fn new<I, S>(urls: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self {
+            urls: urls.into_iter().map(Into::into).collect(),
+            ..Self::default()
+        }
+    }
+
+    /// Defaults, with the URLs of a comma (or whitespace) separated list, as in `NATS_URL`.
+    pub fn from_url_list(list: &str) -> Self {
+        Self::new(
+            list.split(|c: char| c == ',' || c.is_whitespace())
+                .filter(|s| !s.is_empty()),
+        )
+    }
+
+    pub fn with_connect_deadline(mut self, deadline: Duration) -> Self {
+        self.connect_deadline = deadline;
+        self
+    }
+
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    pub fn with_auth(mut self, auth: NatsAuth) -> Self {
+        self.auth = auth;
+        self
+    }
+
+    pub fn with_user_password(self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.with_auth(NatsAuth::UserPassword {
+            user: user.into(),
+            password: password.into(),
+        })
+    }
+
+    pub fn with_token(self, token: impl Into<String>) -> Self {
+        self.with_auth(NatsAuth::Token(token.into()))
+    }
+
+    pub fn with_connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    pub fn with_connect_retry(mut self, policy: RetryPolicy) -> Self {
+        self.connect_retry = policy;
+        self
+    }
+
+    pub fn with_reconnect(mut self, policy: RetryPolicy) -> Self {
+        self.reconnect = policy;
+        self
+    }
+
+    pub fn with_ping_interval(mut self, interval: Duration) -> Self {
+        self.ping_interval = Some(interval);
+        self
+    }
+
+    pub fn with_subscription_capacity(mut self, capacity: usize) -> Self {
+        self.subscription_capacity = Some(capacity);
+        self
+    }
+
+    /// The URLs with any embedded password replaced, comma separated: safe to log.
+    pub fn display_urls(&self) -> String {
+        self.urls
+            .iter()
+            .map(|u| redact_url(u))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn server_addrs(&self) -> Result<Vec<ServerAddr>, ConnectNatsError> {
+        if self.urls.is_empty() {
+            return Err(ConnectNatsError::NoUrls);
+        }
+        self.urls
+            .iter()
+            .map(|u| {
+                u.trim()
+                    .parse::<ServerAddr>()
+                    .map_err(|e| ConnectNatsError::InvalidUrl {
+                        url: redact_url(u),
+                        reason: e.to_string(),
+                    })
+            })
+            .collect()
+    }
+}
+
+/// Replaces the user-info part of a URL (`nats://user:pass@host`) by `***`.
+pub fn redact_url(url: &str) -> String {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((scheme, rest)) => (Some(scheme), rest),
+        None => (None, url),
+    };
+    let rest = match rest.rsplit_once('@') {
+        Some((_, host)) => format!("***@{host}"),
+        None => rest.to_string(),
+    };
+    match scheme {
+        Some(scheme) => format!("{scheme}://{rest}"),
+        None => rest,
+    }
+}
+
+/// Why [`connect`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectNatsError {
+    #[error("no NATS server URL was given")]
+    NoUrls,
+    #[error("invalid NATS server URL {url:?}: {reason}")]
+    InvalidUrl { url: String, reason: String },
+    #[error(
+        "authorization failed connecting to NATS at {urls}: {source} \
+         (check the user/password or token)"
+    )]
+    AuthorizationFailed {
+        urls: String,
+        #[source]
+        source: async_nats::ConnectError,
+    },
+    #[error(
+        "could not connect to NATS at {urls} within {deadline:?} ({attempts} attempts); \
+         last error: {source}"
+    )]
+    Unreachable {
+        urls: String,
+        deadline: Duration,
+        attempts: u32,
+        #[source]
+        source: async_nats::ConnectError,
+    },
+    #[error("could not connect to NATS at {urls}: {source}")]
+    Failed {
+        urls: String,
+        #[source]
+        source: async_nats::ConnectError,
+    },
+}
+
+impl ConnectNatsError {
+    /// True for an authorization (or authentication) failure.
+    pub fn is_authorization(&self) -> bool {
+        matches!(self, ConnectNatsError::AuthorizationFailed { .. })
+    }
+}
+
+fn classify(err: async_nats::ConnectError) -> Attempt<async_nats::ConnectError> {
+    match err.kind() {
+        ConnectErrorKind::AuthorizationViolation
+        | ConnectErrorKind::Authentication
+        | ConnectErrorKind::ServerParse
+        | ConnectErrorKind::Tls => Attempt::Permanent(err),
+        ConnectErrorKind::Dns
+        | ConnectErrorKind::TimedOut
+        | ConnectErrorKind::Io
+        | ConnectErrorKind::MaxReconnects => Attempt::Transient(err),
+    }
+}
+
+/// Lets a log line through at most once per interval; counts the ones held back.
+///
+/// `check()` returns `Some(suppressed)` when a line may be logged now (`suppressed`: how many
+/// were held back since the last one), `None` when it must be suppressed. Lock-free.
+#[derive(Debug)]
+pub struct LogRateLimiter {
+    interval_nanos: u64,
+    epoch: std::time::Instant,
+    /// Nanoseconds since `epoch` from which the next line is allowed.
+    next_allowed: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl LogRateLimiter {
+    pub fn new(interval: Duration) -> Self {
+        Self {
+            interval_nanos: u64::try_from(interval.as_nanos()).unwrap_or(u64::MAX),
+            epoch: std::time::Instant::now(),
+            next_allowed: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
+        }
+    }
+
+    pub fn interval(&self) -> Duration {
+        Duration::from_nanos(self.interval_nanos)
+    }
+
+    /// `Some(suppressed since the last allowed line)` when a line may be logged now.
+    pub fn check(&self) -> Option<u64> {
+        let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.check_at(now)
+    }
+
+    fn check_at(&self, now_nanos: u64) -> Option<u64> {
+        let next = self.next_allowed.load(Ordering::Acquire);
+        if now_nanos >= next
+            && self
+                .next_allowed
+                .compare_exchange(
+                    next,
+                    now_nanos.saturating_add(self.interval_nanos).max(1),
+                    Ordering::AcqRel,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            Some(self.suppressed.swap(0, Ordering::AcqRel))
+        } else {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+
+    /// Held back since the last allowed line.
+    pub fn suppressed(&self) -> u64 {
+        self.suppressed.load(Ordering::Relaxed)
+    }
+}
+
+impl Default for LogRateLimiter {
+    /// One line per 5 seconds.
+    fn default() -> Self {
+        Self::new(Duration::from_secs(5))
+    }
+}
+
+/// Connection health, fed by the client's event callback. All counters are monotonic.
+#[derive(Debug)]
+pub struct ConnectionStats {
+    connected: AtomicBool,
+    connects: AtomicU64,
+    disconnects: AtomicU64,
+    slow_consumer_events: AtomicU64,
+    server_errors: AtomicU64,
+    client_errors: AtomicU64,
+    last_error: Mutex<Option<String>>,
+    server_url: Mutex<Option<String>>,
+    changed: Notify,
+    disconnect_log: LogRateLimiter,
+    reconnect_log: LogRateLimiter,
+    error_log: LogRateLimiter,
+    slow_consumer_log: LogRateLimiter,
+}
+
+impl Default for ConnectionStats {
+    fn default() -> Self {
+        Self {
+            connected: AtomicBool::new(false),
+            connects: AtomicU64::new(0),
+            disconnects: AtomicU64::new(0),
+            slow_consumer_events: AtomicU64::new(0),
+            server_errors: AtomicU64::new(0),
+            client_errors: AtomicU64::new(0),
+            last_error: Mutex::new(None),
+            server_url: Mutex::new(None),
+            changed: Notify::new(),
+            disconnect_log: LogRateLimiter::new(Duration::from_secs(1)),
+            reconnect_log: LogRateLimiter::new(Duration::from_secs(1)),
+            error_log: LogRateLimiter::new(Duration::from_secs(5)),
+            slow_consumer_log: LogRateLimiter::new(Duration::from_secs(5)),
+        }
+    }
+}
+
+impl ConnectionStats {
+    /// True while the client holds a connection to a server.
+    pub fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
+    }
+
+    /// Successful connections, the first one included.
+    pub fn connects(&self) -> u64 {
+        self.connects.load(Ordering::Acquire)
+    }
+
+    /// Successful connections after the first one.
+    pub fn reconnects(&self) -> u64 {
+        self.connects().saturating_sub(1)
+    }
+
+    pub fn disconnects(&self) -> u64 {
+        self.disconnects.load(Ordering::Acquire)
+    }
+
+    /// Times the client dropped messages of a subscription that was not read fast enough.
+    pub fn slow_consumer_events(&self) -> u64 {
+        self.slow_consumer_events.load(Ordering::Acquire)
+    }
+
+    /// Errors the server sent (`-ERR`), such as permission violations.
+    pub fn server_errors(&self) -> u64 {
+        self.server_errors.load(Ordering::Acquire)
+    }
+
+    /// Client-side errors, such as failed reconnect attempts.
+    pub fn client_errors(&self) -> u64 {
+        self.client_errors.load(Ordering::Acquire)
+    }
+
+    /// The last server or client error, as text.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().clone()
+    }
+
+    /// The server of the current connection (or of the last one, while disconnected), as
+    /// `nats://<host>:<port>` from the server's INFO (the host is the server's listen
+    /// address: `0.0.0.0` for a server listening on all interfaces).
+    pub fn server_url(&self) -> Option<String> {
+        self.server_url.lock().clone()
+    }
+
+    /// Waits until `pred(self)` holds (checked at every change), at most `timeout`.
+    /// Returns the final value of `pred`.
+    pub async fn wait_until(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&ConnectionStats) -> bool,
+    ) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if pred(self) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return pred(self);
+            }
+        }
+    }
+
+    fn set_error(&self, err: String) {
+        *self.last_error.lock() = Some(err);
+    }
+
+    /// Applies one client event: counters, state, rate-limited log lines.
+    fn on_event(&self, event: &Event) {
+        match event {
+            Event::Connected => {
+                self.connected.store(true, Ordering::Release);
+                self.connects.fetch_add(1, Ordering::AcqRel);
+            }
+            Event::Disconnected => {
+                self.connected.store(false, Ordering::Release);
+                self.disconnects.fetch_add(1, Ordering::AcqRel);
+                let server = self.server_url().unwrap_or_default();
+                if let Some(suppressed) = self.disconnect_log.check() {
+                    tracing::warn!(
+                        server = %server,
+                        disconnects = self.disconnects(),
+                        suppressed,
+                        "disconnected from NATS, reconnecting"
+                    );
+                }
+            }
+            Event::Closed => {
+                self.connected.store(false, Ordering::Release);
+                tracing::info!(server = %self.server_url().unwrap_or_default(), "NATS connection closed");
+            }
+            Event::Draining => {
+                tracing::info!(server = %self.server_url().unwrap_or_default(), "NATS connection draining");
+            }
+            Event::LameDuckMode => {
+                tracing::warn!(
+                    server = %self.server_url().unwrap_or_default(),
+                    "NATS server entered lame duck mode, it will close the connection soon"
+                );
+            }
+            Event::SlowConsumer(sid) => {
+                let n = self.slow_consumer_events.fetch_add(1, Ordering::AcqRel) + 1;
+                if let Some(suppressed) = self.slow_consumer_log.check() {
+                    tracing::warn!(
+                        server = %self.server_url().unwrap_or_default(),
+                        subscription = sid,
+                        slow_consumer_events = n,
+                        suppressed,
+                        "NATS slow consumer: messages were dropped"
+                    );
+                }
+            }
+            Event::ServerError(err) => {
+                self.server_errors.fetch_add(1, Ordering::AcqRel);
+                self.set_error(err.to_string());
+                if let Some(suppressed) = self.error_log.check() {
+                    tracing::warn!(
+                        server = %self.server_url().unwrap_or_default(),
+                        error = %err,
+                        suppressed,
+                        "NATS server error"
+                    );
+                }
+            }
+            Event::ClientError(err) => {
+                self.client_errors.fetch_add(1, Ordering::AcqRel);
+                self.set_error(err.to_string());
+                if let Some(suppressed) = self.error_log.check() {
+                    tracing::warn!(
+                        server = %self.server_url().unwrap_or_default(),
+                        error = %err,
+                        suppressed,
+                        "NATS client error (a reconnect attempt failed?)"
+                    );
+                }
+            }
+        }
+        self.changed.notify_waiters();
+    }
+}
+
+/// Cancels the connection's monitor task when the last [`NatsConnection`] clone is dropped.
+#[derive(Debug)]
+struct MonitorGuard(CancellationToken);
+
+impl Drop for MonitorGuard {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
+/// A connected client and its health.
+///
+/// Cloning is cheap. The monitor task that logs which server the client is connected to
+/// stops when the last clone is dropped (clients obtained from [`client`](Self::client) keep
+/// working, and keep feeding [`ConnectionStats`]).
+#[derive(Debug, Clone)]
+pub struct NatsConnection {
+    client: Client,
+    state: Arc<ConnectionStats>,
+    urls: Arc<str>,
+    _monitor: Arc<MonitorGuard>,
+}
+
+impl NatsConnection {
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub fn stats(&self) -> &Arc<ConnectionStats> {
+        &self.state
+    }
+
+    /// The configured URLs (passwords redacted), comma separated.
+    pub fn urls(&self) -> &str {
+        &self.urls
+    }
+
+    pub fn is_connected(&self) -> bool {
+        self.state.is_connected()
+    }
+
+    /// The client's own view of the connection (pending, connected, disconnected).
+    pub fn connection_state(&self) -> async_nats::connection::State {
+        self.client.connection_state()
+    }
+
+    /// The server of the current (or last) connection.
+    pub fn server_url(&self) -> Option<String> {
+        self.state.server_url()
+    }
+}
+
+/// Connects to one of `config.urls`, retrying while none answers until
+/// `config.connect_deadline`. The returned client reconnects on its own afterwards.
+pub async fn connect(config: &NatsConnectConfig) -> Result<NatsConnection, ConnectNatsError> {
+    let addrs = config.server_addrs()?;
+    let urls = config.display_urls();
+    let stats = Arc::new(ConnectionStats::default());
+    let (event_tx, event_rx) = mpsc::channel::<Event>(256);
+    let options = connect_options(config, &stats, event_tx);
+
+    let policy = config
+        .connect_retry
+        .clone()
+        .with_max_elapsed(Some(config.connect_deadline));
+    let retry_log = LogRateLimiter::new(Duration::from_secs(5));
+    let deadline = tokio::time::Instant::now() + config.connect_deadline;
+    tracing::debug!(urls = %urls, deadline = ?config.connect_deadline, "connecting to NATS");
+    let result = retry_detailed(
+        &policy,
+        || {
+            // An attempt may not run (much) past the deadline, whatever the per-server
+            // connection timeout.
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            attempt(options.clone(), addrs.clone(), left.max(MIN_ATTEMPT_TIME))
+        },
+        |err, delay| {
+            if let Some(suppressed) = retry_log.check() {
+                tracing::warn!(
+                    urls = %urls,
+                    error = %err,
+                    retry_in = ?delay,
+                    suppressed,
+                    "NATS is not reachable yet, retrying"
+                );
+            }
+        },
+    )
+    .await;
+
+    let client = match result {
+        Ok(client) => client,
+        Err(GaveUp {
+            error,
+            attempts,
+            permanent,
+            ..
+        }) => {
+            let err = match error.kind() {
+                ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Authentication => {
+                    ConnectNatsError::AuthorizationFailed {
+                        urls,
+                        source: error,
+                    }
+                }
+                _ if permanent => ConnectNatsError::Failed {
+                    urls,
+                    source: error,
+                },
+                _ => ConnectNatsError::Unreachable {
+                    urls,
+                    deadline: config.connect_deadline,
+                    attempts,
+                    source: error,
+                },
+            };
+            tracing::error!(error = %err, "NATS connect failed");
+            return Err(err);
+        }
+    };
+
+    // The first Connected event travels through the client's event task: wait for it so that
+    // `is_connected()` is true when this returns (it is already queued: a task hop).
+    stats
+        .wait_until(Duration::from_secs(2), |s| s.connects() >= 1)
+        .await;
+    let info = client.server_info();
+    let server = format!("nats://{}:{}", info.host, info.port);
+    *stats.server_url.lock() = Some(server.clone());
+
+    let cancel = CancellationToken::new();
+    tokio::spawn(monitor(
+        client.clone(),
+        stats.clone(),
+        event_rx,
+        cancel.clone(),
+        (info.server_id.clone(), info.client_id),
+    ));
+    tracing::info!(server = %server, server_name = %info.server_name, urls = %urls, "connected to NATS");
+    Ok(NatsConnection {
+        client,
+        state: stats,
+        urls: Arc::from(urls),
+        _monitor: Arc::new(MonitorGuard(cancel)),
+    })
+}
+
+/// One connect attempt (each server of the list once), bounded by `limit`.
+async fn attempt(
+    options: ConnectOptions,
+    addrs: Vec<ServerAddr>,
+    limit: Duration,
+) -> Result<Client, Attempt<async_nats::ConnectError>> {
+    match tokio::time::timeout(limit, options.connect(addrs)).await {
+        Ok(result) => result.map_err(classify),
+        Err(_) => Err(Attempt::Transient(async_nats::ConnectError::new(
+            ConnectErrorKind::TimedOut,
+        ))),
+    }
+}
+
+fn connect_options(
+    config: &NatsConnectConfig,
+    stats: &Arc<ConnectionStats>,
+    event_tx: mpsc::Sender<Event>,
+) -> ConnectOptions {
+    let reconnect = config.reconnect.clone();
+    let cb_stats = stats.clone();
+    let mut options = ConnectOptions::new()
+        .connection_timeout(config.connection_timeout)
+        .max_reconnects(None)
+        // attempts counts tries since the last success: the first one is immediate.
+        .reconnect_delay_callback(move |attempts| {
+            reconnect.delay_for_attempt(attempts.saturating_sub(1))
+        })
+        .event_callback(move |event| {
+            cb_stats.on_event(&event);
+            if matches!(event, Event::Connected) {
+                // The monitor logs it with the server's URL (known a moment later).
+                let _ = event_tx.try_send(event);
+            }
+            std::future::ready(())
+        });
+    if let Some(name) = &config.name {
+        options = options.name(name);
+    }
+    if let Some(interval) = config.ping_interval {
+        options = options.ping_interval(interval);
+    }
+    if let Some(capacity) = config.subscription_capacity {
+        options = options.subscription_capacity(capacity);
+    }
+    config.auth.apply(options)
+}
+
+/// Logs reconnects with the server's URL and records it in the stats. The client publishes
+/// the new server's INFO just after the Connected event, hence the short bounded wait for it
+/// to change.
+async fn monitor(
+    client: Client,
+    stats: Arc<ConnectionStats>,
+    mut events: mpsc::Receiver<Event>,
+    cancel: CancellationToken,
+    first: (String, u64),
+) {
+    let mut last = first;
+    let mut skip_first = true;
+    loop {
+        let event = tokio::select! {
+            _ = cancel.cancelled() => return,
+            event = events.recv() => match event {
+                Some(event) => event,
+                None => return,
+            },
+        };
+        if !matches!(event, Event::Connected) {
+            continue;
+        }
+        if std::mem::take(&mut skip_first) {
+            // The initial connect, logged by connect() itself.
+            continue;
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
+        let info = loop {
+            let info = client.server_info();
+            if (info.server_id.as_str(), info.client_id) != (last.0.as_str(), last.1)
+                || tokio::time::Instant::now() >= deadline
+            {
+                break info;
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+            }
+        };
+        last = (info.server_id.clone(), info.client_id);
+        let server = format!("nats://{}:{}", info.host, info.port);
+        *stats.server_url.lock() = Some(server.clone());
+        stats.changed.notify_waiters();
+        if let Some(suppressed) = stats.reconnect_log.check() {
+            tracing::info!(
+                server = %server,
+                server_name = %info.server_name,
+                reconnects = stats.reconnects(),
+                suppressed,
+                "reconnected to NATS"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_limiter_allows_once_per_interval_and_counts() {
+        let l = LogRateLimiter::new(Duration::from_secs(1));
+        let s = 1_000_000_000u64;
+        assert_eq!(l.check_at(0), Some(0));
+        assert_eq!(l.check_at(1), None);
+        assert_eq!(l.check_at(s / 2), None);
+        assert_eq!(l.suppressed(), 2);
+        assert_eq!(l.check_at(s), Some(2));
+        assert_eq!(l.check_at(s + 1), None);
+        assert_eq!(l.check_at(3 * s), Some(1));
+        assert_eq!(l.suppressed(), 0);
+    }
+
+    #[test]
+    fn rate_limiter_zero_interval_allows_all() {
+        let l = LogRateLimiter::new(Duration::ZERO);
+        for _ in 0..10 {
+            assert_eq!(l.check(), Some(0));
+        }
+    }
+
+    #[test]
+    fn rate_limiter_is_shared_across_threads() {
+        let l = Arc::new(LogRateLimiter::new(Duration::from_secs(3600)));
+        let allowed = AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..1000 {
+                        if l.check().is_some() {
+                            allowed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(allowed.load(Ordering::Relaxed), 1);
+        assert_eq!(l.suppressed(), 3999);
+    }
+
+    #[test]
+    fn urls_are_parsed_and_redacted() {
+        let c = NatsConnectConfig::from_url_list("nats://a:4222, nats://u:secret@b:4223");
+        assert_eq!(c.urls.len(), 2);
+        assert_eq!(c.display_urls(), "nats://a:4222,nats://***@b:4223");
+        assert_eq!(redact_url("u:p@host:1"), "***@host:1");
+        assert_eq!(redact_url("localhost"), "localhost");
+        assert!(c.server_addrs().is_ok());
+        assert!(matches!(
+            NatsConnectConfig::new(Vec::<String>::new()).server_addrs(),
+            Err(ConnectNatsError::NoUrls)
+        ));
+    }
+
+    #[test]
+    fn auth_debug_hides_secrets() {
+        let a = NatsAuth::UserPassword {
+            user: "me".into(),
+            password: "hunter2".into(),
+        };
+        let t = NatsAuth::Token("tok".into());
+        let text = format!("{a:?} {t:?}");
+        assert!(
+            !text.contains("hunter2") && !text.contains("tok)"),
+            "{text}"
+        );
+        assert!(text.contains("me"));
+    }
+
+    #[tokio::test]
+    async fn stats_follow_events() {
+        let s = ConnectionStats::default();
+        assert!(!s.is_connected());
+        s.on_event(&Event::Connected);
+        assert!(s.is_connected());
+        assert_eq!((s.connects(), s.reconnects()), (1, 0));
+        s.on_event(&Event::Disconnected);
+        assert!(!s.is_connected());
+        s.on_event(&Event::Connected);
+        s.on_event(&Event::SlowConsumer(7));
+        s.on_event(&Event::ClientError(async_nats::ClientError::Other(
+            "boom".into(),
+        )));
+        assert_eq!(s.reconnects(), 1);
+        assert_eq!(s.disconnects(), 1);
+        assert_eq!(s.slow_consumer_events(), 1);
+        assert_eq!(s.client_errors(), 1);
+        assert!(s.last_error().unwrap().contains("boom"));
+        assert!(
+            s.wait_until(Duration::from_millis(10), |s| s.reconnects() == 1)
+                .await
+        );
+        assert!(
+            !s.wait_until(Duration::from_millis(10), |s| s.reconnects() == 2)
+                .await
+        );
+    }
+
+    #[tokio::test]
+    async fn unreachable_error_names_url_and_deadline() {
+        // A port nobody listens on: bind, read the port, release.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let url = format!("nats://127.0.0.1:{port}");
+        let config =
+            NatsConnectConfig::new([url.clone()]).with_connect_deadline(Duration::from_millis(300));
+        let err = tokio::time::timeout(Duration::from_secs(10), connect(&config))
+            .await
+            .expect("connect must give up at its deadline")
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, ConnectNatsError::Unreachable { .. }), "{msg}");
+        assert!(msg.contains(&url) && msg.contains("300ms"), "{msg}");
+    }
+}

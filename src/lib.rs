@@ -1,0 +1,36 @@
+//! lease-router mirrors the request leases of LLM workers, published on NATS, into one
+//! router per deployment.
+//!
+//! Workers publish a small MessagePack event at each step of a request's life (admitted,
+//! progressed, completed, worker reset). Each router replica subscribes to its deployment's
+//! subjects, decodes the events and hands them to a *weak* replica observer: while the
+//! router lives, the observer upgrades and updates the request-lease manager, which books
+//! and releases load in the scheduler; once the router is torn down, late events are dropped
+//! and counted, and nothing leaks.
+//!
+//! # Layout
+//! - [`types`]: identities: request, worker, data-parallel rank, attempt, booking.
+//! - [`lease`]: the lease clock ([`lease::clock`]) and the [`lease::RequestLeaseManager`]
+//!   with its reaper.
+//! - [`observer`]: [`observer::ReplicaRequestLeaseObserver`] and the weak observer that
+//!   breaks the router's ownership cycle.
+//! - [`scheduler`]: the actor that owns per-worker load, and its handles.
+//! - [`router`]: one deployment's [`router::Router`]: construction under a drop guard,
+//!   teardown, shutdown.
+//! - [`wire`]: the MessagePack wire contract (documented in `schemas/`).
+//! - [`subject`]: NATS subjects and the validation of the names in them.
+//! - [`connection`]: connecting to NATS with retry, and connection state.
+//! - [`retry`]: exponential backoff, the one module that uses the `backoff` crate.
+//! - [`nats_server`]: starting a real `nats-server` (or a cluster) for tests, benches and
+//!   the demo.
+
+pub mod connection;
+pub mod lease;
+pub mod nats_server;
+pub mod observer;
+pub mod retry;
+pub mod router;
+pub mod scheduler;
+pub mod subject;
+pub mod types;
+pub mod wire;

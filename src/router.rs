@@ -1,0 +1,316 @@
+//! The router of one deployment: it owns the scheduler, the lease manager and the ingress,
+//! and wires them so that dropping it, or failing half-way through building it, leaves no
+//! task and no lease behind.
+//!
+//! Ownership (an arrow is an `Arc` or a channel sender):
+//!
+//! ```text
+//! Router ──> RequestLeaseManager ──> SchedulerBookingCleanup ──> scheduler channel
+//!   │                 ^ (Weak only)
+//!   ├──> SchedulerHandle ──> scheduler channel ──> scheduler task ──> WeakRequestLeaseObserver
+//!   ├──> CancellationToken (drop guard) ──> reaper task (Weak of the manager), ingress tasks
+//!   └──> JoinHandles
+//! ingress task ──> WeakRequestLeaseObserver ··> manager (Weak)
+//! ```
+//!
+//! Nothing points back at the router or, strongly, at the manager, so dropping the router
+//! drops the manager, which drops the last sender, which ends the scheduler.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info};
+
+use crate::lease::{LeaseConfig, RequestLeaseManager, SetSchedulerError};
+use crate::observer::ReplicaRequestLeaseObserver;
+use crate::scheduler::{spawn_scheduler, SchedulerHandle};
+
+/// How long [`Router::shutdown`] waits for the scheduler to see its last handle go.
+const SCHEDULER_STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// An error a router task ended with.
+pub type TaskError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A task an ingress started, for [`Router::shutdown`] to wait for.
+pub struct RouterTask {
+    pub name: &'static str,
+    pub handle: JoinHandle<Result<(), TaskError>>,
+}
+
+/// What an ingress gets to work with.
+pub struct IngressContext {
+    pub deployment: Arc<str>,
+    /// The weak observer: events go through it, and it says when the router is gone.
+    pub observer: Arc<dyn ReplicaRequestLeaseObserver>,
+    /// Cancelled when the router is dropped or shut down.
+    pub cancel: CancellationToken,
+    /// Spawn tasks here so the router's owner can see them end.
+    pub tracker: TaskTracker,
+}
+
+/// The last step of building a router: whatever feeds it events.
+pub trait IngressStart: Send {
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Starts the ingress; the tasks returned are awaited by [`Router::shutdown`].
+    fn start(
+        self,
+        ctx: IngressContext,
+    ) -> impl Future<Output = Result<Vec<RouterTask>, Self::Error>> + Send;
+}
+
+/// No ingress: events are fed through [`Router::observer`] by the caller.
+pub struct NoIngress;
+
+impl IngressStart for NoIngress {
+    type Error = std::convert::Infallible;
+
+    async fn start(self, _ctx: IngressContext) -> Result<Vec<RouterTask>, Self::Error> {
+        Ok(Vec::new())
+    }
+}
+
+/// Settings of one deployment's router.
+#[derive(Clone, Debug)]
+pub struct RouterConfig {
+    pub deployment: String,
+    pub lease: LeaseConfig,
+}
+
+impl RouterConfig {
+    pub fn new(deployment: impl Into<String>) -> Self {
+        Self {
+            deployment: deployment.into(),
+            lease: LeaseConfig::default(),
+        }
+    }
+
+    pub fn with_scan_interval(mut self, interval: Duration) -> Self {
+        self.lease.scan_interval = interval;
+        self
+    }
+}
+
+/// Why a router could not be built. Whatever was started before the failure is torn down.
+#[derive(Debug, thiserror::Error)]
+pub enum StartRouterError {
+    #[error("deployment {deployment}: wiring the scheduler into the lease manager failed")]
+    Wire {
+        deployment: String,
+        #[source]
+        source: SetSchedulerError,
+    },
+    #[error("deployment {deployment}: starting the ingress failed: {source}")]
+    Ingress {
+        deployment: String,
+        #[source]
+        source: TaskError,
+    },
+}
+
+/// One task that ended badly during [`Router::shutdown`].
+#[derive(Debug)]
+pub struct TaskFailure {
+    pub task: &'static str,
+    pub error: String,
+}
+
+/// Tasks of a router that failed or panicked.
+#[derive(Debug, thiserror::Error)]
+#[error("deployment {deployment}: {} router task(s) failed: {}", failures.len(), describe(failures))]
+pub struct ShutdownRouterError {
+    pub deployment: String,
+    pub failures: Vec<TaskFailure>,
+}
+
+fn describe(failures: &[TaskFailure]) -> String {
+    failures
+        .iter()
+        .map(|f| format!("{}: {}", f.task, f.error))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The router of one deployment. Dropping it cancels every task it started.
+pub struct Router {
+    deployment: Arc<str>,
+    manager: RequestLeaseManager,
+    scheduler: SchedulerHandle,
+    observer: Arc<dyn ReplicaRequestLeaseObserver>,
+    tracker: TaskTracker,
+    cancel: CancellationToken,
+    scheduler_task: JoinHandle<()>,
+    reaper_task: JoinHandle<()>,
+    ingress_tasks: Vec<RouterTask>,
+    _cancel_on_drop: DropGuard,
+}
+
+impl Router {
+    /// Builds a router: manager, scheduler (given the manager's weak observer), wiring, then
+    /// `ingress`. If any step fails, everything started so far is torn down.
+    ///
+    /// # Errors
+    /// [`StartRouterError`] naming the step that failed.
+    pub async fn start<I: IngressStart>(
+        config: RouterConfig,
+        ingress: I,
+    ) -> Result<Self, StartRouterError> {
+        Self::start_tracked(config, ingress, TaskTracker::new()).await
+    }
+
+    /// Like [`Router::start`], spawning every task on `tracker`, so the caller can count the
+    /// tasks and wait for them to end.
+    pub async fn start_tracked<I: IngressStart>(
+        config: RouterConfig,
+        ingress: I,
+        tracker: TaskTracker,
+    ) -> Result<Self, StartRouterError> {
+        Self::start_with(config, ingress, tracker, RequestLeaseManager::replica_observer).await
+    }
+
+    pub(crate) async fn start_with<I: IngressStart>(
+        config: RouterConfig,
+        ingress: I,
+        tracker: TaskTracker,
+        observer_for: impl FnOnce(&RequestLeaseManager) -> Arc<dyn ReplicaRequestLeaseObserver>,
+    ) -> Result<Self, StartRouterError> {
+        let deployment: Arc<str> = Arc::from(config.deployment.as_str());
+        let cancel = CancellationToken::new();
+        // Until construction succeeds, dropping this guard (on any early return) cancels
+        // whatever was started.
+        let guard = cancel.clone().drop_guard();
+
+        let manager = RequestLeaseManager::new(&deployment, config.lease);
+        let reaper_task = manager.spawn_reaper(cancel.child_token(), &tracker);
+        let (scheduler, scheduler_task) =
+            spawn_scheduler(&deployment, Some(observer_for(&manager)), &tracker);
+        manager
+            .set_scheduler(scheduler.cleanup())
+            .map_err(|source| StartRouterError::Wire {
+                deployment: deployment.to_string(),
+                source,
+            })?;
+        let observer = manager.replica_observer();
+        let ctx = IngressContext {
+            deployment: deployment.clone(),
+            observer: observer.clone(),
+            cancel: cancel.child_token(),
+            tracker: tracker.clone(),
+        };
+        let ingress_tasks =
+            ingress
+                .start(ctx)
+                .await
+                .map_err(|source| StartRouterError::Ingress {
+                    deployment: deployment.to_string(),
+                    source: Box::new(source),
+                })?;
+        info!(deployment = %deployment, "router started");
+        // Success: the router itself now cancels on drop.
+        let cancel = guard.disarm();
+        Ok(Self {
+            _cancel_on_drop: cancel.clone().drop_guard(),
+            deployment,
+            manager,
+            scheduler,
+            observer,
+            tracker,
+            cancel,
+            scheduler_task,
+            reaper_task,
+            ingress_tasks,
+        })
+    }
+
+    pub fn deployment(&self) -> &str {
+        &self.deployment
+    }
+
+    pub fn manager(&self) -> &RequestLeaseManager {
+        &self.manager
+    }
+
+    pub fn scheduler(&self) -> &SchedulerHandle {
+        &self.scheduler
+    }
+
+    /// The weak observer, for feeding events by hand.
+    pub fn observer(&self) -> Arc<dyn ReplicaRequestLeaseObserver> {
+        self.observer.clone()
+    }
+
+    /// The tracker every task of this router was spawned on.
+    pub fn task_tracker(&self) -> TaskTracker {
+        self.tracker.clone()
+    }
+
+    /// Fires when the router is dropped or shut down.
+    pub fn cancellation(&self) -> CancellationToken {
+        self.cancel.child_token()
+    }
+
+    /// Stops the ingress and the reaper, lets the scheduler end, and waits for every task.
+    ///
+    /// The scheduler ends once the last clone of the manager is gone; if a caller still
+    /// holds one ten seconds on, that is reported as a failure rather than waited for.
+    ///
+    /// # Errors
+    /// [`ShutdownRouterError`] listing every task that failed or panicked.
+    pub async fn shutdown(self) -> Result<(), ShutdownRouterError> {
+        let Router {
+            deployment,
+            manager,
+            scheduler,
+            observer,
+            tracker: _,
+            cancel,
+            scheduler_task,
+            reaper_task,
+            ingress_tasks,
+            _cancel_on_drop,
+        } = self;
+        cancel.cancel();
+        let mut failures = Vec::new();
+        let mut record = |task: &'static str, error: String| {
+            failures.push(TaskFailure { task, error });
+        };
+        for task in ingress_tasks {
+            match task.handle.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => record(task.name, e.to_string()),
+                Err(e) => record(task.name, e.to_string()),
+            }
+        }
+        if let Err(e) = reaper_task.await {
+            record("reaper", e.to_string());
+        }
+        drop((manager, scheduler, observer));
+        match tokio::time::timeout(SCHEDULER_STOP_GRACE, scheduler_task).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => record("scheduler", e.to_string()),
+            Err(_) => record(
+                "scheduler",
+                format!(
+                    "still running {SCHEDULER_STOP_GRACE:?} after shutdown: something still \
+                     holds the lease manager or a scheduler handle"
+                ),
+            ),
+        }
+        debug!(deployment = %deployment, "router shut down");
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(ShutdownRouterError {
+                deployment: deployment.to_string(),
+                failures,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

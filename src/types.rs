@@ -1,0 +1,152 @@
+//! Identities shared by every part of a router: who a request is, where it runs, which attempt.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+/// A request's id as the serving stack names it.
+///
+/// Backed by `Arc<str>` so the lease manager and the scheduler share one allocation per
+/// booking instead of each holding its own copy.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RequestId(Arc<str>);
+
+impl RequestId {
+    pub fn new(id: impl Into<Arc<str>>) -> Self {
+        Self(id.into())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&str> for RequestId {
+    fn from(s: &str) -> Self {
+        Self(Arc::from(s))
+    }
+}
+
+impl From<String> for RequestId {
+    fn from(s: String) -> Self {
+        Self(Arc::from(s))
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RequestId({:?})", &*self.0)
+    }
+}
+
+/// A worker process of a deployment.
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct WorkerId(pub u64);
+
+impl fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A data-parallel rank inside one worker.
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct DpRank(pub u32);
+
+impl fmt::Display for DpRank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The unit the scheduler balances over: one data-parallel rank of one worker.
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default, Serialize, Deserialize,
+)]
+pub struct WorkerWithDpRank {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+}
+
+impl WorkerWithDpRank {
+    pub fn new(worker_id: u64, dp_rank: u32) -> Self {
+        Self {
+            worker_id: WorkerId(worker_id),
+            dp_rank: DpRank(dp_rank),
+        }
+    }
+}
+
+impl fmt::Display for WorkerWithDpRank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.worker_id, self.dp_rank)
+    }
+}
+
+/// Fences a reused request id: minted locally for every booking and never sent on the wire,
+/// so a late cleanup of an old attempt can never free a newer one.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct AttemptId(u64);
+
+impl AttemptId {
+    /// A process-wide unique attempt id.
+    pub fn mint() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// One attempt of one request counted against one worker.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub struct SchedulerBookingDescriptor {
+    pub request_id: RequestId,
+    pub worker: WorkerWithDpRank,
+    pub attempt_id: AttemptId,
+}
+
+impl SchedulerBookingDescriptor {
+    /// A booking for a new attempt of `request_id` on `worker`.
+    pub fn new(request_id: RequestId, worker: WorkerWithDpRank) -> Self {
+        Self {
+            request_id,
+            worker,
+            attempt_id: AttemptId::mint(),
+        }
+    }
+}
+
+/// How much a booking weighs on its worker.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
+pub struct RequestLoad {
+    pub prompt_tokens: u32,
+    /// `None` when the worker does not know yet how long the answer will be.
+    pub expected_output_tokens: Option<u32>,
+}
+
+impl RequestLoad {
+    pub fn new(prompt_tokens: u32, expected_output_tokens: Option<u32>) -> Self {
+        Self {
+            prompt_tokens,
+            expected_output_tokens,
+        }
+    }
+}
