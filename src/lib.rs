@@ -25,12 +25,15 @@
 //!   the demo.
 
 pub mod connection;
+pub mod ingress;
 pub mod lease;
 pub mod nats_server;
 pub mod observer;
+pub mod publisher;
 pub mod retry;
 pub mod router;
 pub mod scheduler;
+pub mod stats;
 pub mod subject;
 pub mod types;
 pub mod wire;

@@ -1,0 +1,269 @@
+//! From received bytes to the weak observer: the one path every event takes, live or
+//! replayed.
+//!
+//! Checks run cheapest first (subject, size, decode, identity, sequence), then the event is
+//! matched to the attempt it is about and handed to the observer. Out-of-order events are
+//! held or tombstoned in bounded, short-lived maps (see [`super::reorder`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::{debug, warn};
+
+use super::reorder::{ExpiringMap, InsertOutcome};
+use super::sequence::{SequenceTracker, SequenceVerdict};
+use crate::connection::LogRateLimiter;
+use crate::lease::{AdmitOutcome, CompleteOutcome, ProgressOutcome};
+use crate::observer::{DeliverEventError, ReplicaRequestLeaseObserver};
+use crate::stats::{DropReason, IngressStats};
+use crate::subject::Subjects;
+use crate::types::{DpRank, RequestId, SchedulerBookingDescriptor, WorkerId};
+use crate::wire::{self, Admitted, Completed, LeaseEvent, Progressed, WorkerReset};
+
+/// Limits of the ingress's own memory and checks.
+#[derive(Clone, Debug)]
+pub struct ApplyConfig {
+    /// Larger events are dropped as `oversized`; keep it below the server's max_payload.
+    pub max_event_bytes: usize,
+    /// How long a completion that beat its admission keeps the late admission out.
+    pub tombstone_ttl: Duration,
+    pub max_tombstones: usize,
+    /// How long progress that beat its admission waits for it.
+    pub held_progress_ttl: Duration,
+    pub max_held_progress: usize,
+    /// Publishers whose sequence windows are kept; the least recent is forgotten past this.
+    pub max_publishers: usize,
+}
+
+impl Default for ApplyConfig {
+    fn default() -> Self {
+        Self {
+            max_event_bytes: wire::DEFAULT_MAX_EVENT_BYTES,
+            tombstone_ttl: Duration::from_secs(60),
+            max_tombstones: 100_000,
+            held_progress_ttl: Duration::from_secs(10),
+            max_held_progress: 100_000,
+            max_publishers: 10_000,
+        }
+    }
+}
+
+/// What became of one message.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Applied {
+    Applied,
+    /// Held until the admission it depends on arrives, or tombstoned.
+    Held,
+    Dropped(DropReason),
+}
+
+/// Applies received events of one deployment to its router through the weak observer.
+pub struct EventApplier {
+    subjects: Subjects,
+    observer: Arc<dyn ReplicaRequestLeaseObserver>,
+    stats: Arc<IngressStats>,
+    config: ApplyConfig,
+    sequences: SequenceTracker,
+    tombstones: ExpiringMap,
+    held_progress: ExpiringMap,
+    warn_limit: LogRateLimiter,
+}
+
+impl EventApplier {
+    pub fn new(
+        subjects: Subjects,
+        observer: Arc<dyn ReplicaRequestLeaseObserver>,
+        stats: Arc<IngressStats>,
+        config: ApplyConfig,
+    ) -> Self {
+        Self {
+            subjects,
+            observer,
+            stats,
+            sequences: SequenceTracker::new(config.max_publishers),
+            tombstones: ExpiringMap::new(config.tombstone_ttl, config.max_tombstones),
+            held_progress: ExpiringMap::new(config.held_progress_ttl, config.max_held_progress),
+            warn_limit: LogRateLimiter::new(Duration::from_secs(5)),
+            config,
+        }
+    }
+
+    pub fn stats(&self) -> &Arc<IngressStats> {
+        &self.stats
+    }
+
+    /// Tombstones and held events currently kept.
+    pub fn reorder_buffers(&self) -> (usize, usize) {
+        (self.tombstones.len(), self.held_progress.len())
+    }
+
+    /// Applies one message.
+    ///
+    /// # Errors
+    /// [`DeliverEventError::ManagerGone`] once the router is torn down: the event is counted
+    /// as a late drop, and the caller should stop.
+    pub fn apply(&mut self, subject: &str, payload: &[u8]) -> Result<Applied, DeliverEventError> {
+        self.stats.received();
+        let outcome = self.apply_inner(subject, payload);
+        match outcome {
+            Ok(Applied::Dropped(reason)) => self.stats.dropped(reason),
+            Err(DeliverEventError::ManagerGone) => self.stats.dropped(DropReason::Late),
+            Ok(_) => {}
+        }
+        outcome
+    }
+
+    fn apply_inner(&mut self, subject: &str, payload: &[u8]) -> Result<Applied, DeliverEventError> {
+        let Some(subject_worker) = self.subjects.parse_worker(subject) else {
+            self.warn(|| warn!(subject, "dropped an event on a subject outside the layout"));
+            return Ok(Applied::Dropped(DropReason::Subject));
+        };
+        let envelope = match wire::decode(payload, self.config.max_event_bytes) {
+            Ok(envelope) => envelope,
+            Err(error) => {
+                self.warn(|| {
+                    warn!(worker = subject_worker, bytes = payload.len(), %error, "dropped an undecodable event")
+                });
+                return Ok(Applied::Dropped(DropReason::from_decode(&error)));
+            }
+        };
+        if envelope.event.worker_id() != subject_worker {
+            self.warn(|| {
+                warn!(
+                    worker = subject_worker,
+                    body_worker = envelope.event.worker_id(),
+                    request_id = envelope.event.request_id().unwrap_or(""),
+                    "dropped an event whose body names another worker than its subject"
+                )
+            });
+            return Ok(Applied::Dropped(DropReason::Identity));
+        }
+        let known_publisher = self.sequences.knows(envelope.publisher_id);
+        match self
+            .sequences
+            .observe(envelope.publisher_id, envelope.sequence)
+        {
+            SequenceVerdict::Fresh { missing } => {
+                if missing > 0 {
+                    self.stats.gaps(missing);
+                    self.warn(|| {
+                        warn!(worker = subject_worker, publisher = envelope.publisher_id, missing, "sequence gap: events were lost")
+                    });
+                }
+                if !known_publisher && envelope.sequence == 1 {
+                    self.stats.publisher_restart();
+                }
+            }
+            SequenceVerdict::Late => {}
+            SequenceVerdict::Duplicate => return Ok(Applied::Dropped(DropReason::Duplicate)),
+            SequenceVerdict::TooOld => return Ok(Applied::Dropped(DropReason::Stale)),
+        }
+        let lag = wire::unix_micros_now().saturating_sub(envelope.published_at_us);
+        let kind = envelope.event.kind();
+        let outcome = match envelope.event {
+            LeaseEvent::Admitted(e) => self.admitted(e)?,
+            LeaseEvent::Progressed(e) => self.progressed(e)?,
+            LeaseEvent::Completed(e) => self.completed(e)?,
+            LeaseEvent::WorkerReset(e) => self.worker_reset(e)?,
+        };
+        if outcome == Applied::Applied {
+            self.stats.applied(kind);
+            self.stats.lag().observe_us(lag);
+        }
+        Ok(outcome)
+    }
+
+    fn warn(&self, log: impl FnOnce()) {
+        if self.warn_limit.check().is_some() {
+            log();
+        }
+    }
+
+    fn hold(&mut self, map: Hold, request_id: RequestId, e: crate::types::WorkerWithDpRank) -> Applied {
+        let map = match map {
+            Hold::Tombstone => &mut self.tombstones,
+            Hold::Progress => &mut self.held_progress,
+        };
+        match map.insert(request_id, e) {
+            InsertOutcome::Inserted => {
+                self.stats.reorder_held();
+                Applied::Held
+            }
+            InsertOutcome::EvictedOldest => {
+                self.stats.reorder_held();
+                // The evicted entry is the one lost; this one is kept.
+                self.stats.dropped(DropReason::Overflow);
+                Applied::Held
+            }
+        }
+    }
+
+    fn admitted(&mut self, e: Admitted) -> Result<Applied, DeliverEventError> {
+        let worker = e.worker();
+        let load = e.load();
+        let request_id = RequestId::from(e.request_id);
+        if self.tombstones.take(&request_id, worker) {
+            debug!(request_id = %request_id, worker = %worker, "ignored an admission that arrived after its completion");
+            self.held_progress.take(&request_id, worker);
+            return Ok(Applied::Dropped(DropReason::Stale));
+        }
+        // A re-sent admission of a live lease renews it; otherwise this is a new attempt.
+        let booking = match self.observer.current_booking(&request_id, worker)? {
+            Some(live) => live,
+            None => SchedulerBookingDescriptor::new(request_id, worker),
+        };
+        let outcome = self.observer.admitted(booking.clone(), load)?;
+        if outcome == AdmitOutcome::NotWired {
+            return Ok(Applied::Dropped(DropReason::Stale));
+        }
+        if self.held_progress.take(&booking.request_id, worker) {
+            self.observer.progressed(&booking)?;
+        }
+        Ok(Applied::Applied)
+    }
+
+    fn progressed(&mut self, e: Progressed) -> Result<Applied, DeliverEventError> {
+        let worker = e.worker();
+        let request_id = RequestId::from(e.request_id);
+        match self.observer.current_booking(&request_id, worker)? {
+            Some(booking) => Ok(match self.observer.progressed(&booking)? {
+                ProgressOutcome::Renewed | ProgressOutcome::Coalesced => Applied::Applied,
+                ProgressOutcome::Stale => Applied::Dropped(DropReason::Stale),
+            }),
+            None if self.tombstones.contains(&request_id, worker) => {
+                Ok(Applied::Dropped(DropReason::Stale))
+            }
+            None => Ok(self.hold(Hold::Progress, request_id, worker)),
+        }
+    }
+
+    fn completed(&mut self, e: Completed) -> Result<Applied, DeliverEventError> {
+        let worker = e.worker();
+        let request_id = RequestId::from(e.request_id);
+        match self.observer.current_booking(&request_id, worker)? {
+            Some(booking) => Ok(match self.observer.completed(&booking)? {
+                CompleteOutcome::Released => Applied::Applied,
+                CompleteOutcome::Stale => Applied::Dropped(DropReason::Stale),
+            }),
+            None => {
+                self.held_progress.take(&request_id, worker);
+                Ok(self.hold(Hold::Tombstone, request_id, worker))
+            }
+        }
+    }
+
+    fn worker_reset(&mut self, e: WorkerReset) -> Result<Applied, DeliverEventError> {
+        let dropped = self
+            .observer
+            .worker_reset(WorkerId(e.worker_id), e.dp_rank.map(DpRank))?;
+        self.tombstones.forget_worker(|w| e.covers(w));
+        self.held_progress.forget_worker(|w| e.covers(w));
+        debug!(worker = e.worker_id, dropped, "worker reset applied");
+        Ok(Applied::Applied)
+    }
+}
+
+enum Hold {
+    Tombstone,
+    Progress,
+}

@@ -1,0 +1,292 @@
+//! The counters of one deployment's ingress: what arrived, what was applied, what was dropped
+//! and why, and how late events are. Plain atomics, written by one ingress task and read by
+//! the metrics exporter at scrape time.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+
+use crate::wire::EventKind;
+
+/// Why an event was not applied.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
+pub enum DropReason {
+    /// The subject is not `{prefix}.{deployment}.{worker_id}`.
+    Subject,
+    /// Larger than the event size limit.
+    Oversized,
+    /// Not a decodable event: garbage, truncated, wrong field types.
+    Decode,
+    /// A wire version this router does not read.
+    Version,
+    /// An event kind this router does not know.
+    UnknownKind,
+    /// The body names another worker than its subject.
+    Identity,
+    /// Seen before (same publisher and sequence).
+    Duplicate,
+    /// The deployment's router was torn down.
+    Late,
+    /// About a request that is no longer live, or older than the sequence window.
+    Stale,
+    /// A bounded buffer (tombstones, held events, publishers) was full.
+    Overflow,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 10] = [
+        Self::Subject,
+        Self::Oversized,
+        Self::Decode,
+        Self::Version,
+        Self::UnknownKind,
+        Self::Identity,
+        Self::Duplicate,
+        Self::Late,
+        Self::Stale,
+        Self::Overflow,
+    ];
+
+    /// The metrics label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Subject => "subject",
+            Self::Oversized => "oversized",
+            Self::Decode => "decode",
+            Self::Version => "version",
+            Self::UnknownKind => "unknown_kind",
+            Self::Identity => "identity",
+            Self::Duplicate => "duplicate",
+            Self::Late => "late",
+            Self::Stale => "stale",
+            Self::Overflow => "overflow",
+        }
+    }
+
+    pub(crate) fn from_decode(reason: &crate::wire::DecodeEventError) -> Self {
+        use crate::wire::DecodeEventError as E;
+        match reason {
+            E::Oversized { .. } => Self::Oversized,
+            E::Malformed(_) => Self::Decode,
+            E::UnsupportedVersion { .. } => Self::Version,
+            E::UnknownKind { .. } => Self::UnknownKind,
+        }
+    }
+}
+
+pub const EVENT_KINDS: [EventKind; 4] = [
+    EventKind::Admitted,
+    EventKind::Progressed,
+    EventKind::Completed,
+    EventKind::WorkerReset,
+];
+
+fn kind_index(kind: EventKind) -> usize {
+    match kind {
+        EventKind::Admitted => 0,
+        EventKind::Progressed => 1,
+        EventKind::Completed => 2,
+        EventKind::WorkerReset => 3,
+    }
+}
+
+/// Upper bounds, in seconds, of the publish-to-apply lag histogram buckets.
+pub const LAG_BUCKETS: [f64; 14] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0,
+];
+const LAG_BUCKETS_US: [u64; 14] = [
+    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
+    5_000_000, 30_000_000,
+];
+
+/// A lock-free histogram of publish-to-apply lag.
+#[derive(Debug, Default)]
+pub struct LagHistogram {
+    /// Per bucket (not cumulative); the last one is +Inf.
+    buckets: [AtomicU64; LAG_BUCKETS_US.len() + 1],
+    sum_us: AtomicU64,
+    count: AtomicU64,
+}
+
+/// A copy of a [`LagHistogram`], buckets cumulative as Prometheus wants them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct LagSnapshot {
+    pub sum_seconds: f64,
+    pub count: u64,
+    /// `(upper bound in seconds, cumulative count)`, without +Inf (that is `count`).
+    pub buckets: Vec<(f64, u64)>,
+}
+
+impl LagHistogram {
+    pub fn observe_us(&self, lag_us: u64) {
+        let index = LAG_BUCKETS_US
+            .iter()
+            .position(|&bound| lag_us <= bound)
+            .unwrap_or(LAG_BUCKETS_US.len());
+        self.buckets[index].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(lag_us, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> LagSnapshot {
+        let mut cumulative = 0;
+        let buckets = LAG_BUCKETS
+            .iter()
+            .zip(&self.buckets)
+            .map(|(bound, count)| {
+                cumulative += count.load(Ordering::Relaxed);
+                (*bound, cumulative)
+            })
+            .collect();
+        LagSnapshot {
+            sum_seconds: self.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
+            count: self.count.load(Ordering::Relaxed),
+            buckets,
+        }
+    }
+}
+
+/// Counters of one deployment's ingress.
+#[derive(Debug, Default)]
+pub struct IngressStats {
+    received: AtomicU64,
+    applied: [AtomicU64; 4],
+    dropped: [AtomicU64; DropReason::ALL.len()],
+    gaps: AtomicU64,
+    reorders_held: AtomicU64,
+    publisher_restarts: AtomicU64,
+    lag: LagHistogram,
+}
+
+/// A point-in-time copy of [`IngressStats`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct IngressStatsSnapshot {
+    pub received: u64,
+    /// By event kind label.
+    pub applied: Vec<(&'static str, u64)>,
+    /// By drop reason label.
+    pub dropped: Vec<(&'static str, u64)>,
+    /// Sequence numbers that never arrived (core NATS is at-most-once).
+    pub gaps: u64,
+    /// Events that arrived before the admission they depend on and were held or tombstoned.
+    pub reorders_held: u64,
+    /// New publisher ids seen for a worker that already had one.
+    pub publisher_restarts: u64,
+    pub lag: LagSnapshot,
+}
+
+impl IngressStatsSnapshot {
+    pub fn applied(&self, kind: EventKind) -> u64 {
+        lookup(&self.applied, kind.as_str())
+    }
+
+    pub fn applied_total(&self) -> u64 {
+        self.applied.iter().map(|(_, n)| n).sum()
+    }
+
+    pub fn dropped(&self, reason: DropReason) -> u64 {
+        lookup(&self.dropped, reason.as_str())
+    }
+
+    pub fn dropped_total(&self) -> u64 {
+        self.dropped.iter().map(|(_, n)| n).sum()
+    }
+}
+
+fn lookup(pairs: &[(&'static str, u64)], key: &str) -> u64 {
+    pairs
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map_or(0, |(_, n)| *n)
+}
+
+impl IngressStats {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub(crate) fn received(&self) {
+        self.received.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn applied(&self, kind: EventKind) {
+        self.applied[kind_index(kind)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn dropped(&self, reason: DropReason) {
+        let index = DropReason::ALL
+            .iter()
+            .position(|r| *r == reason)
+            .expect("every reason is listed");
+        self.dropped[index].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn gaps(&self, missing: u64) {
+        self.gaps.fetch_add(missing, Ordering::Relaxed);
+    }
+
+    pub(crate) fn reorder_held(&self) {
+        self.reorders_held.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn publisher_restart(&self) {
+        self.publisher_restarts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn lag(&self) -> &LagHistogram {
+        &self.lag
+    }
+
+    pub fn snapshot(&self) -> IngressStatsSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        IngressStatsSnapshot {
+            received: get(&self.received),
+            applied: EVENT_KINDS
+                .iter()
+                .zip(&self.applied)
+                .map(|(k, c)| (k.as_str(), get(c)))
+                .collect(),
+            dropped: DropReason::ALL
+                .iter()
+                .zip(&self.dropped)
+                .map(|(r, c)| (r.as_str(), get(c)))
+                .collect(),
+            gaps: get(&self.gaps),
+            reorders_held: get(&self.reorders_held),
+            publisher_restarts: get(&self.publisher_restarts),
+            lag: self.lag.snapshot(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lag_buckets_are_cumulative() {
+        let h = LagHistogram::default();
+        h.observe_us(50);
+        h.observe_us(700);
+        h.observe_us(60_000_000);
+        let s = h.snapshot();
+        assert_eq!(s.count, 3);
+        assert_eq!(s.buckets[0], (0.0001, 1));
+        assert_eq!(s.buckets[3], (0.001, 2));
+        assert_eq!(s.buckets.last().unwrap().1, 2, "+Inf holds the 60 s one");
+        assert!((s.sum_seconds - 60.00075).abs() < 1e-9);
+    }
+
+    #[test]
+    fn counters_by_label() {
+        let stats = IngressStats::new();
+        stats.dropped(DropReason::Late);
+        stats.dropped(DropReason::Late);
+        stats.applied(EventKind::Completed);
+        let s = stats.snapshot();
+        assert_eq!(s.dropped(DropReason::Late), 2);
+        assert_eq!(s.dropped_total(), 2);
+        assert_eq!(s.applied(EventKind::Completed), 1);
+        assert_eq!(s.applied(EventKind::Admitted), 0);
+    }
+}
