@@ -33,6 +33,8 @@ pub mod publisher;
 pub mod retry;
 pub mod router;
 pub mod scheduler;
+pub mod service;
+pub mod simulate;
 pub mod stats;
 pub mod subject;
 pub mod types;

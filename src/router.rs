@@ -169,7 +169,13 @@ impl Router {
         ingress: I,
         tracker: TaskTracker,
     ) -> Result<Self, StartRouterError> {
-        Self::start_with(config, ingress, tracker, RequestLeaseManager::replica_observer).await
+        Self::start_with(
+            config,
+            ingress,
+            tracker,
+            RequestLeaseManager::replica_observer,
+        )
+        .await
     }
 
     pub(crate) async fn start_with<I: IngressStart>(

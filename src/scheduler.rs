@@ -491,7 +491,9 @@ mod tests {
         let tracker = TaskTracker::new();
         let (handle, _task) = spawn_scheduler("t", None, &tracker);
         let cleanup = handle.cleanup();
-        let bookings: Vec<_> = (0..1000).map(|i| booking(&format!("r{i}"), i % 8)).collect();
+        let bookings: Vec<_> = (0..1000)
+            .map(|i| booking(&format!("r{i}"), i % 8))
+            .collect();
         for b in &bookings {
             cleanup.book(b.clone(), RequestLoad::new(1, None));
         }

@@ -194,10 +194,7 @@ impl IngressStatsSnapshot {
 }
 
 fn lookup(pairs: &[(&'static str, u64)], key: &str) -> u64 {
-    pairs
-        .iter()
-        .find(|(k, _)| *k == key)
-        .map_or(0, |(_, n)| *n)
+    pairs.iter().find(|(k, _)| *k == key).map_or(0, |(_, n)| *n)
 }
 
 impl IngressStats {

@@ -1,1 +1,97 @@
-fn main() {}
+//! The `lease-router` command: argument parsing and wiring. The logic lives in the library
+//! (`lease_router::service`, `lease_router::simulate`, `lease_router::publisher`); the
+//! modules under `cli/` connect it to the terminal, the signals and the exit codes.
+//!
+//! Exit codes: 0 success (also after a first SIGINT/SIGTERM), 1 failure at run time, 2
+//! invalid arguments or configuration, 130 a second signal (exit at once).
+
+#[path = "cli/mod.rs"]
+mod cli;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+use cli::{CliError, Signals};
+
+/// Mirror LLM request leases published on NATS into one router per deployment.
+#[derive(Debug, Parser)]
+#[command(name = "lease-router", version, propagate_version = true)]
+#[command(
+    long_about = "Mirror LLM request leases published on NATS into one router per deployment.\n\n\
+    Workers publish admitted / progressed / completed / worker-reset events on \
+    {prefix}.{deployment}.{worker_id}; `serve` keeps every deployment's leases and per-worker \
+    load and exposes them over HTTP with Prometheus metrics. `demo` shows it all at once."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Host one router per deployment, with the HTTP API and /metrics, until SIGINT/SIGTERM.
+    Serve(lease_router::service::ServeArgs),
+    /// Publish one lease event and wait until the NATS server has it.
+    Publish(cli::publish::PublishArgs),
+    /// Simulated workers publishing realistic request lifecycles at a target rate.
+    Simulate(cli::simulate::SimulateArgs),
+    /// A router, simulated workers and a live view in one process (starts nats-server if
+    /// none answers).
+    Demo(cli::demo::DemoArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return ExitCode::from(1);
+        }
+    };
+    let code = runtime.block_on(async {
+        let signals = match Signals::install() {
+            Ok(signals) => signals,
+            Err(error) => {
+                eprintln!("error: cannot listen for signals: {error}");
+                return 1;
+            }
+        };
+        let force = signals.force.clone();
+        let run = async {
+            match cli.command {
+                Command::Serve(args) => cli::serve::run(args, &signals).await,
+                Command::Publish(args) => cli::publish::run(args, &signals).await,
+                Command::Simulate(args) => cli::simulate::run(args, &signals).await,
+                Command::Demo(args) => cli::demo::run(args, &signals).await,
+            }
+        };
+        // A second signal drops whatever is running (children such as a demo's nats-server
+        // are killed on drop) and exits at once.
+        tokio::select! {
+            result = run => report(result),
+            _ = force.cancelled() => {
+                eprintln!("second signal: exiting at once");
+                130
+            }
+        }
+    });
+    // Do not wait for tasks that ignore the shutdown (a stuck flush, say).
+    runtime.shutdown_timeout(Duration::from_millis(500));
+    ExitCode::from(code)
+}
+
+fn report(result: Result<(), CliError>) -> u8 {
+    match result {
+        Ok(()) => 0,
+        Err(error) => {
+            eprintln!("error: {error}");
+            error.exit_code()
+        }
+    }
+}

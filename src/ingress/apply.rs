@@ -147,7 +147,12 @@ impl EventApplier {
                 if missing > 0 {
                     self.stats.gaps(missing);
                     self.warn(|| {
-                        warn!(worker = subject_worker, publisher = envelope.publisher_id, missing, "sequence gap: events were lost")
+                        warn!(
+                            worker = subject_worker,
+                            publisher = envelope.publisher_id,
+                            missing,
+                            "sequence gap: events were lost"
+                        )
                     });
                 }
                 if !known_publisher && envelope.sequence == 1 {
@@ -179,7 +184,12 @@ impl EventApplier {
         }
     }
 
-    fn hold(&mut self, map: Hold, request_id: RequestId, e: crate::types::WorkerWithDpRank) -> Applied {
+    fn hold(
+        &mut self,
+        map: Hold,
+        request_id: RequestId,
+        e: crate::types::WorkerWithDpRank,
+    ) -> Applied {
         let map = match map {
             Hold::Tombstone => &mut self.tombstones,
             Hold::Progress => &mut self.held_progress,

@@ -146,7 +146,10 @@ mod tests {
     async fn bounded_by_evicting_the_oldest() {
         let mut m = ExpiringMap::new(Duration::from_secs(60), 3);
         for i in 0..3 {
-            assert_eq!(m.insert(format!("r{i}").into(), w(1)), InsertOutcome::Inserted);
+            assert_eq!(
+                m.insert(format!("r{i}").into(), w(1)),
+                InsertOutcome::Inserted
+            );
         }
         assert_eq!(m.insert("r3".into(), w(1)), InsertOutcome::EvictedOldest);
         assert_eq!(m.len(), 3);

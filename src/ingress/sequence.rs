@@ -105,7 +105,7 @@ impl PublisherWindow {
     fn observe(&mut self, sequence: u64) -> SequenceVerdict {
         if sequence > self.highest {
             let shift = sequence - self.highest;
-            self.seen = if shift >= WINDOW as u64 {
+            self.seen = if shift >= WINDOW {
                 0
             } else {
                 self.seen << shift

@@ -495,7 +495,11 @@ impl LeaseStatsCounters {
     }
 }
 
-async fn reaper(weak: Weak<RequestLeaseManagerInner>, interval: Duration, cancel: CancellationToken) {
+async fn reaper(
+    weak: Weak<RequestLeaseManagerInner>,
+    interval: Duration,
+    cancel: CancellationToken,
+) {
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

@@ -69,7 +69,10 @@ fn load(bookings: u64, prompt: u64, output: u64) -> WorkerLoad {
 /// record and the scheduler's load after each step. Returns the observer and the booking.
 async fn drive_lifecycle(
     tracked: &TrackedRouter,
-) -> (Arc<dyn ReplicaRequestLeaseObserver>, SchedulerBookingDescriptor) {
+) -> (
+    Arc<dyn ReplicaRequestLeaseObserver>,
+    SchedulerBookingDescriptor,
+) {
     let router = &tracked.router;
     let manager = router.manager();
     let observer = router.observer();
@@ -89,7 +92,10 @@ async fn drive_lifecycle(
 
     // A scan takes the lease to QUIET; progress renews it.
     manager.scan().await;
-    assert_eq!(manager.lease(&b.request_id).unwrap().state, LeaseState::Quiet);
+    assert_eq!(
+        manager.lease(&b.request_id).unwrap().state,
+        LeaseState::Quiet
+    );
     assert_eq!(observer.progressed(&b), Ok(ProgressOutcome::Renewed));
     assert_eq!(
         manager.lease(&b.request_id).unwrap().state,
@@ -241,7 +247,15 @@ async fn reaper_expires_untouched_lease_between_one_and_two_intervals() {
     tokio::time::sleep(Duration::from_millis(16_900)).await;
     observer.progressed(&busy).unwrap();
     assert!(manager.lease(&silent.request_id).is_some());
-    assert_eq!(router.scheduler().load(silent.worker).await.unwrap().active_bookings, 1);
+    assert_eq!(
+        router
+            .scheduler()
+            .load(silent.worker)
+            .await
+            .unwrap()
+            .active_bookings,
+        1
+    );
 
     // Gone just after the second scan (20.1 s).
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -257,7 +271,15 @@ async fn reaper_expires_untouched_lease_between_one_and_two_intervals() {
         observer.progressed(&busy).unwrap();
     }
     assert!(manager.lease(&busy.request_id).is_some());
-    assert_eq!(router.scheduler().load(busy.worker).await.unwrap().active_bookings, 1);
+    assert_eq!(
+        router
+            .scheduler()
+            .load(busy.worker)
+            .await
+            .unwrap()
+            .active_bookings,
+        1
+    );
 
     // The expiry released the booking exactly once; a late completion frees nothing more.
     assert_eq!(observer.completed(&silent), Ok(CompleteOutcome::Stale));
@@ -266,9 +288,14 @@ async fn reaper_expires_untouched_lease_between_one_and_two_intervals() {
     assert_eq!(stats.released_completed, 0);
     assert_eq!(manager.stats().expired, 1);
 
-    let TrackedRouter { router, tracker, .. } = tracked;
+    let TrackedRouter {
+        router, tracker, ..
+    } = tracked;
     drop(router);
-    assert!(tasks_end_within(&tracker, BOUND).await, "the reaper ends with its router");
+    assert!(
+        tasks_end_within(&tracker, BOUND).await,
+        "the reaper ends with its router"
+    );
 }
 
 #[tokio::test]
@@ -280,7 +307,9 @@ async fn late_completion_of_old_attempt_does_not_free_new_attempt() {
     let second = booking("reused", 2, 0);
     assert_ne!(first.attempt_id, second.attempt_id);
 
-    observer.admitted(first.clone(), RequestLoad::new(10, None)).unwrap();
+    observer
+        .admitted(first.clone(), RequestLoad::new(10, None))
+        .unwrap();
     assert_eq!(
         observer.admitted(second.clone(), RequestLoad::new(20, None)),
         Ok(AdmitOutcome::Superseded)
@@ -288,13 +317,25 @@ async fn late_completion_of_old_attempt_does_not_free_new_attempt() {
     assert_eq!(observer.completed(&first), Ok(CompleteOutcome::Stale));
     assert_eq!(observer.progressed(&first), Ok(ProgressOutcome::Stale));
 
-    let lease = router.manager().lease(&second.request_id).expect("attempt 2 lives");
+    let lease = router
+        .manager()
+        .lease(&second.request_id)
+        .expect("attempt 2 lives");
     assert_eq!(lease.booking, second);
-    assert_eq!(router.scheduler().load(first.worker).await.unwrap(), WorkerLoad::default());
-    assert_eq!(router.scheduler().load(second.worker).await.unwrap(), load(1, 20, 0));
+    assert_eq!(
+        router.scheduler().load(first.worker).await.unwrap(),
+        WorkerLoad::default()
+    );
+    assert_eq!(
+        router.scheduler().load(second.worker).await.unwrap(),
+        load(1, 20, 0)
+    );
 
     assert_eq!(observer.completed(&second), Ok(CompleteOutcome::Released));
-    assert_eq!(router.scheduler().load(second.worker).await.unwrap(), WorkerLoad::default());
+    assert_eq!(
+        router.scheduler().load(second.worker).await.unwrap(),
+        WorkerLoad::default()
+    );
 }
 
 #[tokio::test]
@@ -303,7 +344,9 @@ async fn duplicate_admit_is_a_touch() {
     let router = &tracked.router;
     let observer = router.observer();
     let b = booking("twice", 3, 0);
-    observer.admitted(b.clone(), RequestLoad::new(10, None)).unwrap();
+    observer
+        .admitted(b.clone(), RequestLoad::new(10, None))
+        .unwrap();
     router.manager().scan().await;
     assert_eq!(
         observer.admitted(b.clone(), RequestLoad::new(10, None)),
@@ -313,7 +356,10 @@ async fn duplicate_admit_is_a_touch() {
         router.manager().lease(&b.request_id).unwrap().state,
         LeaseState::Touched
     );
-    assert_eq!(router.scheduler().load(b.worker).await.unwrap(), load(1, 10, 0));
+    assert_eq!(
+        router.scheduler().load(b.worker).await.unwrap(),
+        load(1, 10, 0)
+    );
 }
 
 #[tokio::test]
@@ -332,7 +378,11 @@ async fn worker_reset_drops_every_lease_of_that_worker() {
     assert_eq!(router.manager().active_leases(), 1);
     let loads = router.scheduler().loads().await.unwrap();
     for (worker, l) in loads {
-        let expected = if worker.worker_id == WorkerId(2) { 1 } else { 0 };
+        let expected = if worker.worker_id == WorkerId(2) {
+            1
+        } else {
+            0
+        };
         assert_eq!(l.active_bookings, expected, "{worker}");
     }
     assert_eq!(router.scheduler().stats().released_reset, 3);
@@ -368,7 +418,10 @@ async fn local_schedule_books_and_leases_through_the_observer() {
     let lease = router.manager().lease(&placed.request_id).expect("leased");
     assert_eq!(lease.booking, placed);
     // Counted once, although both the scheduler and the manager booked it.
-    assert_eq!(router.scheduler().load(placed.worker).await.unwrap(), load(2, 8, 3));
+    assert_eq!(
+        router.scheduler().load(placed.worker).await.unwrap(),
+        load(2, 8, 3)
+    );
 }
 
 struct ErringIngress;

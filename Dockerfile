@@ -1,0 +1,31 @@
+# syntax=docker/dockerfile:1
+#
+# Multi-stage build of the `lease-router` binary.
+#   docker build -t lease-router .
+#   docker run --rm lease-router --help
+#   docker compose up        (see docker-compose.yml)
+
+FROM rust:1-bookworm AS builder
+WORKDIR /src
+COPY . .
+# The cargo registry and the target directory are cache mounts (BuildKit), so a rebuild after
+# a source edit does not download or compile the dependencies again; the binary is copied out
+# of the cache in the same step.
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked --bin lease-router \
+    && cp target/release/lease-router /usr/local/bin/lease-router
+
+FROM debian:bookworm-slim
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 lease-router \
+    && useradd --system --uid 10001 --gid lease-router --no-create-home \
+       --shell /usr/sbin/nologin lease-router
+COPY --from=builder /usr/local/bin/lease-router /usr/local/bin/lease-router
+USER 10001:10001
+ENV RUST_LOG=info
+EXPOSE 9464
+ENTRYPOINT ["/usr/local/bin/lease-router"]
+CMD ["serve", "--http-addr", "0.0.0.0:9464"]

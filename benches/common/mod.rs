@@ -1,0 +1,330 @@
+//! Shared by the benches: realistic ids and lifecycles, pre-encoded event streams, resident
+//! memory, percentiles, and a few helpers for talking to a private nats-server.
+#![allow(dead_code)]
+
+use std::fs;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use async_nats::Subject;
+use bytes::Bytes;
+use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
+use lease_router::subject::{DeploymentName, Subjects};
+use lease_router::wire::{
+    self, Admitted, Completed, Envelope, LeaseEvent, Outcome, ProgressStage, Progressed,
+};
+
+/// A small, fast, deterministic generator (splitmix64): the benches need repeatable streams,
+/// not cryptographic randomness.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (n > 0); the modulo bias is irrelevant here.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// A 36-character UUID-like request id (8-4-4-4-12 hex), unique per `(space, n)`.
+pub fn uuid_like(space: u64, n: u64) -> String {
+    let mut rng = Rng::new(space.wrapping_mul(0x1000_0000_01B3) ^ n);
+    let a = rng.next_u64();
+    let b = rng.next_u64();
+    format!(
+        "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
+        (a >> 32) as u32,
+        (a >> 16) as u16,
+        a as u16 & 0x0fff,
+        (b >> 48) as u16 & 0x3fff | 0x8000,
+        // The low bits carry n itself, so ids of one space never collide.
+        (b & 0xffff_0000_0000) | (n & 0xffff_ffff),
+    )
+}
+
+/// Resident set size of this process, from `/proc/self/status`.
+pub fn rss_bytes() -> u64 {
+    let status = fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().strip_suffix("kB"))
+        .and_then(|kb| kb.trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .expect("VmRSS in /proc/self/status")
+}
+
+/// The machine a figure was measured on, for the report.
+pub fn machine() -> String {
+    let cpu = fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|m| m.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let nats = std::process::Command::new("nats-server")
+        .arg("--version")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "not found".into());
+    let load = fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default();
+    format!("cpus={cores} cpu=\"{cpu}\" nats=\"{nats}\" loadavg=\"{load}\"")
+}
+
+/// The value at quantile `q` (0..=1) of sorted `values` (nearest rank).
+pub fn percentile(sorted: &[u64], q: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+pub fn subjects(deployment: &str) -> Subjects {
+    Subjects::with_default_prefix(DeploymentName::new(deployment).expect("valid deployment"))
+}
+
+/// A connection whose subscriptions buffer up to `capacity` messages (`None`: the default).
+pub async fn nats(url: &str, capacity: Option<usize>) -> NatsConnection {
+    let mut config =
+        NatsConnectConfig::new([url]).with_connect_deadline(Duration::from_secs(10));
+    if let Some(capacity) = capacity {
+        config = config.with_subscription_capacity(capacity);
+    }
+    connect(&config).await.expect("connects to the bench nats-server")
+}
+
+/// One event of a pre-built stream: where it goes and its encoded bytes.
+#[derive(Clone)]
+pub struct Encoded {
+    pub subject: Subject,
+    pub payload: Bytes,
+}
+
+/// Shape of the request lifecycles a publisher emits.
+#[derive(Clone, Copy, Debug)]
+pub struct LifecycleShape {
+    /// Requests in flight at once per publisher (their events interleave).
+    pub concurrency: usize,
+    /// `progressed` events per request: uniformly `min..=max` (the first is `prefill_done`).
+    pub min_progress: u64,
+    pub max_progress: u64,
+    /// Percent of requests that never send `completed` (their leases stay live).
+    pub never_completed_pct: u64,
+}
+
+impl Default for LifecycleShape {
+    fn default() -> Self {
+        Self {
+            concurrency: 256,
+            min_progress: 2,
+            max_progress: 4,
+            never_completed_pct: 10,
+        }
+    }
+}
+
+/// A request on its way through its lifecycle.
+struct InFlight {
+    id: String,
+    worker: u64,
+    progress_left: u64,
+    progressed: u64,
+    completes: bool,
+}
+
+/// Generates the events of one publisher: `requests` interleaved lifecycles (admitted,
+/// several progressed, completed for all but ~`never_completed_pct`%) over `workers`.
+pub struct LifecycleGen {
+    rng: Rng,
+    shape: LifecycleShape,
+    workers: Vec<u64>,
+    space: u64,
+    started: u64,
+    requests: u64,
+    active: Vec<InFlight>,
+}
+
+impl LifecycleGen {
+    pub fn new(space: u64, workers: Vec<u64>, requests: u64, shape: LifecycleShape) -> Self {
+        Self {
+            rng: Rng::new(space ^ 0x5EED),
+            shape,
+            workers,
+            space,
+            started: 0,
+            requests,
+            active: Vec::with_capacity(shape.concurrency),
+        }
+    }
+
+    /// The next event, or `None` when every request has run its course.
+    pub fn next_event(&mut self) -> Option<LeaseEvent> {
+        if self.active.len() < self.shape.concurrency && self.started < self.requests {
+            let n = self.started;
+            self.started += 1;
+            let id = uuid_like(self.space, n);
+            let worker = self.workers[self.rng.below(self.workers.len() as u64) as usize];
+            let spread = self.shape.max_progress - self.shape.min_progress + 1;
+            let progress_left = self.shape.min_progress + self.rng.below(spread);
+            let completes = self.rng.below(100) >= self.shape.never_completed_pct;
+            let event = Admitted {
+                request_id: id.clone(),
+                worker_id: worker,
+                dp_rank: 0,
+                prompt_tokens: 256 + self.rng.below(4096) as u32,
+                expected_output_tokens: Some(64 + self.rng.below(512) as u32),
+            };
+            self.active.push(InFlight {
+                id,
+                worker,
+                progress_left,
+                progressed: 0,
+                completes,
+            });
+            return Some(event.into());
+        }
+        while !self.active.is_empty() {
+            let i = self.rng.below(self.active.len() as u64) as usize;
+            let r = &mut self.active[i];
+            if r.progress_left > 0 {
+                r.progress_left -= 1;
+                r.progressed += 1;
+                let stage = if r.progressed == 1 {
+                    ProgressStage::PrefillDone
+                } else {
+                    ProgressStage::Decoding
+                };
+                return Some(
+                    Progressed {
+                        request_id: r.id.clone(),
+                        worker_id: r.worker,
+                        dp_rank: 0,
+                        stage,
+                        output_tokens: (r.progressed * 16) as u32,
+                    }
+                    .into(),
+                );
+            }
+            let r = self.active.swap_remove(i);
+            if r.completes {
+                return Some(
+                    Completed {
+                        request_id: r.id,
+                        worker_id: r.worker,
+                        dp_rank: 0,
+                        outcome: Outcome::Finished,
+                    }
+                    .into(),
+                );
+            }
+            // Never completed: it just goes silent, and a new request takes its slot.
+            if self.started < self.requests {
+                return self.next_event();
+            }
+        }
+        None
+    }
+}
+
+/// The whole pre-encoded stream of one publisher, stamped `published_at_us = ts`.
+pub fn encoded_stream(
+    subjects: &Subjects,
+    publisher_id: u64,
+    space: u64,
+    workers: Vec<u64>,
+    requests: u64,
+    shape: LifecycleShape,
+) -> Vec<Encoded> {
+    let worker_subjects: std::collections::HashMap<u64, Subject> = workers
+        .iter()
+        .map(|&w| (w, Subject::from(subjects.worker_subject(w))))
+        .collect();
+    let mut gen = LifecycleGen::new(space, workers, requests, shape);
+    let ts = wire::unix_micros_now();
+    let mut out = Vec::new();
+    let mut seq = 0;
+    let mut buf = Vec::with_capacity(128);
+    while let Some(event) = gen.next_event() {
+        seq += 1;
+        let subject = worker_subjects[&event.worker_id()].clone();
+        buf.clear();
+        wire::encode_into(&Envelope::new(publisher_id, seq, ts, event), &mut buf)
+            .expect("encodes");
+        out.push(Encoded {
+            subject,
+            payload: Bytes::copy_from_slice(&buf),
+        });
+    }
+    out
+}
+
+/// Wraps a future and records how long each of its polls ran: for a scan that yields between
+/// shards, the longest poll is the longest time it kept its worker thread (and a shard lock).
+pub struct PollTimer<F> {
+    inner: Pin<Box<F>>,
+    pub polls: u64,
+    pub longest: Duration,
+    pub busy: Duration,
+}
+
+impl<F: Future> PollTimer<F> {
+    pub fn new(inner: F) -> Self {
+        Self {
+            inner: Box::pin(inner),
+            polls: 0,
+            longest: Duration::ZERO,
+            busy: Duration::ZERO,
+        }
+    }
+}
+
+impl<F: Future> Future for PollTimer<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let start = Instant::now();
+        let result = self.inner.as_mut().poll(cx);
+        let took = start.elapsed();
+        let this = &mut *self;
+        this.polls += 1;
+        this.busy += took;
+        this.longest = this.longest.max(took);
+        result
+    }
+}
+
+/// Waits until `done()` or `bound` passes, checking every millisecond; returns when it was
+/// seen done (or `None` on timeout).
+pub async fn wait_until(bound: Duration, mut done: impl FnMut() -> bool) -> Option<Instant> {
+    let deadline = Instant::now() + bound;
+    loop {
+        if done() {
+            return Some(Instant::now());
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}

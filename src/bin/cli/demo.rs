@@ -1,0 +1,424 @@
+//! `lease-router demo`: NATS (found or started), `serve` for deployment `demo`, simulated
+//! workers against it, and a live view, all in one process.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use lease_router::connection::{NatsConnection, DEFAULT_NATS_URL};
+use lease_router::nats_server::{NatsServer, NatsServerBuilder, StartNatsServerError};
+use lease_router::service::host::DeploymentMetrics;
+use lease_router::service::{DeploymentHost, ServeSettings};
+use lease_router::simulate::{
+    format_duration, run_simulation, SimulationProgress, SimulationSummary,
+};
+use lease_router::stats::DropReason;
+use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
+use parking_lot::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use super::serve::{bind, Service};
+use super::simulate::TrafficArgs;
+use super::{
+    bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, CliError, Signals,
+    Stream,
+};
+
+/// The deployment the demo hosts and simulates.
+const DEMO_DEPLOYMENT: &str = "demo";
+/// The HTTP port tried first.
+const DEMO_HTTP_ADDR: &str = "127.0.0.1:9464";
+/// How long an existing NATS server has to answer.
+const PROBE_DEADLINE: Duration = Duration::from_secs(1);
+/// How long the router may take to catch up with the last events at the end.
+const CATCH_UP_BOUND: Duration = Duration::from_secs(3);
+/// Width of the bars of the live view.
+const BAR_WIDTH: usize = 32;
+
+const INSTALL_HELP: &str = "nats-server is not installed, and no NATS server answered.\n\
+    Install one of these ways, then run the demo again:\n  \
+    Debian/Ubuntu:  sudo apt-get install nats-server\n  \
+    macOS:          brew install nats-server\n  \
+    Go:             go install github.com/nats-io/nats-server/v2@latest\n  \
+    Docker:         docker run -p 4222:4222 nats:2.10 -js   (then NATS_URL=nats://127.0.0.1:4222)\n\
+    Or point NATS_URL at a running server.";
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// How long the simulated workers run (Ctrl-C stops earlier).
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = duration_arg)]
+    duration: Duration,
+    /// Simulated workers.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    workers: usize,
+    /// Request lifecycles started per second.
+    #[arg(long, value_name = "PER_SECOND", default_value_t = 500.0, value_parser = rate_arg)]
+    rate: f64,
+    /// The router's lease scan interval: a crashed request's lease expires one to two
+    /// intervals after its last event.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = duration_arg)]
+    lease_scan_interval: Duration,
+    /// Where the HTTP API listens (a free port if this one is taken).
+    #[arg(long, value_name = "HOST:PORT", default_value = DEMO_HTTP_ADDR)]
+    http_addr: SocketAddr,
+    #[command(flatten)]
+    traffic: TrafficArgs,
+}
+
+pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
+    let config = args.traffic.config(args.workers, args.rate, args.duration);
+    config.validate().map_err(CliError::usage)?;
+    // NATS first, before logging is set up: a probe that finds nothing is expected here,
+    // and says so below, not as a warning.
+    let url = std::env::var("NATS_URL")
+        .ok()
+        .filter(|u| !u.trim().is_empty())
+        .unwrap_or_else(|| DEFAULT_NATS_URL.to_owned());
+    let (connection, server) = find_or_start_nats(&url, signals).await?;
+    let Some(connection) = connection else {
+        return Ok(());
+    };
+    init_logging(Default::default(), "warn");
+
+    let deployment = DeploymentName::new(DEMO_DEPLOYMENT).expect("a valid name");
+    let settings = ServeSettings {
+        deployments: vec![deployment.clone()],
+        lease_scan_interval: args.lease_scan_interval,
+        ..ServeSettings::default()
+    };
+    let listener = match bind(args.http_addr).await {
+        Ok(listener) => listener,
+        Err(_) => bind(SocketAddr::new(args.http_addr.ip(), 0)).await?,
+    };
+    let service = Service::start(&settings, connection.clone(), listener).await?;
+    let base = format!("http://{}", service.http_addr());
+    println!("router for deployment {DEMO_DEPLOYMENT:?} is up: {base}");
+    println!(
+        "  try: curl {base}/v1/deployments/{DEMO_DEPLOYMENT}/workers   curl {base}/metrics"
+    );
+    println!(
+        "simulating {} workers at {} requests/s for {}, leases scanned every {} (Ctrl-C stops)",
+        config.workers,
+        config.rate,
+        format_duration(config.duration),
+        format_duration(args.lease_scan_interval)
+    );
+    println!();
+
+    let progress = Arc::new(Mutex::new(SimulationProgress::default()));
+    let sim_cancel = signals.first.child_token();
+    let simulation = tokio::spawn({
+        let client = connection.client().clone();
+        let subjects = Subjects::new(SubjectPrefix::default(), deployment.clone());
+        let progress = progress.clone();
+        let cancel = sim_cancel.clone();
+        let config = config.clone();
+        async move {
+            run_simulation(client, subjects, config, cancel, |p| {
+                *progress.lock() = p.clone();
+            })
+            .await
+        }
+    });
+
+    let mut view = LiveView::new(is_tty(Stream::Stdout), deployment.clone());
+    let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticker.tick().await;
+    let mut simulation = simulation;
+    let summary = loop {
+        tokio::select! {
+            joined = &mut simulation => break joined,
+            _ = ticker.tick() => {
+                let p = progress.lock().clone();
+                view.frame(service.host(), &p).await;
+            }
+        }
+    };
+    let summary = match summary {
+        Ok(Ok(summary)) => Some(summary),
+        Ok(Err(error)) => {
+            eprintln!("error: the simulation failed: {error}");
+            None
+        }
+        Err(error) => {
+            eprintln!("error: the simulation task failed: {error}");
+            None
+        }
+    };
+    // Let the router take the last events before the closing figures.
+    view.catch_up(service.host()).await;
+    let p = progress.lock().clone();
+    view.frame(service.host(), &p).await;
+    view.close();
+    println!();
+    if let Some(summary) = &summary {
+        println!("{summary}");
+    }
+    println!("{}", router_summary(service.host(), &deployment, summary.as_ref()));
+    service.stop().await?;
+    drop(connection);
+    if let Some(server) = server {
+        drop(server);
+        println!("stopped the nats-server the demo started");
+    }
+    match summary {
+        Some(_) => Ok(()),
+        None => Err(CliError::failed("the simulation did not complete")),
+    }
+}
+
+/// Connects to `url` if something answers within a second; else starts `nats-server`.
+/// `None` for the connection: interrupted.
+async fn find_or_start_nats(
+    url: &str,
+    signals: &Signals,
+) -> Result<(Option<NatsConnection>, Option<NatsServer>), CliError> {
+    match connect_or_cancel(url, PROBE_DEADLINE, "lease-router demo", &signals.first).await {
+        Ok(Some(connection)) => {
+            println!("using the NATS server at {}", connection.urls());
+            return Ok((Some(connection), None));
+        }
+        Ok(None) => return Ok((None, None)),
+        Err(CliError::Usage(message)) => return Err(CliError::Usage(message)),
+        Err(CliError::Failed(_)) => {}
+    }
+    println!(
+        "no NATS server answered at {} within {}: starting nats-server (JetStream on, in a \
+         temporary directory, stopped on exit)",
+        lease_router::connection::redact_url(url),
+        format_duration(PROBE_DEADLINE)
+    );
+    let server = tokio::select! {
+        started = NatsServerBuilder::new().jetstream(true).spawn() => match started {
+            Ok(server) => server,
+            Err(StartNatsServerError::NotInstalled) => {
+                return Err(CliError::failed(INSTALL_HELP));
+            }
+            Err(error) => return Err(CliError::failed(format!("starting nats-server failed: {error}"))),
+        },
+        _ = signals.first.cancelled() => return Ok((None, None)),
+    };
+    println!("started nats-server at {}", server.url());
+    let connection = connect_or_cancel(
+        &server.url(),
+        Duration::from_secs(10),
+        "lease-router demo",
+        &signals.first,
+    )
+    .await?;
+    Ok((connection, Some(server)))
+}
+
+/// The live view: redrawn in place on a terminal, one plain line per second otherwise.
+struct LiveView {
+    tty: bool,
+    deployment: DeploymentName,
+    started: Instant,
+    lines_drawn: usize,
+    last: Option<(Instant, u64)>,
+    events_per_second: f64,
+}
+
+impl LiveView {
+    fn new(tty: bool, deployment: DeploymentName) -> Self {
+        Self {
+            tty,
+            deployment,
+            started: Instant::now(),
+            lines_drawn: 0,
+            last: None,
+            events_per_second: 0.0,
+        }
+    }
+
+    fn metrics(&self, host: &DeploymentHost) -> DeploymentMetrics {
+        host.metrics_snapshot()
+            .deployments
+            .into_iter()
+            .find(|d| d.name == self.deployment.as_str())
+            .unwrap_or_default()
+    }
+
+    /// Active bookings per worker id (every rank together), from the scheduler.
+    async fn loads(&self, host: &DeploymentHost) -> BTreeMap<u64, u64> {
+        let Some(view) = host.get(&self.deployment) else {
+            return BTreeMap::new();
+        };
+        let scheduler = view.scheduler().clone();
+        drop(view);
+        let mut per_worker = BTreeMap::new();
+        if let Ok(Ok(loads)) =
+            tokio::time::timeout(Duration::from_millis(500), scheduler.loads()).await
+        {
+            for (worker, load) in loads {
+                *per_worker.entry(worker.worker_id.0).or_insert(0) += load.active_bookings;
+            }
+        }
+        per_worker
+    }
+
+    async fn frame(&mut self, host: &DeploymentHost, sim: &SimulationProgress) {
+        let m = self.metrics(host);
+        let now = Instant::now();
+        let received = m.ingress.received;
+        if let Some((at, before)) = self.last {
+            let dt = now.duration_since(at).as_secs_f64();
+            if dt > 0.0 {
+                self.events_per_second = received.saturating_sub(before) as f64 / dt;
+            }
+        }
+        self.last = Some((now, received));
+        let loads = self.loads(host).await;
+        let drops = drops_text(&m);
+        let active = m.active_leases.unwrap_or(0);
+        let elapsed = format_duration(Duration::from_secs(self.started.elapsed().as_secs()));
+
+        let mut out = std::io::stdout().lock();
+        if !self.tty {
+            let _ = writeln!(
+                out,
+                "t={elapsed} events/s={:.0} received={received} active_leases={active} \
+                 expired={} gaps={} live_requests={} dropped: {drops}",
+                self.events_per_second, m.leases_expired, m.ingress.gaps, sim.live_requests
+            );
+            return;
+        }
+        let mut text = String::new();
+        let _ = writeln!(
+            text,
+            "\x1b[1mlease-router demo\x1b[0m  {elapsed} / {}  [{}]",
+            format_duration(sim.duration),
+            bar(sim.fraction(), 20)
+        );
+        let _ = writeln!(
+            text,
+            "events/s {:>8.0}   received {:>9}   active leases {:>6}   expired {:>5}   gaps {:>4}",
+            self.events_per_second, received, active, m.leases_expired, m.ingress.gaps
+        );
+        let _ = writeln!(text, "dropped  {drops}");
+        let _ = writeln!(
+            text,
+            "simulated: started {}  completed {}  crashed {}  live {}  published {}",
+            sim.requests_started,
+            sim.requests_completed,
+            sim.requests_crashed,
+            sim.live_requests,
+            sim.events_published
+        );
+        let _ = writeln!(text);
+        let _ = writeln!(text, "worker  leases  {:<BAR_WIDTH$}  simulated live", "");
+        let max = loads.values().copied().max().unwrap_or(0).max(1);
+        let mut workers: BTreeMap<u64, (u64, u64)> =
+            loads.iter().map(|(w, n)| (*w, (*n, 0))).collect();
+        for (worker, live) in &sim.live_by_worker {
+            workers.entry(*worker).or_default().1 = *live;
+        }
+        for (worker, (leases, live)) in &workers {
+            let _ = writeln!(
+                text,
+                "{worker:>6}  {leases:>6}  {}  {live:>6}",
+                bar(*leases as f64 / max as f64, BAR_WIDTH)
+            );
+        }
+        // Move up over the previous frame and clear it, then draw.
+        if self.lines_drawn > 0 {
+            let _ = write!(out, "\x1b[{}F\x1b[J", self.lines_drawn);
+        }
+        let _ = write!(out, "{text}");
+        let _ = out.flush();
+        self.lines_drawn = text.lines().count();
+    }
+
+    /// Waits (bounded) until the router has stopped receiving: the last events are in.
+    async fn catch_up(&self, host: &DeploymentHost) {
+        let deadline = Instant::now() + CATCH_UP_BOUND;
+        let mut before = self.metrics(host).ingress.received;
+        while Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let now = self.metrics(host).ingress.received;
+            if now == before {
+                return;
+            }
+            before = now;
+        }
+    }
+
+    fn close(&mut self) {
+        self.lines_drawn = 0;
+    }
+}
+
+fn drops_text(m: &DeploymentMetrics) -> String {
+    let parts: Vec<String> = DropReason::ALL
+        .iter()
+        .filter_map(|reason| {
+            let n = m.ingress.dropped(*reason);
+            (n > 0).then(|| format!("{} {n}", reason.as_str()))
+        })
+        .collect();
+    if parts.is_empty() {
+        "none".to_owned()
+    } else {
+        parts.join(", ")
+    }
+}
+
+fn router_summary(
+    host: &DeploymentHost,
+    deployment: &DeploymentName,
+    simulation: Option<&SimulationSummary>,
+) -> String {
+    let m = host
+        .metrics_snapshot()
+        .deployments
+        .into_iter()
+        .find(|d| d.name == deployment.as_str())
+        .unwrap_or_default();
+    let i = &m.ingress;
+    let applied = |kind| i.applied(kind);
+    use lease_router::wire::EventKind;
+    let mut text = format!(
+        "router ({deployment}): {} events received, {} applied ({} admitted, {} progressed, {} \
+         completed, {} worker resets)\n",
+        i.received,
+        i.applied_total(),
+        applied(EventKind::Admitted),
+        applied(EventKind::Progressed),
+        applied(EventKind::Completed),
+        applied(EventKind::WorkerReset)
+    );
+    let _ = writeln!(
+        text,
+        "  dropped: {} (duplicates and stale events are the simulated faults, handled)",
+        drops_text(&m)
+    );
+    let _ = writeln!(
+        text,
+        "  sequence gaps {}, reorders held {}, leases expired {}",
+        i.gaps, i.reorders_held, m.leases_expired
+    );
+    let active = m.active_leases.unwrap_or(0);
+    let _ = write!(text, "  active leases at the end: {active}");
+    if let Some(sim) = simulation {
+        if active > 0 && sim.requests_crashed > 0 {
+            let _ = write!(
+                text,
+                " (requests whose worker crashed: their leases expire on their own within two \
+                 scan intervals)"
+            );
+        }
+        if sim.events_delivered > i.received {
+            let _ = write!(
+                text,
+                "\n  {} events published were not received (core NATS is at-most-once)",
+                sim.events_delivered - i.received
+            );
+        }
+    }
+    text
+}

@@ -1,0 +1,899 @@
+//! The settings of `lease-router serve`, and where they come from.
+//!
+//! Every setting can be given in four places; the first one that has it wins:
+//!
+//! 1. a command-line flag (`--http-addr 0.0.0.0:9464`),
+//! 2. an environment variable (`LEASE_ROUTER_HTTP_ADDR`, or `NATS_URL` for the NATS servers),
+//! 3. the TOML file named by `--config FILE` (or `LEASE_ROUTER_CONFIG`),
+//! 4. the default.
+//!
+//! | setting | flag | environment | file key | default |
+//! | --- | --- | --- | --- | --- |
+//! | NATS servers (comma separated) | `--nats-url` | `NATS_URL` | `nats_url` | `nats://127.0.0.1:4222` |
+//! | deployments | `--deployment` (repeatable) | `LEASE_ROUTER_DEPLOYMENTS` (comma separated) | `deployments` | none |
+//! | HTTP listen address | `--http-addr` | `LEASE_ROUTER_HTTP_ADDR` | `http_addr` | `127.0.0.1:9464` |
+//! | subject prefix | `--subject-prefix` | `LEASE_ROUTER_SUBJECT_PREFIX` | `subject_prefix` | `leases` |
+//! | lease scan interval | `--lease-scan-interval` | `LEASE_ROUTER_LEASE_SCAN_INTERVAL` | `lease_scan_interval` | `300s` |
+//! | log format | `--log-format` | `LEASE_ROUTER_LOG_FORMAT` | `log_format` | `text` |
+//! | NATS connect deadline | `--connect-deadline` | `LEASE_ROUTER_CONNECT_DEADLINE` | `connect_deadline` | `30s` |
+//! | largest event accepted | `--max-event-bytes` | `LEASE_ROUTER_MAX_EVENT_BYTES` | `max_event_bytes` | `4096` |
+//!
+//! Durations are a number of seconds (`300`) or a number with a unit, `ms`, `s`, `m` or `h`,
+//! possibly several (`5m`, `1m30s`, `250ms`). A flag or variable given replaces the list of
+//! the file, it does not add to it (that holds for `--deployment` too).
+//!
+//! Values are validated in [`resolve`], not by clap, so that every mistake reads the same
+//! way, naming the setting, the value and what is accepted:
+//!
+//! ```text
+//! invalid setting http_addr = "abc": expected HOST:PORT such as 127.0.0.1:9464
+//! ```
+//!
+//! A key of the file that is not a setting is an error naming the key.
+
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::connection::{NatsConnectConfig, DEFAULT_NATS_URL};
+use crate::ingress::ApplyConfig;
+use crate::lease::manager::DEFAULT_SCAN_INTERVAL;
+use crate::subject::{DeploymentName, SubjectPrefix, DEFAULT_SUBJECT_PREFIX};
+use crate::wire::DEFAULT_MAX_EVENT_BYTES;
+
+use super::host::HostSettings;
+
+/// The default HTTP listen address.
+pub const DEFAULT_HTTP_ADDR: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 9464);
+
+/// The default bound on the first NATS connect.
+pub const DEFAULT_CONNECT_DEADLINE: Duration = Duration::from_secs(30);
+
+/// The smallest accepted `max_event_bytes`: an `admitted` event with a short request id.
+pub const MIN_MAX_EVENT_BYTES: usize = 64;
+/// The largest accepted `max_event_bytes`: the NATS server's hard payload limit.
+pub const MAX_MAX_EVENT_BYTES: usize = 64 * 1024 * 1024;
+
+/// The keys a config file may hold.
+pub const FILE_KEYS: [&str; 8] = [
+    "nats_url",
+    "deployments",
+    "http_addr",
+    "subject_prefix",
+    "lease_scan_interval",
+    "log_format",
+    "connect_deadline",
+    "max_event_bytes",
+];
+
+/// The flags of `lease-router serve` (flatten it into the subcommand).
+///
+/// Every field is optional: what is not given on the command line or in the environment is
+/// taken from the config file, else from the defaults, by [`resolve`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
+pub struct ServeArgs {
+    /// TOML file with settings (keys: nats_url, deployments, http_addr, subject_prefix,
+    /// lease_scan_interval, log_format, connect_deadline, max_event_bytes).
+    #[arg(long = "config", value_name = "FILE", env = "LEASE_ROUTER_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// NATS server URL, or several separated by commas [default: nats://127.0.0.1:4222].
+    #[arg(long = "nats-url", value_name = "URLS", env = "NATS_URL")]
+    pub nats_url: Option<String>,
+
+    /// A deployment to host from the start; repeat the flag for several (comma-separated in
+    /// the environment). More can be added over HTTP.
+    #[arg(
+        long = "deployment",
+        value_name = "NAME",
+        env = "LEASE_ROUTER_DEPLOYMENTS",
+        value_delimiter = ','
+    )]
+    pub deployments: Option<Vec<String>>,
+
+    /// Address of the HTTP API and /metrics, HOST:PORT (port 0: any free port)
+    /// [default: 127.0.0.1:9464].
+    #[arg(long = "http-addr", value_name = "HOST:PORT", env = "LEASE_ROUTER_HTTP_ADDR")]
+    pub http_addr: Option<String>,
+
+    /// First token(s) of every lease subject: {prefix}.{deployment}.{worker_id}
+    /// [default: leases].
+    #[arg(
+        long = "subject-prefix",
+        value_name = "PREFIX",
+        env = "LEASE_ROUTER_SUBJECT_PREFIX"
+    )]
+    pub subject_prefix: Option<String>,
+
+    /// How often leases are scanned; a silent lease expires after one to two intervals.
+    /// Seconds, or with a unit: 300s, 5m, 1h [default: 300s].
+    #[arg(
+        long = "lease-scan-interval",
+        value_name = "DURATION",
+        env = "LEASE_ROUTER_LEASE_SCAN_INTERVAL"
+    )]
+    pub lease_scan_interval: Option<String>,
+
+    /// Log line format: text or json [default: text].
+    #[arg(long = "log-format", value_name = "FORMAT", env = "LEASE_ROUTER_LOG_FORMAT")]
+    pub log_format: Option<String>,
+
+    /// How long to keep trying to reach NATS at startup [default: 30s].
+    #[arg(
+        long = "connect-deadline",
+        value_name = "DURATION",
+        env = "LEASE_ROUTER_CONNECT_DEADLINE"
+    )]
+    pub connect_deadline: Option<String>,
+
+    /// Events larger than this many bytes are dropped as oversized [default: 4096].
+    #[arg(
+        long = "max-event-bytes",
+        value_name = "BYTES",
+        env = "LEASE_ROUTER_MAX_EVENT_BYTES"
+    )]
+    pub max_event_bytes: Option<String>,
+}
+
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+impl LogFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        }
+    }
+}
+
+impl fmt::Display for LogFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for LogFormat {
+    type Err = ();
+
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "text" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            _ => Err(()),
+        }
+    }
+}
+
+/// The resolved settings of `lease-router serve`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServeSettings {
+    /// The NATS servers (setting `nats_url`), at least one.
+    pub nats_urls: Vec<String>,
+    /// Deployments hosted from the start, without duplicates, in the order given.
+    pub deployments: Vec<DeploymentName>,
+    pub http_addr: SocketAddr,
+    pub subject_prefix: SubjectPrefix,
+    pub lease_scan_interval: Duration,
+    pub log_format: LogFormat,
+    pub connect_deadline: Duration,
+    pub max_event_bytes: usize,
+    /// The config file that was read, if any.
+    pub config_file: Option<PathBuf>,
+}
+
+impl Default for ServeSettings {
+    fn default() -> Self {
+        Self {
+            nats_urls: vec![DEFAULT_NATS_URL.to_string()],
+            deployments: Vec::new(),
+            http_addr: DEFAULT_HTTP_ADDR,
+            subject_prefix: SubjectPrefix::default(),
+            lease_scan_interval: DEFAULT_SCAN_INTERVAL,
+            log_format: LogFormat::Text,
+            connect_deadline: DEFAULT_CONNECT_DEADLINE,
+            max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+            config_file: None,
+        }
+    }
+}
+
+impl ServeSettings {
+    /// How to connect to NATS.
+    pub fn nats_connect_config(&self) -> NatsConnectConfig {
+        NatsConnectConfig::new(self.nats_urls.iter().cloned())
+            .with_connect_deadline(self.connect_deadline)
+            .with_name("lease-router serve")
+    }
+
+    /// The settings of the [`super::DeploymentHost`].
+    pub fn host_settings(&self) -> HostSettings {
+        HostSettings {
+            subject_prefix: self.subject_prefix.clone(),
+            lease_scan_interval: self.lease_scan_interval,
+            apply: ApplyConfig {
+                max_event_bytes: self.max_event_bytes,
+                ..ApplyConfig::default()
+            },
+            ..HostSettings::default()
+        }
+    }
+}
+
+/// Where a rejected value came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ValueOrigin {
+    /// A command-line flag or an environment variable.
+    CommandLineOrEnvironment,
+    /// The config file at this path.
+    File(PathBuf),
+}
+
+impl fmt::Display for ValueOrigin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ValueOrigin::CommandLineOrEnvironment => Ok(()),
+            ValueOrigin::File(path) => write!(f, " in config file {}", path.display()),
+        }
+    }
+}
+
+/// A setting that cannot be used. The message names the setting, the value and the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("invalid setting {setting} = {value:?}{origin}: {expected}")]
+    Invalid {
+        setting: &'static str,
+        value: String,
+        origin: ValueOrigin,
+        expected: String,
+    },
+    #[error("cannot read config file {}: {source}", path.display())]
+    ReadFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {} is not valid TOML: {message}", path.display())]
+    ParseFile { path: PathBuf, message: String },
+    #[error(
+        "unknown setting {key:?} in config file {}: the accepted keys are {}",
+        path.display(),
+        FILE_KEYS.join(", ")
+    )]
+    UnknownKey { path: PathBuf, key: String },
+}
+
+impl ConfigError {
+    /// The setting (or file key) at fault, if it is one.
+    pub fn setting(&self) -> Option<&str> {
+        match self {
+            ConfigError::Invalid { setting, .. } => Some(setting),
+            ConfigError::UnknownKey { key, .. } => Some(key),
+            ConfigError::ReadFile { .. } | ConfigError::ParseFile { .. } => None,
+        }
+    }
+}
+
+/// The raw values of the config file, as strings, each validated like a flag.
+#[derive(Debug, Default)]
+struct FileValues {
+    nats_url: Option<String>,
+    deployments: Option<Vec<String>>,
+    http_addr: Option<String>,
+    subject_prefix: Option<String>,
+    lease_scan_interval: Option<String>,
+    log_format: Option<String>,
+    connect_deadline: Option<String>,
+    max_event_bytes: Option<String>,
+}
+
+/// Resolves the settings: flags, then environment (both already in `args`, clap reads the
+/// environment), then the config file, then the defaults.
+///
+/// # Errors
+/// [`ConfigError`] naming the first setting that is invalid, the bad value and the accepted
+/// values; or the config file that cannot be read or parsed, or holds an unknown key.
+pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
+    let file = match &args.config {
+        Some(path) => read_file(path)?,
+        None => FileValues::default(),
+    };
+    let file_origin = || match &args.config {
+        Some(path) => ValueOrigin::File(path.clone()),
+        None => ValueOrigin::CommandLineOrEnvironment,
+    };
+    // The value to use and where it came from.
+    let pick = |cli: &Option<String>, file: &Option<String>| -> Option<(String, ValueOrigin)> {
+        match (cli, file) {
+            (Some(v), _) => Some((v.clone(), ValueOrigin::CommandLineOrEnvironment)),
+            (None, Some(v)) => Some((v.clone(), file_origin())),
+            (None, None) => None,
+        }
+    };
+    let mut settings = ServeSettings {
+        config_file: args.config.clone(),
+        ..ServeSettings::default()
+    };
+
+    if let Some((value, origin)) = pick(&args.nats_url, &file.nats_url) {
+        settings.nats_urls = parse_nats_urls(&value, origin)?;
+    }
+    let deployments = match (&args.deployments, &file.deployments) {
+        (Some(list), _) => Some((list.clone(), ValueOrigin::CommandLineOrEnvironment)),
+        (None, Some(list)) => Some((list.clone(), file_origin())),
+        (None, None) => None,
+    };
+    if let Some((list, origin)) = deployments {
+        settings.deployments = parse_deployments(&list, &origin)?;
+    }
+    if let Some((value, origin)) = pick(&args.http_addr, &file.http_addr) {
+        settings.http_addr = parse_http_addr(&value, origin)?;
+    }
+    if let Some((value, origin)) = pick(&args.subject_prefix, &file.subject_prefix) {
+        settings.subject_prefix =
+            SubjectPrefix::new(value.trim()).map_err(|err| ConfigError::Invalid {
+                setting: "subject_prefix",
+                value,
+                origin,
+                expected: format!(
+                    "one or more tokens separated by '.', each of ASCII letters, digits, '-' \
+                     and '_' (1 to 128 characters), such as {DEFAULT_SUBJECT_PREFIX} or \
+                     acme.leases ({})",
+                    err.setting()
+                ),
+            })?;
+    }
+    if let Some((value, origin)) = pick(&args.lease_scan_interval, &file.lease_scan_interval) {
+        settings.lease_scan_interval = match parse_duration(&value) {
+            Some(d) if !d.is_zero() => d,
+            _ => {
+                return Err(ConfigError::Invalid {
+                    setting: "lease_scan_interval",
+                    value,
+                    origin,
+                    expected: "expected a positive duration: seconds (300) or a number with a \
+                               unit ms, s, m or h (300s, 5m, 1m30s)"
+                        .into(),
+                })
+            }
+        };
+    }
+    if let Some((value, origin)) = pick(&args.log_format, &file.log_format) {
+        settings.log_format = value.parse().map_err(|()| ConfigError::Invalid {
+            setting: "log_format",
+            value,
+            origin,
+            expected: "expected text or json".into(),
+        })?;
+    }
+    if let Some((value, origin)) = pick(&args.connect_deadline, &file.connect_deadline) {
+        settings.connect_deadline = parse_duration(&value).ok_or_else(|| ConfigError::Invalid {
+            setting: "connect_deadline",
+            value,
+            origin,
+            expected: "expected a duration: seconds (30) or a number with a unit ms, s, m or h \
+                       (30s, 2m)"
+                .into(),
+        })?;
+    }
+    if let Some((value, origin)) = pick(&args.max_event_bytes, &file.max_event_bytes) {
+        settings.max_event_bytes = match value.trim().parse::<usize>() {
+            Ok(n) if (MIN_MAX_EVENT_BYTES..=MAX_MAX_EVENT_BYTES).contains(&n) => n,
+            _ => {
+                return Err(ConfigError::Invalid {
+                    setting: "max_event_bytes",
+                    value,
+                    origin,
+                    expected: format!(
+                        "expected a whole number of bytes from {MIN_MAX_EVENT_BYTES} to \
+                         {MAX_MAX_EVENT_BYTES} (default {DEFAULT_MAX_EVENT_BYTES}); keep it \
+                         below the NATS server's max_payload"
+                    ),
+                })
+            }
+        };
+    }
+    Ok(settings)
+}
+
+fn parse_nats_urls(value: &str, origin: ValueOrigin) -> Result<Vec<String>, ConfigError> {
+    let invalid = |value: &str, origin: ValueOrigin| ConfigError::Invalid {
+        setting: "nats_url",
+        value: crate::connection::redact_url(value),
+        origin,
+        expected: "expected nats://HOST:PORT, or several separated by commas, such as \
+                   nats://10.0.0.1:4222,nats://10.0.0.2:4222"
+            .into(),
+    };
+    let urls: Vec<String> = value
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if urls.is_empty() {
+        return Err(invalid(value, origin));
+    }
+    for url in &urls {
+        if url.parse::<async_nats::ServerAddr>().is_err() {
+            return Err(invalid(url, origin));
+        }
+    }
+    Ok(urls)
+}
+
+fn parse_deployments(
+    list: &[String],
+    origin: &ValueOrigin,
+) -> Result<Vec<DeploymentName>, ConfigError> {
+    let mut out: Vec<DeploymentName> = Vec::with_capacity(list.len());
+    for raw in list {
+        let raw = raw.trim();
+        if raw.is_empty() {
+            // `LEASE_ROUTER_DEPLOYMENTS=` or a trailing comma: nothing.
+            continue;
+        }
+        let name = DeploymentName::new(raw).map_err(|_| ConfigError::Invalid {
+            setting: "deployments",
+            value: raw.to_owned(),
+            origin: origin.clone(),
+            expected: "a deployment name may hold only ASCII letters, digits, '-' and '_' \
+                       (1 to 128 characters), such as llama-70b_prod"
+                .into(),
+        })?;
+        if !out.contains(&name) {
+            out.push(name);
+        }
+    }
+    Ok(out)
+}
+
+fn parse_http_addr(value: &str, origin: ValueOrigin) -> Result<SocketAddr, ConfigError> {
+    let trimmed = value.trim();
+    let parsed = trimmed.parse::<SocketAddr>().ok().or_else(|| {
+        let port = trimmed.strip_prefix("localhost:")?.parse::<u16>().ok()?;
+        Some(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port))
+    });
+    parsed.ok_or_else(|| ConfigError::Invalid {
+        setting: "http_addr",
+        value: value.to_owned(),
+        origin,
+        expected: "expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; port \
+                   0 picks a free port)"
+            .into(),
+    })
+}
+
+/// Parses `300` (seconds), `300s`, `5m`, `1h`, `250ms`, `1m30s`, `1.5s`.
+pub fn parse_duration(value: &str) -> Option<Duration> {
+    let s = value.trim();
+    if s.is_empty() {
+        return None;
+    }
+    if let Ok(secs) = s.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let (number, tail) = rest.split_at(number_len);
+        if number.is_empty() || number.starts_with('.') || number.ends_with('.') {
+            return None;
+        }
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_len);
+        let unit_secs = match unit {
+            "ms" => 0.001,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return None,
+        };
+        let number: f64 = number.parse().ok()?;
+        total = total.checked_add(Duration::try_from_secs_f64(number * unit_secs).ok()?)?;
+        rest = tail;
+    }
+    Some(total)
+}
+
+/// Reads the config file: a TOML table whose keys are in [`FILE_KEYS`].
+fn read_file(path: &Path) -> Result<FileValues, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+        path: path.to_owned(),
+        source,
+    })?;
+    parse_file(path, &text)
+}
+
+fn parse_file(path: &Path, text: &str) -> Result<FileValues, ConfigError> {
+    let table: toml::Table = toml::from_str(text).map_err(|err| ConfigError::ParseFile {
+        path: path.to_owned(),
+        message: err.message().to_owned() + &location(text, err.span()),
+    })?;
+    let origin = ValueOrigin::File(path.to_owned());
+    let mut values = FileValues::default();
+    for (key, value) in table {
+        let scalar = |setting: &'static str, value: toml::Value| -> Result<String, ConfigError> {
+            match value {
+                toml::Value::String(s) => Ok(s),
+                toml::Value::Integer(n) => Ok(n.to_string()),
+                other => Err(ConfigError::Invalid {
+                    setting,
+                    value: other.to_string(),
+                    origin: origin.clone(),
+                    expected: format!("expected a string or a number, not {}", other.type_str()),
+                }),
+            }
+        };
+        match key.as_str() {
+            "nats_url" => {
+                values.nats_url = Some(match value {
+                    toml::Value::Array(items) => string_list("nats_url", items, &origin)?.join(","),
+                    other => scalar("nats_url", other)?,
+                })
+            }
+            "deployments" => {
+                values.deployments = Some(match value {
+                    toml::Value::Array(items) => string_list("deployments", items, &origin)?,
+                    toml::Value::String(s) => s.split(',').map(str::to_owned).collect(),
+                    other => {
+                        return Err(ConfigError::Invalid {
+                            setting: "deployments",
+                            value: other.to_string(),
+                            origin,
+                            expected: "expected a list of names, such as [\"llama-70b\", \
+                                       \"mixtral\"]"
+                                .into(),
+                        })
+                    }
+                })
+            }
+            "http_addr" => values.http_addr = Some(scalar("http_addr", value)?),
+            "subject_prefix" => values.subject_prefix = Some(scalar("subject_prefix", value)?),
+            "lease_scan_interval" => {
+                values.lease_scan_interval = Some(scalar("lease_scan_interval", value)?)
+            }
+            "log_format" => values.log_format = Some(scalar("log_format", value)?),
+            "connect_deadline" => {
+                values.connect_deadline = Some(scalar("connect_deadline", value)?)
+            }
+            "max_event_bytes" => values.max_event_bytes = Some(scalar("max_event_bytes", value)?),
+            _ => {
+                return Err(ConfigError::UnknownKey {
+                    path: path.to_owned(),
+                    key,
+                })
+            }
+        }
+    }
+    Ok(values)
+}
+
+fn string_list(
+    setting: &'static str,
+    items: Vec<toml::Value>,
+    origin: &ValueOrigin,
+) -> Result<Vec<String>, ConfigError> {
+    items
+        .into_iter()
+        .map(|item| match item {
+            toml::Value::String(s) => Ok(s),
+            other => Err(ConfigError::Invalid {
+                setting,
+                value: other.to_string(),
+                origin: origin.clone(),
+                expected: format!("expected a list of strings, not of {}", other.type_str()),
+            }),
+        })
+        .collect()
+}
+
+/// " at line L, column C" for a byte span of `text`.
+fn location(text: &str, span: Option<std::ops::Range<usize>>) -> String {
+    let Some(span) = span else {
+        return String::new();
+    };
+    let before = &text[..span.start.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+    format!(" (at line {line}, column {column})")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn file(text: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        f
+    }
+
+    fn message(args: &ServeArgs) -> String {
+        resolve(args).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults() {
+        let s = resolve(&ServeArgs::default()).unwrap();
+        assert_eq!(s, ServeSettings::default());
+        assert_eq!(s.nats_urls, vec!["nats://127.0.0.1:4222".to_string()]);
+        assert_eq!(s.http_addr.to_string(), "127.0.0.1:9464");
+        assert_eq!(s.subject_prefix.as_str(), "leases");
+        assert_eq!(s.lease_scan_interval, Duration::from_secs(300));
+        assert_eq!(s.log_format, LogFormat::Text);
+        assert_eq!(s.connect_deadline, Duration::from_secs(30));
+        assert_eq!(s.max_event_bytes, 4096);
+        assert!(s.deployments.is_empty());
+        let host = s.host_settings();
+        assert_eq!(host.apply.max_event_bytes, 4096);
+        assert_eq!(host.lease_scan_interval, Duration::from_secs(300));
+        assert_eq!(s.nats_connect_config().urls, s.nats_urls);
+    }
+
+    #[test]
+    fn file_overrides_defaults_and_flags_override_file() {
+        let f = file(
+            r#"
+            nats_url = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]
+            deployments = ["a", "b", "a"]
+            http_addr = "0.0.0.0:0"
+            subject_prefix = "acme.leases"
+            lease_scan_interval = "5m"
+            log_format = "json"
+            connect_deadline = 10
+            max_event_bytes = 8192
+            "#,
+        );
+        let from_file = ServeArgs {
+            config: Some(f.path().to_owned()),
+            ..ServeArgs::default()
+        };
+        let s = resolve(&from_file).unwrap();
+        assert_eq!(
+            s.nats_urls,
+            vec!["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]
+        );
+        let names: Vec<&str> = s.deployments.iter().map(|d| d.as_str()).collect();
+        assert_eq!(names, ["a", "b"], "duplicates are dropped");
+        assert_eq!(s.http_addr.to_string(), "0.0.0.0:0");
+        assert_eq!(s.subject_prefix.as_str(), "acme.leases");
+        assert_eq!(s.lease_scan_interval, Duration::from_secs(300));
+        assert_eq!(s.log_format, LogFormat::Json);
+        assert_eq!(s.connect_deadline, Duration::from_secs(10));
+        assert_eq!(s.max_event_bytes, 8192);
+        assert_eq!(s.config_file.as_deref(), Some(f.path()));
+
+        // Flags (or the environment: clap puts both in the same field) beat the file.
+        let flags = ServeArgs {
+            nats_url: Some("nats://a:1,nats://b:2".into()),
+            deployments: Some(vec!["c".into()]),
+            http_addr: Some("localhost:8080".into()),
+            lease_scan_interval: Some("1m30s".into()),
+            log_format: Some("TEXT".into()),
+            ..from_file.clone()
+        };
+        let s = resolve(&flags).unwrap();
+        assert_eq!(s.nats_urls, vec!["nats://a:1", "nats://b:2"]);
+        assert_eq!(s.deployments, vec![DeploymentName::new("c").unwrap()]);
+        assert_eq!(s.http_addr.to_string(), "127.0.0.1:8080");
+        assert_eq!(s.lease_scan_interval, Duration::from_secs(90));
+        assert_eq!(s.log_format, LogFormat::Text);
+        // Not given as flags: still from the file.
+        assert_eq!(s.subject_prefix.as_str(), "acme.leases");
+        assert_eq!(s.max_event_bytes, 8192);
+    }
+
+    /// The one test that touches the process environment, and only variables that nothing
+    /// but this module reads.
+    #[test]
+    fn flags_beat_environment_beat_file() {
+        let f = file("http_addr = \"127.0.0.1:1111\"\nlease_scan_interval = \"1h\"\n");
+        let path = f.path().to_str().unwrap().to_owned();
+        std::env::set_var("LEASE_ROUTER_HTTP_ADDR", "127.0.0.1:2222");
+        std::env::set_var("LEASE_ROUTER_LEASE_SCAN_INTERVAL", "2m");
+        let env_only = Cli::try_parse_from(["serve", "--config", &path]).map(|c| c.serve);
+        let flag_and_env = Cli::try_parse_from([
+            "serve",
+            "--config",
+            &path,
+            "--http-addr",
+            "127.0.0.1:3333",
+        ])
+        .map(|c| c.serve);
+        std::env::remove_var("LEASE_ROUTER_HTTP_ADDR");
+        std::env::remove_var("LEASE_ROUTER_LEASE_SCAN_INTERVAL");
+        let file_only = Cli::try_parse_from(["serve", "--config", &path])
+            .unwrap()
+            .serve;
+
+        let s = resolve(&file_only).unwrap();
+        assert_eq!(s.http_addr.to_string(), "127.0.0.1:1111");
+        assert_eq!(s.lease_scan_interval, Duration::from_secs(3600));
+
+        let s = resolve(&env_only.unwrap()).unwrap();
+        assert_eq!(s.http_addr.to_string(), "127.0.0.1:2222", "env beats file");
+        assert_eq!(s.lease_scan_interval, Duration::from_secs(120));
+
+        let s = resolve(&flag_and_env.unwrap()).unwrap();
+        assert_eq!(s.http_addr.to_string(), "127.0.0.1:3333", "flag beats env");
+        assert_eq!(s.lease_scan_interval, Duration::from_secs(120));
+    }
+
+    #[test]
+    fn repeated_and_comma_separated_deployment_flags() {
+        let cli = Cli::try_parse_from([
+            "serve",
+            "--deployment",
+            "a",
+            "--deployment",
+            "b,c",
+            "--nats-url",
+            "nats://x:1",
+        ])
+        .unwrap();
+        let s = resolve(&cli.serve).unwrap();
+        let names: Vec<&str> = s.deployments.iter().map(|d| d.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn error_messages_name_setting_value_and_fix() {
+        let args = |f: fn(&mut ServeArgs)| {
+            let mut a = ServeArgs::default();
+            f(&mut a);
+            a
+        };
+        assert_eq!(
+            message(&args(|a| a.http_addr = Some("abc".into()))),
+            "invalid setting http_addr = \"abc\": expected HOST:PORT such as 127.0.0.1:9464 \
+             (an IP address or localhost; port 0 picks a free port)"
+        );
+        assert_eq!(
+            message(&args(|a| a.deployments = Some(vec!["ok".into(), "a.b".into()]))),
+            "invalid setting deployments = \"a.b\": a deployment name may hold only ASCII \
+             letters, digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod"
+        );
+        assert_eq!(
+            message(&args(|a| a.log_format = Some("xml".into()))),
+            "invalid setting log_format = \"xml\": expected text or json"
+        );
+        let m = message(&args(|a| a.lease_scan_interval = Some("0s".into())));
+        assert!(
+            m.starts_with("invalid setting lease_scan_interval = \"0s\": expected a positive"),
+            "{m}"
+        );
+        let m = message(&args(|a| a.lease_scan_interval = Some("5 minutes".into())));
+        assert!(m.contains("= \"5 minutes\"") && m.contains("5m"), "{m}");
+        let m = message(&args(|a| a.connect_deadline = Some("soon".into())));
+        assert!(
+            m.starts_with("invalid setting connect_deadline = \"soon\": expected a duration"),
+            "{m}"
+        );
+        let m = message(&args(|a| a.max_event_bytes = Some("10".into())));
+        assert!(
+            m.starts_with("invalid setting max_event_bytes = \"10\": expected a whole number of \
+                 bytes from 64 to 67108864"),
+            "{m}"
+        );
+        let m = message(&args(|a| a.subject_prefix = Some("a.*".into())));
+        assert!(
+            m.starts_with("invalid setting subject_prefix = \"a.*\": one or more tokens"),
+            "{m}"
+        );
+        let m = message(&args(|a| {
+            a.nats_url = Some("nats://ok:4222,http://u:secret@bad:1".into())
+        }));
+        assert!(
+            m.starts_with("invalid setting nats_url = \"http://***@bad:1\": expected nats://"),
+            "the bad URL is named, its password is not: {m}"
+        );
+        let m = message(&args(|a| a.nats_url = Some(" , ".into())));
+        assert!(m.starts_with("invalid setting nats_url = \" , \""), "{m}");
+    }
+
+    #[test]
+    fn file_errors() {
+        let f = file("http_addr = \"127.0.0.1:1\"\nlisten = \"x\"\n");
+        let args = ServeArgs {
+            config: Some(f.path().to_owned()),
+            ..ServeArgs::default()
+        };
+        let err = resolve(&args).unwrap_err();
+        assert_eq!(err.setting(), Some("listen"));
+        let m = err.to_string();
+        assert!(
+            m.starts_with("unknown setting \"listen\" in config file ")
+                && m.ends_with(
+                    "the accepted keys are nats_url, deployments, http_addr, subject_prefix, \
+                     lease_scan_interval, log_format, connect_deadline, max_event_bytes"
+                ),
+            "{m}"
+        );
+
+        let f = file("http_addr = \"nope\"\n");
+        let m = message(&ServeArgs {
+            config: Some(f.path().to_owned()),
+            ..ServeArgs::default()
+        });
+        assert_eq!(
+            m,
+            format!(
+                "invalid setting http_addr = \"nope\" in config file {}: expected HOST:PORT such \
+                 as 127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)",
+                f.path().display()
+            )
+        );
+
+        let f = file("max_event_bytes = true\n");
+        let m = message(&ServeArgs {
+            config: Some(f.path().to_owned()),
+            ..ServeArgs::default()
+        });
+        assert!(
+            m.starts_with("invalid setting max_event_bytes = \"true\" in config file")
+                && m.ends_with("expected a string or a number, not boolean"),
+            "{m}"
+        );
+
+        let f = file("http_addr = \n");
+        let m = message(&ServeArgs {
+            config: Some(f.path().to_owned()),
+            ..ServeArgs::default()
+        });
+        assert!(
+            m.contains("is not valid TOML") && m.contains("line 1"),
+            "{m}"
+        );
+
+        let m = message(&ServeArgs {
+            config: Some("/nonexistent/lease-router.toml".into()),
+            ..ServeArgs::default()
+        });
+        assert!(
+            m.starts_with("cannot read config file /nonexistent/lease-router.toml: "),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn durations() {
+        let d = |s| parse_duration(s);
+        assert_eq!(d("300"), Some(Duration::from_secs(300)));
+        assert_eq!(d("300s"), Some(Duration::from_secs(300)));
+        assert_eq!(d("5m"), Some(Duration::from_secs(300)));
+        assert_eq!(d("1h"), Some(Duration::from_secs(3600)));
+        assert_eq!(d("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(d("1m30s"), Some(Duration::from_secs(90)));
+        assert_eq!(d("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(d(" 2m "), Some(Duration::from_secs(120)));
+        for bad in ["", "s", "5x", "-5s", "5 m", ".5s", "5.s", "1e3s", "m5"] {
+            assert_eq!(d(bad), None, "{bad:?}");
+        }
+    }
+}

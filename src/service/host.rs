@@ -1,0 +1,783 @@
+//! [`DeploymentHost`]: one [`Router`] per deployment, all over one shared NATS connection,
+//! added and removed at runtime.
+//!
+//! # State
+//! One map, behind one short `parking_lot` lock that is never held across an `.await`, says
+//! for each deployment name whether its router is running or an operation (start or stop)
+//! is under way. Operations on the same name wait for each other; operations on different
+//! names run side by side. The start and the stop of a router run in a task of their own, so
+//! a caller that gives up (an HTTP client that hangs up) never leaves a half-built or
+//! half-stopped deployment behind.
+//!
+//! # What survives removal
+//! The [`IngressStats`] of a name are kept after the deployment is removed (and reused if it
+//! is added again), so the `late` drops of events that were already on their way stay
+//! visible in the metrics; so is the count of expired leases. Both are small and per name.
+//!
+//! # Tasks
+//! Each router spawns its tasks on its own `TaskTracker`. [`DeploymentHost::live_tasks`] sums
+//! them over running, starting and stopping deployments, and over removed ones whose tasks
+//! did not end in time. [`DeploymentHost::remove`] returns once the removed router's tasks
+//! have ended, or reports which did not.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn, Instrument};
+
+use crate::connection::NatsConnection;
+use crate::ingress::{ApplyConfig, NatsIngress};
+use crate::lease::{LeaseConfig, RequestLeaseManager};
+use crate::router::{Router, RouterConfig, ShutdownRouterError, StartRouterError};
+use crate::scheduler::SchedulerHandle;
+use crate::stats::{IngressStats, IngressStatsSnapshot};
+use crate::subject::{DeploymentName, SubjectPrefix, Subjects};
+
+/// How long [`DeploymentHost::remove`] waits for a removed router's tasks after its shutdown.
+pub const DEFAULT_TASK_STOP_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// The settings shared by every deployment of a host.
+#[derive(Clone, Debug)]
+pub struct HostSettings {
+    /// Subjects are `{subject_prefix}.{deployment}.{worker_id}`.
+    pub subject_prefix: SubjectPrefix,
+    /// The lease reaper's scan interval.
+    pub lease_scan_interval: Duration,
+    /// Limits of each deployment's ingress.
+    pub apply: ApplyConfig,
+    /// How long a removal waits for the router's tasks to end after its shutdown.
+    pub task_stop_timeout: Duration,
+}
+
+impl Default for HostSettings {
+    fn default() -> Self {
+        Self {
+            subject_prefix: SubjectPrefix::default(),
+            lease_scan_interval: crate::lease::manager::DEFAULT_SCAN_INTERVAL,
+            apply: ApplyConfig::default(),
+            task_stop_timeout: DEFAULT_TASK_STOP_TIMEOUT,
+        }
+    }
+}
+
+/// What [`DeploymentHost::add`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AddOutcome {
+    /// A router was started.
+    Created,
+    /// The deployment was already hosted.
+    Existed,
+}
+
+/// Why a deployment could not be added.
+#[derive(Debug, thiserror::Error)]
+pub enum AddDeploymentError {
+    #[error("the service is shutting down: deployment {deployment} was not added")]
+    ShuttingDown { deployment: DeploymentName },
+    #[error("starting the router of deployment {deployment} failed: {source}")]
+    Start {
+        deployment: DeploymentName,
+        #[source]
+        source: StartRouterError,
+    },
+    #[error("starting the router of deployment {deployment} panicked")]
+    Panicked { deployment: DeploymentName },
+}
+
+/// Why a removal did not end cleanly. The deployment is removed in every case.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoveDeploymentError {
+    #[error("deployment {deployment} was removed, but its router did not shut down cleanly: {source}")]
+    Shutdown {
+        deployment: DeploymentName,
+        #[source]
+        source: ShutdownRouterError,
+    },
+    #[error(
+        "deployment {deployment} was removed, but {remaining} of its tasks were still running \
+         {waited:?} after its shutdown"
+    )]
+    TasksStillRunning {
+        deployment: DeploymentName,
+        remaining: usize,
+        waited: Duration,
+    },
+    #[error("removing deployment {deployment} panicked")]
+    Panicked { deployment: DeploymentName },
+}
+
+/// Removals of [`DeploymentHost::shutdown_all`] that did not end cleanly.
+#[derive(Debug, thiserror::Error)]
+#[error("{} deployment(s) did not shut down cleanly: {}", failures.len(), describe(failures))]
+pub struct ShutdownAllError {
+    pub failures: Vec<RemoveDeploymentError>,
+}
+
+fn describe(failures: &[RemoveDeploymentError]) -> String {
+    failures
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Where a deployment is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeploymentPhase {
+    Starting,
+    Running,
+    Stopping,
+}
+
+/// One line of [`DeploymentHost::deployments`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DeploymentSummary {
+    pub name: DeploymentName,
+    pub phase: DeploymentPhase,
+    /// Leases of the running router (0 while starting or stopping).
+    pub active_leases: u64,
+    /// Running, and every task it started still runs.
+    pub live: bool,
+    /// Tasks of this deployment still running.
+    pub tasks: usize,
+    /// Seconds since the router started (0 unless running).
+    pub uptime_seconds: u64,
+}
+
+/// A running deployment, for the lease and worker listings.
+///
+/// It holds the router's manager and scheduler handle: drop it when done. A removal waits
+/// for views to go (the scheduler stops once the last handle is gone), and reports a
+/// failure if one is still held ten seconds on.
+#[derive(Clone)]
+pub struct DeploymentView {
+    name: DeploymentName,
+    manager: RequestLeaseManager,
+    scheduler: SchedulerHandle,
+    stats: Arc<IngressStats>,
+    started_at: Instant,
+}
+
+impl DeploymentView {
+    pub fn name(&self) -> &DeploymentName {
+        &self.name
+    }
+
+    pub fn manager(&self) -> &RequestLeaseManager {
+        &self.manager
+    }
+
+    pub fn scheduler(&self) -> &SchedulerHandle {
+        &self.scheduler
+    }
+
+    pub fn ingress_stats(&self) -> &Arc<IngressStats> {
+        &self.stats
+    }
+
+    pub fn uptime(&self) -> Duration {
+        self.started_at.elapsed()
+    }
+}
+
+impl fmt::Debug for DeploymentView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeploymentView")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The figures of one deployment name (live or removed) for the metrics exporter.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DeploymentMetrics {
+    pub name: String,
+    pub ingress: IngressStatsSnapshot,
+    /// Leases now; `None` when no router runs for this name.
+    pub active_leases: Option<u64>,
+    /// Expired leases over every router this name has had.
+    pub leases_expired: u64,
+}
+
+/// Everything the metrics exporter reads, taken at scrape time.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HostMetricsSnapshot {
+    /// Every name ever hosted, by name.
+    pub deployments: Vec<DeploymentMetrics>,
+    /// Deployments hosted now (running, starting or stopping).
+    pub hosted: usize,
+    pub live_tasks: usize,
+    pub nats_connected: bool,
+    pub nats_reconnects: u64,
+    pub nats_disconnects: u64,
+    pub slow_consumer_events: u64,
+}
+
+struct Running {
+    router: Router,
+    tracker: TaskTracker,
+    stats: Arc<IngressStats>,
+    started_at: Instant,
+    /// Tasks right after the start: fewer later means one ended on its own.
+    tasks_at_start: usize,
+}
+
+impl Running {
+    fn is_live(&self) -> bool {
+        self.tracker.len() >= self.tasks_at_start
+    }
+}
+
+enum Slot {
+    Running(Box<Running>),
+    /// A start or a stop under way; `done` fires when it is over.
+    Pending {
+        phase: DeploymentPhase,
+        op: u64,
+        done: CancellationToken,
+        tracker: TaskTracker,
+    },
+}
+
+/// What is kept per name, hosted or not.
+#[derive(Default)]
+struct Record {
+    stats: Arc<IngressStats>,
+    /// Expired leases of this name's previous routers.
+    expired_before: u64,
+}
+
+#[derive(Default)]
+struct State {
+    slots: BTreeMap<DeploymentName, Slot>,
+    records: BTreeMap<DeploymentName, Record>,
+    /// Trackers of removed routers whose tasks had not ended in time.
+    stragglers: Vec<(DeploymentName, TaskTracker)>,
+    closed: bool,
+    next_op: u64,
+}
+
+struct Inner {
+    connection: NatsConnection,
+    settings: HostSettings,
+    state: Mutex<State>,
+}
+
+/// Hosts one router per deployment over one NATS connection. Cheap to clone.
+#[derive(Clone)]
+pub struct DeploymentHost {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for DeploymentHost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<String> = self
+            .inner
+            .state
+            .lock()
+            .slots
+            .keys()
+            .map(ToString::to_string)
+            .collect();
+        f.debug_struct("DeploymentHost")
+            .field("nats", &self.inner.connection.urls())
+            .field("deployments", &names)
+            .finish_non_exhaustive()
+    }
+}
+
+enum Claim {
+    /// Another operation on this name is under way: wait for it, then look again.
+    Wait(CancellationToken),
+    Proceed(u64, CancellationToken),
+}
+
+impl DeploymentHost {
+    pub fn new(connection: NatsConnection, settings: HostSettings) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                connection,
+                settings,
+                state: Mutex::new(State::default()),
+            }),
+        }
+    }
+
+    pub fn connection(&self) -> &NatsConnection {
+        &self.inner.connection
+    }
+
+    pub fn settings(&self) -> &HostSettings {
+        &self.inner.settings
+    }
+
+    /// Starts a router for `name`, unless there is one.
+    ///
+    /// # Errors
+    /// [`AddDeploymentError`]: the host is shutting down, or the router did not start (the
+    /// subscription failed); nothing of it is left behind.
+    pub async fn add(&self, name: &DeploymentName) -> Result<AddOutcome, AddDeploymentError> {
+        let span = tracing::info_span!("add_deployment", deployment = %name);
+        let (op, done) = loop {
+            let claim = {
+                let mut state = self.inner.state.lock();
+                if state.closed {
+                    return Err(AddDeploymentError::ShuttingDown {
+                        deployment: name.clone(),
+                    });
+                }
+                match state.slots.get(name) {
+                    Some(Slot::Running(_)) => return Ok(AddOutcome::Existed),
+                    Some(Slot::Pending { done, .. }) => Claim::Wait(done.clone()),
+                    None => {
+                        let op = state.next_op;
+                        state.next_op += 1;
+                        let done = CancellationToken::new();
+                        let tracker = TaskTracker::new();
+                        state.slots.insert(
+                            name.clone(),
+                            Slot::Pending {
+                                phase: DeploymentPhase::Starting,
+                                op,
+                                done: done.clone(),
+                                tracker,
+                            },
+                        );
+                        Claim::Proceed(op, done)
+                    }
+                }
+            };
+            match claim {
+                Claim::Wait(done) => done.cancelled().await,
+                Claim::Proceed(op, done) => break (op, done),
+            }
+        };
+        let guard = PendingGuard {
+            inner: self.inner.clone(),
+            name: name.clone(),
+            op,
+            done,
+        };
+        let task = tokio::spawn(start(self.inner.clone(), guard).instrument(span));
+        match task.await {
+            Ok(result) => result,
+            Err(_) => Err(AddDeploymentError::Panicked {
+                deployment: name.clone(),
+            }),
+        }
+    }
+
+    /// Tears the router of `name` down and waits for its tasks to end. Returns whether
+    /// there was one.
+    ///
+    /// # Errors
+    /// [`RemoveDeploymentError`] when a task failed, panicked or did not end in time; the
+    /// deployment is removed all the same.
+    pub async fn remove(&self, name: &DeploymentName) -> Result<bool, RemoveDeploymentError> {
+        let span = tracing::info_span!("remove_deployment", deployment = %name);
+        let (running, guard) = loop {
+            let claim = {
+                let mut state = self.inner.state.lock();
+                match state.slots.get(name) {
+                    None => return Ok(false),
+                    Some(Slot::Pending { done, .. }) => Err(done.clone()),
+                    Some(Slot::Running(_)) => {
+                        let op = state.next_op;
+                        state.next_op += 1;
+                        let done = CancellationToken::new();
+                        let Some(Slot::Running(running)) = state.slots.remove(name) else {
+                            unreachable!("looked up above")
+                        };
+                        state.slots.insert(
+                            name.clone(),
+                            Slot::Pending {
+                                phase: DeploymentPhase::Stopping,
+                                op,
+                                done: done.clone(),
+                                tracker: running.tracker.clone(),
+                            },
+                        );
+                        // From here on the metrics show this router's expiries as history.
+                        let record = state.records.entry(name.clone()).or_default();
+                        record.expired_before += running.router.manager().stats().expired;
+                        Ok((running, op, done))
+                    }
+                }
+            };
+            match claim {
+                Err(done) => done.cancelled().await,
+                Ok((running, op, done)) => {
+                    let guard = PendingGuard {
+                        inner: self.inner.clone(),
+                        name: name.clone(),
+                        op,
+                        done,
+                    };
+                    break (running, guard);
+                }
+            }
+        };
+        let task = tokio::spawn(stop(self.inner.clone(), *running, guard).instrument(span));
+        match task.await {
+            Ok(Ok(())) => Ok(true),
+            Ok(Err(err)) => Err(err),
+            Err(_) => Err(RemoveDeploymentError::Panicked {
+                deployment: name.clone(),
+            }),
+        }
+    }
+
+    /// Refuses further additions, then removes every deployment (in parallel), waiting for
+    /// operations under way.
+    ///
+    /// # Errors
+    /// [`ShutdownAllError`] with every removal that did not end cleanly.
+    pub async fn shutdown_all(&self) -> Result<(), ShutdownAllError> {
+        self.inner.state.lock().closed = true;
+        let mut failures = Vec::new();
+        loop {
+            let (names, pending): (Vec<DeploymentName>, Vec<CancellationToken>) = {
+                let state = self.inner.state.lock();
+                let mut names = Vec::new();
+                let mut pending = Vec::new();
+                for (name, slot) in &state.slots {
+                    match slot {
+                        Slot::Running(_) => names.push(name.clone()),
+                        Slot::Pending { done, .. } => pending.push(done.clone()),
+                    }
+                }
+                (names, pending)
+            };
+            if names.is_empty() && pending.is_empty() {
+                break;
+            }
+            let removals = names.iter().map(|name| self.remove(name));
+            for result in futures::future::join_all(removals).await {
+                if let Err(err) = result {
+                    failures.push(err);
+                }
+            }
+            for done in pending {
+                done.cancelled().await;
+            }
+        }
+        info!("every deployment is shut down");
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(ShutdownAllError { failures })
+        }
+    }
+
+    /// True once [`shutdown_all`](Self::shutdown_all) has begun.
+    pub fn is_closed(&self) -> bool {
+        self.inner.state.lock().closed
+    }
+
+    /// The hosted deployments, by name.
+    pub fn deployments(&self) -> Vec<DeploymentSummary> {
+        // Copy handles out under the lock; count leases (64 shard locks each) outside it.
+        let entries: Vec<_> = {
+            let state = self.inner.state.lock();
+            state
+                .slots
+                .iter()
+                .map(|(name, slot)| match slot {
+                    Slot::Running(running) => (
+                        name.clone(),
+                        DeploymentPhase::Running,
+                        Some(running.router.manager().downgrade()),
+                        running.is_live(),
+                        running.tracker.clone(),
+                        running.started_at.elapsed(),
+                    ),
+                    Slot::Pending { phase, tracker, .. } => (
+                        name.clone(),
+                        *phase,
+                        None,
+                        false,
+                        tracker.clone(),
+                        Duration::ZERO,
+                    ),
+                })
+                .collect()
+        };
+        entries
+            .into_iter()
+            .map(|(name, phase, manager, live, tracker, uptime)| {
+                let active_leases = manager
+                    .and_then(|weak| weak.upgrade())
+                    .map_or(0, |m| m.active_leases() as u64);
+                DeploymentSummary {
+                    name,
+                    phase,
+                    active_leases,
+                    live,
+                    tasks: tracker.len(),
+                    uptime_seconds: uptime.as_secs(),
+                }
+            })
+            .collect()
+    }
+
+    /// Names of the hosted deployments, starting and stopping ones included.
+    pub fn names(&self) -> Vec<DeploymentName> {
+        self.inner.state.lock().slots.keys().cloned().collect()
+    }
+
+    /// The running deployment `name`, if there is one. Do not keep the view.
+    pub fn get(&self, name: &DeploymentName) -> Option<DeploymentView> {
+        let state = self.inner.state.lock();
+        match state.slots.get(name)? {
+            Slot::Running(running) => Some(DeploymentView {
+                name: name.clone(),
+                manager: running.router.manager().clone(),
+                scheduler: running.router.scheduler().clone(),
+                stats: running.stats.clone(),
+                started_at: running.started_at,
+            }),
+            Slot::Pending { .. } => None,
+        }
+    }
+
+    /// Views of every running deployment. Do not keep them.
+    pub fn views(&self) -> Vec<DeploymentView> {
+        let names = self.names();
+        names.iter().filter_map(|name| self.get(name)).collect()
+    }
+
+    /// True when every hosted deployment's router is running with all its tasks (none is
+    /// starting or stopping). True with no deployment.
+    pub fn is_ready(&self) -> bool {
+        self.not_ready().is_empty()
+    }
+
+    /// The deployments that are not live, with why.
+    pub fn not_ready(&self) -> Vec<(DeploymentName, &'static str)> {
+        let state = self.inner.state.lock();
+        state
+            .slots
+            .iter()
+            .filter_map(|(name, slot)| match slot {
+                Slot::Running(running) if running.is_live() => None,
+                Slot::Running(_) => Some((name.clone(), "a router task has ended")),
+                Slot::Pending {
+                    phase: DeploymentPhase::Stopping,
+                    ..
+                } => Some((name.clone(), "stopping")),
+                Slot::Pending { .. } => Some((name.clone(), "starting")),
+            })
+            .collect()
+    }
+
+    /// Tasks of every router of this host still running: hosted deployments, and removed
+    /// ones whose tasks did not end in time.
+    pub fn live_tasks(&self) -> usize {
+        let mut state = self.inner.state.lock();
+        state.stragglers.retain(|(_, tracker)| !tracker.is_empty());
+        let hosted: usize = state
+            .slots
+            .values()
+            .map(|slot| match slot {
+                Slot::Running(running) => running.tracker.len(),
+                Slot::Pending { tracker, .. } => tracker.len(),
+            })
+            .sum();
+        hosted
+            + state
+                .stragglers
+                .iter()
+                .map(|(_, tracker)| tracker.len())
+                .sum::<usize>()
+    }
+
+    /// The ingress counters of `name`, hosted now or in the past.
+    pub fn ingress_stats(&self, name: &DeploymentName) -> Option<Arc<IngressStats>> {
+        let state = self.inner.state.lock();
+        state.records.get(name).map(|record| record.stats.clone())
+    }
+
+    /// Everything the metrics exporter needs, read now.
+    pub fn metrics_snapshot(&self) -> HostMetricsSnapshot {
+        struct Entry {
+            name: String,
+            stats: Arc<IngressStats>,
+            expired_before: u64,
+            manager: Option<crate::lease::WeakRequestLeaseManager>,
+        }
+        let (entries, hosted) = {
+            let state = self.inner.state.lock();
+            let entries: Vec<Entry> = state
+                .records
+                .iter()
+                .map(|(name, record)| Entry {
+                    name: name.to_string(),
+                    stats: record.stats.clone(),
+                    expired_before: record.expired_before,
+                    manager: match state.slots.get(name) {
+                        Some(Slot::Running(running)) => Some(running.router.manager().downgrade()),
+                        _ => None,
+                    },
+                })
+                .collect();
+            (entries, state.slots.len())
+        };
+        let deployments = entries
+            .into_iter()
+            .map(|entry| {
+                let lease_stats = entry
+                    .manager
+                    .and_then(|weak| weak.upgrade())
+                    .map(|manager| manager.stats());
+                DeploymentMetrics {
+                    name: entry.name,
+                    ingress: entry.stats.snapshot(),
+                    active_leases: lease_stats.as_ref().map(|s| s.active),
+                    leases_expired: entry.expired_before
+                        + lease_stats.as_ref().map_or(0, |s| s.expired),
+                }
+            })
+            .collect();
+        let connection = self.inner.connection.stats();
+        HostMetricsSnapshot {
+            deployments,
+            hosted,
+            live_tasks: self.live_tasks(),
+            nats_connected: connection.is_connected(),
+            nats_reconnects: connection.reconnects(),
+            nats_disconnects: connection.disconnects(),
+            slow_consumer_events: connection.slow_consumer_events(),
+        }
+    }
+}
+
+/// Ends a pending operation on drop, whatever happened: removes the pending slot if it is
+/// still this operation's (a failed start, a finished stop, a panic) and wakes the waiters.
+struct PendingGuard {
+    inner: Arc<Inner>,
+    name: DeploymentName,
+    op: u64,
+    done: CancellationToken,
+}
+
+impl Drop for PendingGuard {
+    fn drop(&mut self) {
+        {
+            let mut state = self.inner.state.lock();
+            if matches!(state.slots.get(&self.name), Some(Slot::Pending { op, .. }) if *op == self.op)
+            {
+                state.slots.remove(&self.name);
+            }
+        }
+        self.done.cancel();
+    }
+}
+
+async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, AddDeploymentError> {
+    let name = guard.name.clone();
+    let (stats, tracker) = {
+        let mut state = inner.state.lock();
+        let stats = state.records.entry(name.clone()).or_default().stats.clone();
+        let tracker = match state.slots.get(&name) {
+            Some(Slot::Pending { tracker, .. }) => tracker.clone(),
+            _ => TaskTracker::new(),
+        };
+        (stats, tracker)
+    };
+    let settings = &inner.settings;
+    let ingress = NatsIngress::new(
+        inner.connection.client().clone(),
+        Subjects::new(settings.subject_prefix.clone(), name.clone()),
+        settings.apply.clone(),
+        stats.clone(),
+    );
+    let config = RouterConfig {
+        deployment: name.to_string(),
+        lease: LeaseConfig {
+            scan_interval: settings.lease_scan_interval,
+            ..LeaseConfig::default()
+        },
+    };
+    let router = match Router::start_tracked(config, ingress, tracker.clone()).await {
+        Ok(router) => router,
+        Err(source) => {
+            warn!(error = %source, "deployment not added");
+            // Whatever the failed start spawned is cancelled; count it until it is gone.
+            tracker.close();
+            if !tracker.is_empty() {
+                inner.state.lock().stragglers.push((name.clone(), tracker));
+            }
+            return Err(AddDeploymentError::Start {
+                deployment: name,
+                source,
+            });
+        }
+    };
+    let running = Running {
+        tasks_at_start: tracker.len(),
+        router,
+        tracker,
+        stats,
+        started_at: Instant::now(),
+    };
+    inner
+        .state
+        .lock()
+        .slots
+        .insert(name, Slot::Running(Box::new(running)));
+    info!("deployment added");
+    drop(guard);
+    Ok(AddOutcome::Created)
+}
+
+async fn stop(
+    inner: Arc<Inner>,
+    running: Running,
+    guard: PendingGuard,
+) -> Result<(), RemoveDeploymentError> {
+    let name = guard.name.clone();
+    let Running {
+        router, tracker, ..
+    } = running;
+    tracker.close();
+    let shutdown = router.shutdown().await;
+    let waited = inner.settings.task_stop_timeout;
+    let ended = tokio::time::timeout(waited, tracker.wait()).await.is_ok();
+    if !ended {
+        inner
+            .state
+            .lock()
+            .stragglers
+            .push((name.clone(), tracker.clone()));
+    }
+    drop(guard);
+    match (shutdown, ended) {
+        (Err(source), _) => {
+            warn!(error = %source, "deployment removed, with failures");
+            Err(RemoveDeploymentError::Shutdown {
+                deployment: name,
+                source,
+            })
+        }
+        (Ok(()), false) => {
+            let remaining = tracker.len();
+            warn!(remaining, "deployment removed, but tasks are still running");
+            Err(RemoveDeploymentError::TasksStillRunning {
+                deployment: name,
+                remaining,
+                waited,
+            })
+        }
+        (Ok(()), true) => {
+            info!("deployment removed");
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,386 @@
+//! The HTTP API (axum, JSON) and `/metrics`.
+//!
+//! | route | answer |
+//! | --- | --- |
+//! | `GET /healthz` | 200 while the NATS connection is up, 503 otherwise |
+//! | `GET /readyz` | 200 once every deployment's router is live (and the [`ReadinessHook`], if any, agrees), 503 otherwise |
+//! | `GET /metrics` | OpenMetrics text (see [`super::metrics`]) |
+//! | `GET /v1/deployments` | the deployments with their active lease counts |
+//! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name |
+//! | `DELETE /v1/deployments/{name}` | tear it down: 204, 404 if absent |
+//! | `GET /v1/deployments/{name}/leases?limit=N` | active leases (default limit 1000) |
+//! | `GET /v1/deployments/{name}/workers` | load per worker, and the least loaded |
+//!
+//! Errors are JSON, `{"error": "..."}`; an unknown deployment is a 404.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::host::{AddDeploymentError, AddOutcome, DeploymentHost, DeploymentView};
+use super::metrics::{Metrics, CONTENT_TYPE};
+use crate::lease::LeaseState;
+use crate::scheduler::WorkerLoad;
+use crate::subject::DeploymentName;
+use crate::types::WorkerWithDpRank;
+
+/// Leases listed when no `limit` is given.
+pub const DEFAULT_LEASE_LIMIT: usize = 1000;
+/// The largest `limit` honoured.
+pub const MAX_LEASE_LIMIT: usize = 100_000;
+/// How long a scheduler may take to answer a worker listing.
+const SCHEDULER_QUERY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Something else that must agree before `/readyz` says ready, such as a durable ingress
+/// that is still replaying its stream.
+pub trait ReadinessHook: Send + Sync + 'static {
+    /// `None` when ready; otherwise why not (for example `"catching up: 1200 events
+    /// behind"`).
+    fn not_ready(&self) -> Option<String>;
+}
+
+impl<F> ReadinessHook for F
+where
+    F: Fn() -> Option<String> + Send + Sync + 'static,
+{
+    fn not_ready(&self) -> Option<String> {
+        self()
+    }
+}
+
+/// What every handler shares. Cheap to clone.
+#[derive(Clone)]
+pub struct ApiState {
+    host: DeploymentHost,
+    metrics: Arc<Metrics>,
+    readiness: Option<Arc<dyn ReadinessHook>>,
+}
+
+impl ApiState {
+    /// The API of `host`, with its metrics.
+    pub fn new(host: DeploymentHost) -> Self {
+        Self {
+            metrics: Arc::new(Metrics::new(host.clone())),
+            host,
+            readiness: None,
+        }
+    }
+
+    /// Serves these metrics on `/metrics` instead (to add more collectors to the registry).
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = Arc::new(metrics);
+        self
+    }
+
+    /// `/readyz` also asks `hook`.
+    pub fn with_readiness_hook(mut self, hook: Arc<dyn ReadinessHook>) -> Self {
+        self.readiness = Some(hook);
+        self
+    }
+
+    pub fn host(&self) -> &DeploymentHost {
+        &self.host
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}
+
+/// The routes, for embedding in a larger router or serving with [`serve`].
+pub fn router(state: ApiState) -> axum::Router {
+    axum::Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/deployments", get(list_deployments))
+        .route(
+            "/v1/deployments/{name}",
+            get(get_deployment).put(put_deployment).delete(delete_deployment),
+        )
+        .route("/v1/deployments/{name}/leases", get(leases))
+        .route("/v1/deployments/{name}/workers", get(workers))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` fires, then lets requests in progress
+/// finish.
+///
+/// # Errors
+/// An I/O error of the server.
+pub async fn serve(
+    listener: TcpListener,
+    state: ApiState,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        info!(%addr, "HTTP API listening");
+    }
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await?;
+    info!("HTTP API stopped");
+    Ok(())
+}
+
+/// A JSON error answer.
+struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+fn parse_name(raw: &str) -> ApiResult<DeploymentName> {
+    DeploymentName::new(raw).map_err(|err| ApiError(StatusCode::BAD_REQUEST, err.to_string()))
+}
+
+fn unknown(name: &DeploymentName) -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        format!("no deployment named {:?} is hosted", name.as_str()),
+    )
+}
+
+fn running_view(state: &ApiState, raw: &str) -> ApiResult<DeploymentView> {
+    let name = parse_name(raw)?;
+    state.host.get(&name).ok_or_else(|| unknown(&name))
+}
+
+async fn not_found() -> ApiError {
+    ApiError(StatusCode::NOT_FOUND, "no such route".into())
+}
+
+async fn healthz(State(state): State<ApiState>) -> Response {
+    let connection = state.host.connection();
+    let stats = connection.stats();
+    let connected = stats.is_connected();
+    let body = json!({
+        "status": if connected { "ok" } else { "unavailable" },
+        "nats": {
+            "connected": connected,
+            "server": connection.server_url(),
+            "urls": connection.urls(),
+            "reconnects": stats.reconnects(),
+            "last_error": stats.last_error(),
+        },
+        "reason": (!connected).then_some("the NATS connection is down; the client is reconnecting"),
+    });
+    let status = if connected {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
+}
+
+async fn readyz(State(state): State<ApiState>) -> Response {
+    let not_ready: Vec<_> = state
+        .host
+        .not_ready()
+        .into_iter()
+        .map(|(name, why)| json!({ "deployment": name, "reason": why }))
+        .collect();
+    let hook = state.readiness.as_ref().and_then(|hook| hook.not_ready());
+    let closed = state.host.is_closed();
+    let ready = not_ready.is_empty() && hook.is_none() && !closed;
+    let mut reasons: Vec<String> = Vec::new();
+    if closed {
+        reasons.push("shutting down".into());
+    }
+    if !not_ready.is_empty() {
+        reasons.push(format!("{} deployment(s) not live", not_ready.len()));
+    }
+    reasons.extend(hook);
+    let body = json!({
+        "ready": ready,
+        "deployments": state.host.names().len(),
+        "not_ready": not_ready,
+        "reason": (!ready).then(|| reasons.join("; ")),
+    });
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
+}
+
+async fn metrics(State(state): State<ApiState>) -> Response {
+    let text = state.metrics.render().await;
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response()
+}
+
+async fn list_deployments(State(state): State<ApiState>) -> Response {
+    Json(json!({ "deployments": state.host.deployments() })).into_response()
+}
+
+async fn get_deployment(
+    State(state): State<ApiState>,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let name = parse_name(&raw)?;
+    let summary = state
+        .host
+        .deployments()
+        .into_iter()
+        .find(|d| d.name == name)
+        .ok_or_else(|| unknown(&name))?;
+    let stats = state.host.ingress_stats(&name).map(|s| s.snapshot());
+    Ok(Json(json!({ "deployment": summary, "ingress": stats })).into_response())
+}
+
+async fn put_deployment(
+    State(state): State<ApiState>,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let name = parse_name(&raw)?;
+    match state.host.add(&name).await {
+        Ok(outcome) => {
+            let (status, created) = match outcome {
+                AddOutcome::Created => (StatusCode::CREATED, true),
+                AddOutcome::Existed => (StatusCode::OK, false),
+            };
+            Ok((status, Json(json!({ "deployment": name, "created": created }))).into_response())
+        }
+        Err(err @ AddDeploymentError::ShuttingDown { .. }) => {
+            Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, err.to_string()))
+        }
+        Err(err) => {
+            warn!(error = %err, "PUT deployment failed");
+            Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, err.to_string()))
+        }
+    }
+}
+
+async fn delete_deployment(
+    State(state): State<ApiState>,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let name = parse_name(&raw)?;
+    match state.host.remove(&name).await {
+        Ok(true) => Ok(StatusCode::NO_CONTENT.into_response()),
+        Ok(false) => Err(unknown(&name)),
+        Err(err) => {
+            warn!(error = %err, "DELETE deployment failed");
+            Err(ApiError(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()))
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct LeasesQuery {
+    limit: Option<usize>,
+}
+
+#[derive(Serialize)]
+struct LeaseJson {
+    request_id: String,
+    worker_id: u64,
+    dp_rank: u32,
+    state: LeaseState,
+    age_seconds: u64,
+}
+
+async fn leases(
+    State(state): State<ApiState>,
+    Path(raw): Path<String>,
+    query: Result<Query<LeasesQuery>, QueryRejection>,
+) -> ApiResult<Response> {
+    let Query(query) = query.map_err(|err| {
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("invalid query: {err}; expected ?limit=N with N a whole number"),
+        )
+    })?;
+    let limit = query
+        .limit
+        .unwrap_or(DEFAULT_LEASE_LIMIT)
+        .min(MAX_LEASE_LIMIT);
+    let view = running_view(&state, &raw)?;
+    let manager = view.manager();
+    let active = manager.active_leases();
+    let leases: Vec<LeaseJson> = manager
+        .leases(limit)
+        .into_iter()
+        .map(|record| LeaseJson {
+            request_id: record.booking.request_id.as_str().to_owned(),
+            worker_id: record.booking.worker.worker_id.0,
+            dp_rank: record.booking.worker.dp_rank.0,
+            state: record.state,
+            age_seconds: record.age.as_secs(),
+        })
+        .collect();
+    let body = json!({
+        "deployment": view.name(),
+        "active_leases": active,
+        "limit": limit,
+        "truncated": leases.len() < active && leases.len() >= limit,
+        "leases": leases,
+    });
+    Ok(Json(body).into_response())
+}
+
+#[derive(Serialize)]
+struct WorkerJson {
+    worker_id: u64,
+    dp_rank: u32,
+    #[serde(flatten)]
+    load: WorkerLoad,
+}
+
+impl WorkerJson {
+    fn new((worker, load): (WorkerWithDpRank, WorkerLoad)) -> Self {
+        Self {
+            worker_id: worker.worker_id.0,
+            dp_rank: worker.dp_rank.0,
+            load,
+        }
+    }
+}
+
+async fn workers(
+    State(state): State<ApiState>,
+    Path(raw): Path<String>,
+) -> ApiResult<Response> {
+    let view = running_view(&state, &raw)?;
+    let scheduler = view.scheduler().clone();
+    let name = view.name().clone();
+    // Do not hold the view (the manager) while waiting for the scheduler.
+    drop(view);
+    let stopped = |err: String| {
+        ApiError(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the scheduler of deployment {name} did not answer: {err}"),
+        )
+    };
+    let query = async { Ok::<_, crate::scheduler::QuerySchedulerError>((
+        scheduler.loads().await?,
+        scheduler.least_loaded().await?,
+    )) };
+    let (loads, least) = tokio::time::timeout(SCHEDULER_QUERY_TIMEOUT, query)
+        .await
+        .map_err(|_| stopped(format!("no answer within {SCHEDULER_QUERY_TIMEOUT:?}")))?
+        .map_err(|err| stopped(err.to_string()))?;
+    let body = json!({
+        "deployment": name,
+        "workers": loads.into_iter().map(WorkerJson::new).collect::<Vec<_>>(),
+        "least_loaded": least.map(WorkerJson::new),
+    });
+    Ok(Json(body).into_response())
+}

@@ -1,0 +1,567 @@
+//! The Prometheus exporter: every figure is read from the routers' atomics at scrape time by
+//! a [`Collector`] and written by `prometheus-client`'s OpenMetrics text encoder (nothing is
+//! formatted by hand, nothing is kept in a second set of counters).
+//!
+//! | metric | type | labels |
+//! | --- | --- | --- |
+//! | `lease_router_events_received_total` | counter | `deployment` |
+//! | `lease_router_events_applied_total` | counter | `deployment`, `kind` |
+//! | `lease_router_events_dropped_total` | counter | `deployment`, `reason` (every reason, from 0) |
+//! | `lease_router_active_leases` | gauge | `deployment` (hosted ones) |
+//! | `lease_router_leases_expired_total` | counter | `deployment` |
+//! | `lease_router_sequence_gaps_total` | counter | `deployment` |
+//! | `lease_router_reorders_held_total` | counter | `deployment` |
+//! | `lease_router_publisher_restarts_total` | counter | `deployment` |
+//! | `lease_router_publish_to_apply_lag_seconds` | histogram | `deployment` |
+//! | `lease_router_worker_active_bookings` | gauge | `deployment`, `worker_id`, `dp_rank` |
+//! | `lease_router_worker_prompt_tokens` | gauge | `deployment`, `worker_id`, `dp_rank` |
+//! | `lease_router_worker_expected_output_tokens` | gauge | `deployment`, `worker_id`, `dp_rank` |
+//! | `lease_router_nats_connected` | gauge (0 or 1) | |
+//! | `lease_router_nats_reconnects_total` | counter | |
+//! | `lease_router_nats_disconnects_total` | counter | |
+//! | `lease_router_slow_consumer_events_total` | counter | |
+//! | `lease_router_deployments` | gauge | |
+//! | `lease_router_live_tasks` | gauge | |
+//!
+//! The per-deployment counters of a removed deployment stay (its ingress counters are kept
+//! by the host), so the `late` drops of its last events remain visible. The worker gauges
+//! need a query to each scheduler actor, so they are gathered (bounded) by
+//! [`Metrics::render`] before encoding, not by the collector.
+
+use std::fmt;
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+
+use super::host::{DeploymentHost, HostMetricsSnapshot};
+use crate::scheduler::WorkerLoad;
+use crate::stats::LagSnapshot;
+use crate::types::WorkerWithDpRank;
+
+/// The prefix of every metric name.
+pub const METRIC_PREFIX: &str = "lease_router";
+
+/// The content type of what [`Metrics::render`] returns (`prometheus-client` writes
+/// OpenMetrics text, which Prometheus scrapes natively).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// How long one scheduler may take to report its worker loads during a scrape.
+const WORKER_LOAD_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Where the collector reads its figures.
+pub trait MetricsSource: fmt::Debug + Send + Sync + 'static {
+    fn snapshot(&self) -> HostMetricsSnapshot;
+}
+
+impl MetricsSource for DeploymentHost {
+    fn snapshot(&self) -> HostMetricsSnapshot {
+        self.metrics_snapshot()
+    }
+}
+
+#[derive(Debug)]
+struct HostCollector<S>(S);
+
+impl<S: MetricsSource> Collector for HostCollector<S> {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        encode_snapshot(&self.0.snapshot(), &mut encoder)
+    }
+}
+
+/// The loads of the workers of one scrape.
+#[derive(Debug, Default)]
+struct WorkerLoads(Vec<(String, WorkerWithDpRank, WorkerLoad)>);
+
+impl Collector for WorkerLoads {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let labels: Vec<[(&str, String); 3]> = self
+            .0
+            .iter()
+            .map(|(deployment, worker, _)| {
+                [
+                    ("deployment", deployment.clone()),
+                    ("worker_id", worker.worker_id.to_string()),
+                    ("dp_rank", worker.dp_rank.to_string()),
+                ]
+            })
+            .collect();
+        type Pick = fn(&WorkerLoad) -> u64;
+        let gauges: [(&str, &str, Pick); 3] = [
+            (
+                "worker_active_bookings",
+                "Bookings counted against each worker by the scheduler.",
+                |l| l.active_bookings,
+            ),
+            (
+                "worker_prompt_tokens",
+                "Prompt tokens of the bookings of each worker.",
+                |l| l.prompt_tokens,
+            ),
+            (
+                "worker_expected_output_tokens",
+                "Expected output tokens of the bookings of each worker.",
+                |l| l.expected_output_tokens,
+            ),
+        ];
+        for (name, help, pick) in gauges {
+            let series: Vec<_> = labels
+                .iter()
+                .zip(&self.0)
+                .map(|(labels, (_, _, load))| (labels.as_slice(), pick(load)))
+                .collect();
+            gauge_family(&mut encoder, name, help, &series)?;
+        }
+        Ok(())
+    }
+}
+
+/// The registry of the service's metrics.
+pub struct Metrics {
+    registry: Registry,
+    host: Option<DeploymentHost>,
+}
+
+impl fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Metrics {
+    /// The metrics of `host`, worker loads included.
+    pub fn new(host: DeploymentHost) -> Self {
+        let mut metrics = Self::from_source(host.clone());
+        metrics.host = Some(host);
+        metrics
+    }
+
+    /// The metrics of any source (without worker loads).
+    pub fn from_source(source: impl MetricsSource) -> Self {
+        let mut registry = Registry::with_prefix(METRIC_PREFIX);
+        registry.register_collector(Box::new(HostCollector(source)));
+        Self {
+            registry,
+            host: None,
+        }
+    }
+
+    /// The registry, to register more metrics or collectors with.
+    pub fn registry_mut(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
+    /// OpenMetrics text of everything but the worker loads.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail, and the collectors only fail when the writer does.
+        let _ = encode_registry(&mut out, &self.registry).and_then(|()| encode_eof(&mut out));
+        out
+    }
+
+    /// OpenMetrics text of everything, worker loads included (each scheduler is asked, at
+    /// most [`WORKER_LOAD_TIMEOUT`]; one that does not answer is left out).
+    pub async fn render(&self) -> String {
+        let mut loads = WorkerLoads::default();
+        if let Some(host) = &self.host {
+            for view in host.views() {
+                let answer =
+                    tokio::time::timeout(WORKER_LOAD_TIMEOUT, view.scheduler().loads()).await;
+                if let Ok(Ok(workers)) = answer {
+                    let name = view.name().to_string();
+                    loads.0.extend(
+                        workers
+                            .into_iter()
+                            .map(|(worker, load)| (name.clone(), worker, load)),
+                    );
+                }
+            }
+        }
+        let mut per_scrape = Registry::with_prefix(METRIC_PREFIX);
+        per_scrape.register_collector(Box::new(loads));
+        let mut out = String::new();
+        let _ = encode_registry(&mut out, &self.registry)
+            .and_then(|()| encode_registry(&mut out, &per_scrape))
+            .and_then(|()| encode_eof(&mut out));
+        out
+    }
+}
+
+fn counter_family<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[(L, u64)],
+) -> fmt::Result {
+    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, value) in series {
+        metric
+            .encode_family(labels)?
+            .encode_counter::<NoLabelSet, u64, u64>(value, None)?;
+    }
+    Ok(())
+}
+
+fn gauge_family<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[(L, u64)],
+) -> fmt::Result {
+    let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, value) in series {
+        metric.encode_family(labels)?.encode_gauge(value)?;
+    }
+    Ok(())
+}
+
+fn counter(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) -> fmt::Result {
+    encoder
+        .encode_descriptor(name, help, None, MetricType::Counter)?
+        .encode_counter::<NoLabelSet, u64, u64>(&value, None)
+}
+
+fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) -> fmt::Result {
+    encoder
+        .encode_descriptor(name, help, None, MetricType::Gauge)?
+        .encode_gauge(&value)
+}
+
+/// Per-bucket counts as the encoder wants them (it accumulates), from the cumulative
+/// snapshot; the last bucket is +Inf (`f64::MAX` to the encoder).
+fn histogram_buckets(lag: &LagSnapshot) -> Vec<(f64, u64)> {
+    let mut previous = 0;
+    let mut buckets: Vec<(f64, u64)> = lag
+        .buckets
+        .iter()
+        .map(|&(bound, cumulative)| {
+            let own = cumulative.saturating_sub(previous);
+            previous = cumulative;
+            (bound, own)
+        })
+        .collect();
+    buckets.push((f64::MAX, lag.count.saturating_sub(previous)));
+    buckets
+}
+
+/// Writes every metric of `snapshot`.
+pub fn encode_snapshot(
+    snapshot: &HostMetricsSnapshot,
+    encoder: &mut DescriptorEncoder,
+) -> fmt::Result {
+    let deps = &snapshot.deployments;
+    let by_deployment = |value: fn(&super::host::DeploymentMetrics) -> u64| {
+        deps.iter()
+            .map(|d| ([("deployment", d.name.as_str())], value(d)))
+            .collect::<Vec<_>>()
+    };
+
+    counter_family(
+        encoder,
+        "events_received",
+        "Messages received on the deployment's subjects.",
+        &by_deployment(|d| d.ingress.received),
+    )?;
+    let applied: Vec<_> = deps
+        .iter()
+        .flat_map(|d| {
+            d.ingress.applied.iter().map(|(kind, n)| {
+                ([("deployment", d.name.as_str()), ("kind", *kind)], *n)
+            })
+        })
+        .collect();
+    counter_family(
+        encoder,
+        "events_applied",
+        "Events applied to the deployment's leases, by kind.",
+        &applied,
+    )?;
+    let dropped: Vec<_> = deps
+        .iter()
+        .flat_map(|d| {
+            d.ingress.dropped.iter().map(|(reason, n)| {
+                ([("deployment", d.name.as_str()), ("reason", *reason)], *n)
+            })
+        })
+        .collect();
+    counter_family(
+        encoder,
+        "events_dropped",
+        "Events not applied, by reason (late: the deployment's router was gone).",
+        &dropped,
+    )?;
+    let active: Vec<_> = deps
+        .iter()
+        .filter_map(|d| Some(([("deployment", d.name.as_str())], d.active_leases?)))
+        .collect();
+    gauge_family(
+        encoder,
+        "active_leases",
+        "Live request leases of each hosted deployment.",
+        &active,
+    )?;
+    counter_family(
+        encoder,
+        "leases_expired",
+        "Leases released because nobody renewed them in time.",
+        &by_deployment(|d| d.leases_expired),
+    )?;
+    counter_family(
+        encoder,
+        "sequence_gaps",
+        "Publisher sequence numbers that never arrived (core NATS is at-most-once).",
+        &by_deployment(|d| d.ingress.gaps),
+    )?;
+    counter_family(
+        encoder,
+        "reorders_held",
+        "Events that arrived before the admission they depend on and were held or tombstoned.",
+        &by_deployment(|d| d.ingress.reorders_held),
+    )?;
+    counter_family(
+        encoder,
+        "publisher_restarts",
+        "New publisher ids seen for a worker that already had one.",
+        &by_deployment(|d| d.ingress.publisher_restarts),
+    )?;
+    {
+        let mut metric = encoder.encode_descriptor(
+            "publish_to_apply_lag",
+            "Time from an event's publication (its timestamp) to its application.",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+        )?;
+        for d in deps {
+            let labels = [("deployment", d.name.as_str())];
+            metric.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
+                d.ingress.lag.sum_seconds,
+                d.ingress.lag.count,
+                &histogram_buckets(&d.ingress.lag),
+                None,
+            )?;
+        }
+    }
+    gauge(
+        encoder,
+        "nats_connected",
+        "1 while the NATS connection is up, else 0.",
+        u64::from(snapshot.nats_connected),
+    )?;
+    counter(
+        encoder,
+        "nats_reconnects",
+        "Connections to NATS after the first one.",
+        snapshot.nats_reconnects,
+    )?;
+    counter(
+        encoder,
+        "nats_disconnects",
+        "Times the NATS connection was lost.",
+        snapshot.nats_disconnects,
+    )?;
+    counter(
+        encoder,
+        "slow_consumer_events",
+        "Times the NATS client dropped messages of a subscription that was not read fast \
+         enough (per connection).",
+        snapshot.slow_consumer_events,
+    )?;
+    gauge(
+        encoder,
+        "deployments",
+        "Deployments hosted (running, starting or stopping).",
+        snapshot.hosted as u64,
+    )?;
+    gauge(
+        encoder,
+        "live_tasks",
+        "Tasks of the routers still running, removed deployments' included.",
+        snapshot.live_tasks as u64,
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::service::host::DeploymentMetrics;
+    use crate::stats::{DropReason, IngressStats};
+    use crate::wire::EventKind;
+
+    #[derive(Debug)]
+    struct Fixed(HostMetricsSnapshot);
+
+    impl MetricsSource for Fixed {
+        fn snapshot(&self) -> HostMetricsSnapshot {
+            self.0.clone()
+        }
+    }
+
+    fn sample() -> HostMetricsSnapshot {
+        let live = Arc::new(IngressStats::new());
+        for _ in 0..5 {
+            live.received();
+        }
+        live.applied(EventKind::Admitted);
+        live.applied(EventKind::Admitted);
+        live.applied(EventKind::Completed);
+        live.dropped(DropReason::Duplicate);
+        live.gaps(3);
+        live.reorder_held();
+        live.publisher_restart();
+        live.lag().observe_us(50); // 0.0001 bucket
+        live.lag().observe_us(700); // 0.001 bucket
+        live.lag().observe_us(60_000_000); // +Inf
+        let removed = Arc::new(IngressStats::new());
+        removed.received();
+        removed.dropped(DropReason::Late);
+        HostMetricsSnapshot {
+            deployments: vec![
+                DeploymentMetrics {
+                    name: "gone".into(),
+                    ingress: removed.snapshot(),
+                    active_leases: None,
+                    leases_expired: 4,
+                },
+                DeploymentMetrics {
+                    name: "prod".into(),
+                    ingress: live.snapshot(),
+                    active_leases: Some(2),
+                    leases_expired: 1,
+                },
+            ],
+            hosted: 1,
+            live_tasks: 3,
+            nats_connected: true,
+            nats_reconnects: 2,
+            nats_disconnects: 2,
+            slow_consumer_events: 7,
+        }
+    }
+
+    fn lines(text: &str) -> Vec<&str> {
+        text.lines().collect()
+    }
+
+    #[test]
+    fn scrape_names_labels_and_values() {
+        let text = Metrics::from_source(Fixed(sample())).encode();
+        let lines = lines(&text);
+        let has = |line: &str| {
+            assert!(
+                lines.contains(&line),
+                "missing line {line:?} in:\n{text}"
+            )
+        };
+        has("# TYPE lease_router_events_received counter");
+        has("lease_router_events_received_total{deployment=\"prod\"} 5");
+        has("lease_router_events_received_total{deployment=\"gone\"} 1");
+        has("lease_router_events_applied_total{deployment=\"prod\",kind=\"admitted\"} 2");
+        has("lease_router_events_applied_total{deployment=\"prod\",kind=\"completed\"} 1");
+        has("lease_router_events_applied_total{deployment=\"prod\",kind=\"worker_reset\"} 0");
+        has("lease_router_events_dropped_total{deployment=\"prod\",reason=\"duplicate\"} 1");
+        has("lease_router_events_dropped_total{deployment=\"gone\",reason=\"late\"} 1");
+        for reason in DropReason::ALL {
+            for dep in ["prod", "gone"] {
+                let prefix = format!(
+                    "lease_router_events_dropped_total{{deployment=\"{dep}\",reason=\"{}\"}} ",
+                    reason.as_str()
+                );
+                assert!(
+                    lines.iter().any(|l| l.starts_with(&prefix)),
+                    "every reason has a series: {prefix}"
+                );
+            }
+        }
+        has("# TYPE lease_router_active_leases gauge");
+        has("lease_router_active_leases{deployment=\"prod\"} 2");
+        assert!(
+            !text.contains("lease_router_active_leases{deployment=\"gone\"}"),
+            "no lease gauge for a removed deployment"
+        );
+        has("lease_router_leases_expired_total{deployment=\"gone\"} 4");
+        has("lease_router_leases_expired_total{deployment=\"prod\"} 1");
+        has("lease_router_sequence_gaps_total{deployment=\"prod\"} 3");
+        has("lease_router_reorders_held_total{deployment=\"prod\"} 1");
+        has("lease_router_publisher_restarts_total{deployment=\"prod\"} 1");
+        has("# TYPE lease_router_publish_to_apply_lag_seconds histogram");
+        has("# UNIT lease_router_publish_to_apply_lag_seconds seconds");
+        has("lease_router_publish_to_apply_lag_seconds_count{deployment=\"prod\"} 3");
+        has("lease_router_publish_to_apply_lag_seconds_bucket{le=\"0.0001\",deployment=\"prod\"} 1");
+        has("lease_router_publish_to_apply_lag_seconds_bucket{le=\"0.00025\",deployment=\"prod\"} 1");
+        has("lease_router_publish_to_apply_lag_seconds_bucket{le=\"0.001\",deployment=\"prod\"} 2");
+        has("lease_router_publish_to_apply_lag_seconds_bucket{le=\"30.0\",deployment=\"prod\"} 2");
+        has("lease_router_publish_to_apply_lag_seconds_bucket{le=\"+Inf\",deployment=\"prod\"} 3");
+        has("lease_router_publish_to_apply_lag_seconds_bucket{le=\"+Inf\",deployment=\"gone\"} 0");
+        let sum = lines
+            .iter()
+            .find_map(|l| {
+                l.strip_prefix("lease_router_publish_to_apply_lag_seconds_sum{deployment=\"prod\"} ")
+            })
+            .expect("a sum");
+        assert!((sum.parse::<f64>().unwrap() - 60.00075).abs() < 1e-9, "{sum}");
+        has("lease_router_nats_connected 1");
+        has("lease_router_nats_reconnects_total 2");
+        has("lease_router_nats_disconnects_total 2");
+        has("lease_router_slow_consumer_events_total 7");
+        has("lease_router_deployments 1");
+        has("lease_router_live_tasks 3");
+        assert_eq!(lines.last(), Some(&"# EOF"));
+    }
+
+    #[test]
+    fn empty_host_still_describes_every_metric() {
+        let text = Metrics::from_source(Fixed(HostMetricsSnapshot::default())).encode();
+        for name in [
+            "events_received",
+            "events_applied",
+            "events_dropped",
+            "active_leases",
+            "leases_expired",
+            "sequence_gaps",
+            "reorders_held",
+            "publisher_restarts",
+            "publish_to_apply_lag_seconds",
+            "nats_connected",
+            "nats_reconnects",
+            "slow_consumer_events",
+            "deployments",
+            "live_tasks",
+        ] {
+            assert!(
+                text.contains(&format!("# TYPE lease_router_{name} ")),
+                "{name} in:\n{text}"
+            );
+        }
+        assert!(text.contains("lease_router_nats_connected 0"));
+    }
+
+    #[test]
+    fn worker_loads() {
+        let loads = WorkerLoads(vec![(
+            "prod".into(),
+            WorkerWithDpRank::new(7, 1),
+            WorkerLoad {
+                active_bookings: 2,
+                prompt_tokens: 300,
+                expected_output_tokens: 40,
+            },
+        )]);
+        let mut registry = Registry::with_prefix(METRIC_PREFIX);
+        registry.register_collector(Box::new(loads));
+        let mut text = String::new();
+        encode_registry(&mut text, &registry).unwrap();
+        for line in [
+            "lease_router_worker_active_bookings{deployment=\"prod\",worker_id=\"7\",dp_rank=\"1\"} 2",
+            "lease_router_worker_prompt_tokens{deployment=\"prod\",worker_id=\"7\",dp_rank=\"1\"} 300",
+            "lease_router_worker_expected_output_tokens{deployment=\"prod\",worker_id=\"7\",dp_rank=\"1\"} 40",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
+        }
+    }
+}

@@ -1,0 +1,942 @@
+//! Simulated workers: realistic request lifecycles published on NATS, for the `simulate` and
+//! `demo` commands, load tests and end-to-end tests.
+//!
+//! [`run_simulation`] starts [`SimulationConfig::workers`] workers, each with its own
+//! [`LeasePublisher`] (so its own publisher id and sequence), and a pacer that starts request
+//! lifecycles at [`SimulationConfig::rate`] per second overall, handing each to a worker:
+//!
+//! - `admitted` (prompt 100 to 4,000 tokens; the expected output is sometimes unknown),
+//! - `progressed` every [`SimulationConfig::progress_every`] while the request lives (first
+//!   `prefill_done`, then `decoding` with a growing output token count),
+//! - `completed`, mostly `finished`, some `cancelled` or `failed`.
+//!
+//! What a real bus does to the router is simulated too:
+//! - **crashes** ([`SimulationConfig::crash_share`]): the request is never completed; its
+//!   lease must expire on its own;
+//! - **duplicates** ([`SimulationConfig::duplicate_share`]): the `admitted` or the `completed`
+//!   is sent twice through the publisher (same content, a new sequence number), as a retry
+//!   would; the router must count it as a touch or as stale, never twice;
+//! - **reorders** ([`SimulationConfig::reorder_share`]): a `progressed` sent before its
+//!   `admitted` (the router holds it), or a very short request whose `completed` is sent
+//!   before its `admitted` (the router keeps a tombstone and ignores the late admit).
+//!
+//! Every decision comes from one random generator in the pacer, so a run with
+//! [`SimulationConfig::seed`] set publishes the same requests with the same contents (the
+//! timing, of course, differs). Each worker first says it restarted (`worker_reset`), so
+//! leases left by an earlier run of the same worker ids are dropped at once.
+//!
+//! When the duration is over (or `cancel` fires) no request is started any more; the live
+//! ones that were not going to crash are completed as `cancelled`, and every publisher is
+//! closed, which flushes it: when [`run_simulation`] returns, the server has every event.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+
+use crate::publisher::{LeasePublisher, PublisherConfig};
+use crate::subject::Subjects;
+use crate::wire::{
+    Admitted, Completed, LeaseEvent, Outcome, ProgressStage, Progressed, WorkerReset,
+};
+
+/// The smallest accepted [`SimulationConfig::progress_every`].
+pub const MIN_PROGRESS_EVERY: Duration = Duration::from_millis(1);
+
+/// How a simulation runs. [`Default`] gives a modest, realistic load.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimulationConfig {
+    /// Number of simulated workers, each with its own publisher. Default 8.
+    pub workers: usize,
+    /// The id of the first worker; the others follow (`first_worker_id + i`). Default 1.
+    pub first_worker_id: u64,
+    /// Data-parallel ranks per worker; each request picks one. Default 2.
+    pub dp_ranks: u32,
+    /// Request lifecycles started per second, all workers together. Default 200.
+    pub rate: f64,
+    /// How long requests are started. Default 30 s.
+    pub duration: Duration,
+    /// How often a live request publishes `progressed`. Default 10 ms.
+    pub progress_every: Duration,
+    /// The mean lifetime of a request (exponentially distributed, at least one progress
+    /// interval, at most ten times the mean). Default 1 s.
+    pub mean_request_time: Duration,
+    /// The share of requests that are never completed: their worker "crashes" them, and the
+    /// router's lease must expire. Default 0.02.
+    pub crash_share: f64,
+    /// The share of requests whose `admitted` or `completed` is sent twice. Default 0.02.
+    pub duplicate_share: f64,
+    /// The share of requests sent out of order: `progressed` before `admitted`, or (for a
+    /// request that ends at once) `completed` before `admitted`. Default 0.02.
+    pub reorder_share: f64,
+    /// At most this many live requests at once, all workers together; past it the pacer
+    /// skips starts (counted as throttled). Default 10,000.
+    pub max_live_requests: usize,
+    /// Seed of the generator that decides every request. `None`: random.
+    pub seed: Option<u64>,
+    /// Whether each worker publishes a `worker_reset` first. Default true.
+    pub reset_workers_on_start: bool,
+    /// How often `progress` is called. Default 250 ms.
+    pub report_every: Duration,
+    /// The publishers' settings.
+    pub publisher: PublisherConfig,
+    /// How long each publisher may take to deliver its queue at the end. Default 10 s.
+    pub close_timeout: Duration,
+}
+
+impl Default for SimulationConfig {
+    fn default() -> Self {
+        Self {
+            workers: 8,
+            first_worker_id: 1,
+            dp_ranks: 2,
+            rate: 200.0,
+            duration: Duration::from_secs(30),
+            progress_every: Duration::from_millis(10),
+            mean_request_time: Duration::from_secs(1),
+            crash_share: 0.02,
+            duplicate_share: 0.02,
+            reorder_share: 0.02,
+            max_live_requests: 10_000,
+            seed: None,
+            reset_workers_on_start: true,
+            report_every: Duration::from_millis(250),
+            publisher: PublisherConfig::default(),
+            close_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl SimulationConfig {
+    /// Checks every setting; the error names the setting and what is accepted.
+    pub fn validate(&self) -> Result<(), SimulateError> {
+        let invalid = |setting: &'static str, accepted: &'static str, value: String| {
+            Err(SimulateError::InvalidConfig {
+                setting,
+                accepted,
+                value,
+            })
+        };
+        if self.workers == 0 || self.workers > 10_000 {
+            return invalid("workers", "1 to 10000", self.workers.to_string());
+        }
+        if self
+            .first_worker_id
+            .checked_add(self.workers as u64)
+            .is_none()
+        {
+            return invalid(
+                "first worker id",
+                "an id that leaves room for every worker below 2^64",
+                self.first_worker_id.to_string(),
+            );
+        }
+        if self.dp_ranks == 0 || self.dp_ranks > 1024 {
+            return invalid("dp ranks", "1 to 1024", self.dp_ranks.to_string());
+        }
+        if !(self.rate.is_finite() && self.rate > 0.0 && self.rate <= 1_000_000.0) {
+            return invalid(
+                "rate",
+                "a number of requests per second above 0 and at most 1000000",
+                self.rate.to_string(),
+            );
+        }
+        if self.progress_every < MIN_PROGRESS_EVERY {
+            return invalid(
+                "progress interval",
+                "1ms or more",
+                format_duration(self.progress_every),
+            );
+        }
+        if self.mean_request_time.is_zero() {
+            return invalid(
+                "mean request time",
+                "more than 0",
+                format_duration(self.mean_request_time),
+            );
+        }
+        for (setting, share) in [
+            ("crash share", self.crash_share),
+            ("duplicate share", self.duplicate_share),
+            ("reorder share", self.reorder_share),
+        ] {
+            if !(0.0..=1.0).contains(&share) {
+                return invalid(setting, "a number from 0 to 1", share.to_string());
+            }
+        }
+        if self.max_live_requests == 0 {
+            return invalid("max live requests", "1 or more", "0".to_owned());
+        }
+        if self.report_every.is_zero() {
+            return invalid("report interval", "more than 0", "0s".to_owned());
+        }
+        Ok(())
+    }
+
+    fn worker_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        (0..self.workers as u64).map(|i| self.first_worker_id + i)
+    }
+}
+
+/// Why a simulation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum SimulateError {
+    #[error("invalid simulation setting {setting} = {value}: accepted values are {accepted}")]
+    InvalidConfig {
+        setting: &'static str,
+        accepted: &'static str,
+        value: String,
+    },
+    #[error("simulated worker {worker_id} stopped unexpectedly: {message}")]
+    Worker { worker_id: u64, message: String },
+}
+
+/// What a simulation did so far, passed to the progress callback.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SimulationProgress {
+    pub elapsed: Duration,
+    /// The configured duration.
+    pub duration: Duration,
+    pub requests_started: u64,
+    pub requests_completed: u64,
+    pub requests_crashed: u64,
+    /// Starts skipped because [`SimulationConfig::max_live_requests`] were live.
+    pub requests_throttled: u64,
+    pub live_requests: u64,
+    /// Live requests per worker: `(worker_id, live)`.
+    pub live_by_worker: Vec<(u64, u64)>,
+    /// Events handed to the publishers.
+    pub events_published: u64,
+    /// Events the publishers refused (their queue was full, or they were closed).
+    pub events_dropped: u64,
+}
+
+impl SimulationProgress {
+    /// Elapsed share of the duration, 0 to 1.
+    pub fn fraction(&self) -> f64 {
+        if self.duration.is_zero() {
+            1.0
+        } else {
+            (self.elapsed.as_secs_f64() / self.duration.as_secs_f64()).clamp(0.0, 1.0)
+        }
+    }
+}
+
+/// What a simulation did, once it is over.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SimulationSummary {
+    pub workers: usize,
+    /// From the start to the last publisher closed (flushed).
+    pub duration: Duration,
+    pub requests_started: u64,
+    /// Requests whose `completed` was sent (including those cut short at the end).
+    pub requests_completed: u64,
+    /// Of `requests_completed`, live at the end and completed as `cancelled` then.
+    pub requests_cut_short: u64,
+    /// Requests never completed: their leases must expire in the router.
+    pub requests_crashed: u64,
+    pub requests_throttled: u64,
+    pub outcomes_finished: u64,
+    pub outcomes_cancelled: u64,
+    pub outcomes_failed: u64,
+    /// Extra copies of `admitted` or `completed` sent.
+    pub duplicates_sent: u64,
+    /// Requests sent out of order (`progressed` or `completed` before `admitted`).
+    pub reorders_sent: u64,
+    pub worker_resets_sent: u64,
+    /// Events accepted by the publishers, by kind.
+    pub admitted_sent: u64,
+    pub progressed_sent: u64,
+    pub completed_sent: u64,
+    /// Events accepted by the publishers, all kinds.
+    pub events_published: u64,
+    /// Of those, events the publishers handed to the NATS client and flushed.
+    pub events_delivered: u64,
+    /// Events the publishers refused (queue full) or accepted but could not send.
+    pub events_dropped: u64,
+    /// `requests_started` per second of the configured duration actually run.
+    pub achieved_rate: f64,
+    /// `events_published` per second.
+    pub events_per_second: f64,
+}
+
+impl fmt::Display for SimulationSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "simulation: {} workers, {} in {}",
+            self.workers,
+            plural(self.requests_started, "request"),
+            format_duration(self.duration)
+        )?;
+        writeln!(
+            f,
+            "  requests: {} started ({:.1}/s), {} completed ({} finished, {} cancelled, {} \
+             failed; {} cut short at the end), {} crashed, {} throttled",
+            self.requests_started,
+            self.achieved_rate,
+            self.requests_completed,
+            self.outcomes_finished,
+            self.outcomes_cancelled,
+            self.outcomes_failed,
+            self.requests_cut_short,
+            self.requests_crashed,
+            self.requests_throttled
+        )?;
+        writeln!(
+            f,
+            "  events: {} published ({:.0}/s: {} admitted, {} progressed, {} completed, {} \
+             worker resets), {} delivered, {} dropped at the publishers",
+            self.events_published,
+            self.events_per_second,
+            self.admitted_sent,
+            self.progressed_sent,
+            self.completed_sent,
+            self.worker_resets_sent,
+            self.events_delivered,
+            self.events_dropped
+        )?;
+        write!(
+            f,
+            "  faults: {} duplicates, {} reorders, {} crashes",
+            self.duplicates_sent, self.reorders_sent, self.requests_crashed
+        )
+    }
+}
+
+fn plural(n: u64, word: &str) -> String {
+    if n == 1 {
+        format!("{n} {word}")
+    } else {
+        format!("{n} {word}s")
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Durations, for people. (Parsing is `crate::service::config::parse_duration`.)
+// ---------------------------------------------------------------------------------------
+
+/// Writes a duration the way [`crate::service::config::parse_duration`] reads it, rounded for
+/// people: `250ms`,
+/// `1.5s`, `5m`, `1h2m`.
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let secs = d.as_secs_f64();
+    if secs < 60.0 {
+        let text = format!("{secs:.1}");
+        let text = text.strip_suffix(".0").unwrap_or(&text);
+        return format!("{text}s");
+    }
+    let total = d.as_secs();
+    let (h, m, s) = (total / 3600, (total / 60) % 60, total % 60);
+    let mut out = String::new();
+    if h > 0 {
+        out.push_str(&format!("{h}h"));
+    }
+    if m > 0 {
+        out.push_str(&format!("{m}m"));
+    }
+    if s > 0 {
+        out.push_str(&format!("{s}s"));
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// The plan of one request, decided by the pacer.
+// ---------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fate {
+    Complete(Outcome),
+    Crash,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Duplicate {
+    Admitted,
+    Completed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reorder {
+    /// One `progressed` before the `admitted`.
+    ProgressFirst,
+    /// A request that ends at once: `completed` before `admitted`.
+    CompleteFirst,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct RequestPlan {
+    request_id: String,
+    dp_rank: u32,
+    prompt_tokens: u32,
+    expected_output_tokens: Option<u32>,
+    /// Progress intervals the request lives (at least 1).
+    ticks: u32,
+    /// Output tokens added per progress.
+    tokens_per_tick: u32,
+    fate: Fate,
+    duplicate: Option<Duplicate>,
+    reorder: Option<Reorder>,
+}
+
+struct Planner {
+    rng: StdRng,
+    run_id: u32,
+    next: u64,
+    config: SimulationConfig,
+}
+
+impl Planner {
+    fn new(config: &SimulationConfig) -> Self {
+        let mut rng = match config.seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        };
+        let run_id = rng.random();
+        Self {
+            rng,
+            run_id,
+            next: 0,
+            config: config.clone(),
+        }
+    }
+
+    fn pick_worker(&mut self) -> usize {
+        self.rng.random_range(0..self.config.workers)
+    }
+
+    fn plan(&mut self, worker_id: u64) -> RequestPlan {
+        let c = &self.config;
+        let rng = &mut self.rng;
+        self.next += 1;
+        let request_id = format!("sim-{:08x}-w{worker_id}-{}", self.run_id, self.next);
+        let dp_rank = rng.random_range(0..c.dp_ranks);
+        let prompt_tokens = rng.random_range(100..=4000);
+        let expected_output_tokens = rng
+            .random_bool(0.8)
+            .then(|| rng.random_range(16..=2048));
+        // Exponential lifetime, clamped to [one interval, ten means].
+        let u: f64 = rng.random();
+        let mean = c.mean_request_time.as_secs_f64();
+        let life = (-(1.0 - u).ln() * mean).clamp(0.0, 10.0 * mean);
+        let ticks = (life / c.progress_every.as_secs_f64()).round().max(1.0);
+        let ticks = ticks.min(f64::from(u32::MAX)) as u32;
+        let tokens_per_tick = rng.random_range(1..=4);
+        let fate = if rng.random_bool(c.crash_share) {
+            Fate::Crash
+        } else {
+            let roll: f64 = rng.random();
+            Fate::Complete(if roll < 0.90 {
+                Outcome::Finished
+            } else if roll < 0.96 {
+                Outcome::Cancelled
+            } else {
+                Outcome::Failed
+            })
+        };
+        let duplicate = rng.random_bool(c.duplicate_share).then(|| {
+            if matches!(fate, Fate::Crash) || rng.random_bool(0.5) {
+                Duplicate::Admitted
+            } else {
+                Duplicate::Completed
+            }
+        });
+        let reorder = rng.random_bool(c.reorder_share).then(|| {
+            if matches!(fate, Fate::Complete(_)) && rng.random_bool(0.5) {
+                Reorder::CompleteFirst
+            } else {
+                Reorder::ProgressFirst
+            }
+        });
+        RequestPlan {
+            request_id,
+            dp_rank,
+            prompt_tokens,
+            expected_output_tokens,
+            ticks,
+            tokens_per_tick,
+            fate,
+            duplicate,
+            reorder,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared counters.
+// ---------------------------------------------------------------------------------------
+
+#[derive(Default)]
+struct Counters {
+    started: AtomicU64,
+    completed: AtomicU64,
+    cut_short: AtomicU64,
+    crashed: AtomicU64,
+    throttled: AtomicU64,
+    finished: AtomicU64,
+    cancelled: AtomicU64,
+    failed: AtomicU64,
+    duplicates: AtomicU64,
+    reorders: AtomicU64,
+    resets: AtomicU64,
+    admitted: AtomicU64,
+    progressed: AtomicU64,
+    completed_events: AtomicU64,
+    published: AtomicU64,
+    dropped: AtomicU64,
+    /// Accepted, then failed to send (from the publishers' stats at close).
+    send_failed: AtomicU64,
+    /// Handed to the NATS client (from the publishers' stats at close).
+    delivered: AtomicU64,
+    live: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+fn load(counter: &AtomicU64) -> u64 {
+    counter.load(Ordering::Relaxed)
+}
+
+// ---------------------------------------------------------------------------------------
+// One simulated worker.
+// ---------------------------------------------------------------------------------------
+
+struct LiveRequest {
+    plan: RequestPlan,
+    ticks_left: u32,
+    output_tokens: u32,
+    progressed_once: bool,
+}
+
+struct Worker {
+    worker_id: u64,
+    publisher: LeasePublisher,
+    counters: Arc<Counters>,
+    live_here: Arc<AtomicU64>,
+    live: Vec<LiveRequest>,
+    /// Events sent at the next progress tick (delayed duplicates and late admits).
+    deferred: VecDeque<LeaseEvent>,
+}
+
+impl Worker {
+    fn send(&self, event: impl Into<LeaseEvent>) {
+        let event = event.into();
+        let counter = match &event {
+            LeaseEvent::Admitted(_) => &self.counters.admitted,
+            LeaseEvent::Progressed(_) => &self.counters.progressed,
+            LeaseEvent::Completed(_) => &self.counters.completed_events,
+            LeaseEvent::WorkerReset(_) => &self.counters.resets,
+        };
+        match self.publisher.publish(event) {
+            Ok(()) => {
+                bump(counter);
+                bump(&self.counters.published);
+            }
+            Err(error) => {
+                bump(&self.counters.dropped);
+                tracing::trace!(worker_id = self.worker_id, %error, "event dropped");
+            }
+        }
+    }
+
+    fn admitted(&self, plan: &RequestPlan) -> Admitted {
+        Admitted {
+            request_id: plan.request_id.clone(),
+            worker_id: self.worker_id,
+            dp_rank: plan.dp_rank,
+            prompt_tokens: plan.prompt_tokens,
+            expected_output_tokens: plan.expected_output_tokens,
+        }
+    }
+
+    fn completed(&self, plan: &RequestPlan, outcome: Outcome) -> Completed {
+        Completed {
+            request_id: plan.request_id.clone(),
+            worker_id: self.worker_id,
+            dp_rank: plan.dp_rank,
+            outcome,
+        }
+    }
+
+    fn progressed(&self, request: &LiveRequest) -> Progressed {
+        Progressed {
+            request_id: request.plan.request_id.clone(),
+            worker_id: self.worker_id,
+            dp_rank: request.plan.dp_rank,
+            stage: if request.progressed_once {
+                ProgressStage::Decoding
+            } else {
+                ProgressStage::PrefillDone
+            },
+            output_tokens: request.output_tokens,
+        }
+    }
+
+    fn count_outcome(&self, outcome: Outcome) {
+        bump(&self.counters.completed);
+        bump(match outcome {
+            Outcome::Finished => &self.counters.finished,
+            Outcome::Cancelled => &self.counters.cancelled,
+            Outcome::Failed => &self.counters.failed,
+        });
+    }
+
+    fn start(&mut self, plan: RequestPlan) {
+        match plan.reorder {
+            Some(Reorder::CompleteFirst) => {
+                // A request that ends at once, its completion overtaking its admission.
+                let outcome = match plan.fate {
+                    Fate::Complete(outcome) => outcome,
+                    Fate::Crash => Outcome::Failed,
+                };
+                bump(&self.counters.reorders);
+                self.send(self.completed(&plan, outcome));
+                self.deferred
+                    .push_back(self.admitted(&plan).into());
+                self.count_outcome(outcome);
+                return;
+            }
+            Some(Reorder::ProgressFirst) => {
+                bump(&self.counters.reorders);
+                let mut request = LiveRequest {
+                    plan,
+                    ticks_left: 0,
+                    output_tokens: 0,
+                    progressed_once: false,
+                };
+                self.send(self.progressed(&request));
+                request.progressed_once = true;
+                self.send(self.admitted(&request.plan));
+                request.ticks_left = request.plan.ticks;
+                self.add_live(request);
+            }
+            None => {
+                self.send(self.admitted(&plan));
+                let ticks = plan.ticks;
+                self.add_live(LiveRequest {
+                    plan,
+                    ticks_left: ticks,
+                    output_tokens: 0,
+                    progressed_once: false,
+                });
+            }
+        }
+        let request = self.live.last().expect("just added");
+        if request.plan.duplicate == Some(Duplicate::Admitted) {
+            bump(&self.counters.duplicates);
+            let again = self.admitted(&request.plan);
+            self.deferred.push_back(again.into());
+        }
+    }
+
+    fn add_live(&mut self, request: LiveRequest) {
+        self.live.push(request);
+        self.live_here.fetch_add(1, Ordering::Relaxed);
+        self.counters.live.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn remove_live(&mut self, index: usize) -> LiveRequest {
+        self.live_here.fetch_sub(1, Ordering::Relaxed);
+        self.counters.live.fetch_sub(1, Ordering::Relaxed);
+        self.live.swap_remove(index)
+    }
+
+    /// One progress interval: the deferred events, then every live request moves on or ends.
+    fn tick(&mut self) {
+        while let Some(event) = self.deferred.pop_front() {
+            self.send(event);
+        }
+        let mut i = 0;
+        while i < self.live.len() {
+            if self.live[i].ticks_left == 0 {
+                let request = self.remove_live(i);
+                self.end(request);
+                continue;
+            }
+            let request = &mut self.live[i];
+            request.ticks_left -= 1;
+            if request.progressed_once {
+                request.output_tokens = request
+                    .output_tokens
+                    .saturating_add(request.plan.tokens_per_tick);
+            }
+            let event = self.progressed(&self.live[i]);
+            self.live[i].progressed_once = true;
+            self.send(event);
+            i += 1;
+        }
+    }
+
+    fn end(&mut self, request: LiveRequest) {
+        match request.plan.fate {
+            Fate::Crash => bump(&self.counters.crashed),
+            Fate::Complete(outcome) => {
+                let completed = self.completed(&request.plan, outcome);
+                if request.plan.duplicate == Some(Duplicate::Completed) {
+                    bump(&self.counters.duplicates);
+                    self.deferred.push_back(completed.clone().into());
+                }
+                self.send(completed);
+                self.count_outcome(outcome);
+            }
+        }
+    }
+
+    /// The end of the run: what was going to complete is completed now, as cancelled.
+    fn finish(&mut self) {
+        while let Some(event) = self.deferred.pop_front() {
+            self.send(event);
+        }
+        while !self.live.is_empty() {
+            let request = self.remove_live(self.live.len() - 1);
+            match request.plan.fate {
+                Fate::Crash => bump(&self.counters.crashed),
+                Fate::Complete(_) => {
+                    self.send(self.completed(&request.plan, Outcome::Cancelled));
+                    bump(&self.counters.cut_short);
+                    self.count_outcome(Outcome::Cancelled);
+                }
+            }
+        }
+    }
+
+    async fn run(
+        mut self,
+        mut requests: mpsc::Receiver<RequestPlan>,
+        progress_every: Duration,
+        reset: bool,
+        close_timeout: Duration,
+    ) -> Result<(), String> {
+        if reset {
+            self.send(WorkerReset {
+                worker_id: self.worker_id,
+                dp_rank: None,
+            });
+        }
+        let mut ticker = tokio::time::interval(progress_every);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                plan = requests.recv() => match plan {
+                    Some(plan) => self.start(plan),
+                    // The pacer is done: the run is over.
+                    None => break,
+                },
+                _ = ticker.tick() => self.tick(),
+            }
+        }
+        self.finish();
+        let counters = self.counters.clone();
+        let closed = tokio::time::timeout(close_timeout, self.publisher.close()).await;
+        let stats = match closed {
+            Ok(Ok(stats)) => stats,
+            Ok(Err(error)) => return Err(format!("closing its publisher failed: {error}")),
+            Err(_) => {
+                return Err(format!(
+                    "its publisher could not deliver its events within {}",
+                    format_duration(close_timeout)
+                ))
+            }
+        };
+        // Accepted events that the publisher then failed to send are drops too.
+        counters.send_failed.fetch_add(stats.failed, Ordering::Relaxed);
+        counters
+            .delivered
+            .fetch_add(stats.published, Ordering::Relaxed);
+        tracing::debug!(worker_id = self.worker_id, ?stats, "simulated worker closed");
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The run.
+// ---------------------------------------------------------------------------------------
+
+/// Runs a simulation: see the [module documentation](self). `progress` is called every
+/// [`SimulationConfig::report_every`] and once at the end. Returns when the duration is over
+/// or `cancel` fires, after every publisher is flushed and closed.
+pub async fn run_simulation(
+    client: async_nats::Client,
+    subjects: Subjects,
+    config: SimulationConfig,
+    cancel: CancellationToken,
+    mut progress: impl FnMut(&SimulationProgress),
+) -> Result<SimulationSummary, SimulateError> {
+    config.validate()?;
+    let counters = Arc::new(Counters::default());
+    let mut planner = Planner::new(&config);
+
+    let mut senders = Vec::with_capacity(config.workers);
+    let mut live_by_worker = Vec::with_capacity(config.workers);
+    let mut tasks = tokio::task::JoinSet::new();
+    for worker_id in config.worker_ids() {
+        let publisher =
+            LeasePublisher::start(client.clone(), subjects.clone(), config.publisher.clone());
+        let (tx, rx) = mpsc::channel(1024);
+        let live_here = Arc::new(AtomicU64::new(0));
+        let worker = Worker {
+            worker_id,
+            publisher,
+            counters: counters.clone(),
+            live_here: live_here.clone(),
+            live: Vec::new(),
+            deferred: VecDeque::new(),
+        };
+        let progress_every = config.progress_every;
+        let reset = config.reset_workers_on_start;
+        let close_timeout = config.close_timeout;
+        tasks.spawn(async move {
+            let result = worker.run(rx, progress_every, reset, close_timeout).await;
+            (worker_id, result)
+        });
+        senders.push(tx);
+        live_by_worker.push((worker_id, live_here));
+    }
+
+    let snapshot = |elapsed: Duration| SimulationProgress {
+        elapsed,
+        duration: config.duration,
+        requests_started: load(&counters.started),
+        requests_completed: load(&counters.completed),
+        requests_crashed: load(&counters.crashed),
+        requests_throttled: load(&counters.throttled),
+        live_requests: load(&counters.live),
+        live_by_worker: live_by_worker
+            .iter()
+            .map(|(id, live)| (*id, load(live)))
+            .collect(),
+        events_published: load(&counters.published),
+        events_dropped: load(&counters.dropped),
+    };
+
+    // The pacer: a tick every millisecond or every start interval, whichever is longer;
+    // each tick starts what the rate owes so far, so the rate holds whatever the timer's
+    // granularity.
+    let start = Instant::now();
+    let deadline = start + config.duration;
+    let pace = Duration::from_secs_f64(1.0 / config.rate).max(Duration::from_millis(1));
+    let mut pacer = tokio::time::interval(pace);
+    pacer.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut report = tokio::time::interval(config.report_every);
+    report.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    report.tick().await;
+    let mut owed_started = 0u64;
+    let mut worker_failure = None;
+    loop {
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep_until(deadline) => break,
+            Some(joined) = tasks.join_next() => {
+                // A worker ended before the run did: that is a failure.
+                worker_failure = Some(match joined {
+                    Ok((worker_id, Ok(()))) => SimulateError::Worker {
+                        worker_id,
+                        message: "it ended before the run did".to_owned(),
+                    },
+                    other => match worker_error(other) {
+                        Err(error) => error,
+                        Ok(()) => unreachable!("handled above"),
+                    },
+                });
+                break;
+            }
+            _ = report.tick() => progress(&snapshot(start.elapsed())),
+            _ = pacer.tick() => {
+                let due = (start.elapsed().as_secs_f64() * config.rate) as u64;
+                while owed_started < due {
+                    owed_started += 1;
+                    if load(&counters.live) >= config.max_live_requests as u64 {
+                        bump(&counters.throttled);
+                        continue;
+                    }
+                    let index = planner.pick_worker();
+                    let plan = planner.plan(config.first_worker_id + index as u64);
+                    match senders[index].try_send(plan) {
+                        Ok(()) => bump(&counters.started),
+                        Err(_) => bump(&counters.throttled),
+                    }
+                }
+            }
+        }
+    }
+    let ran_for = start.elapsed().min(config.duration);
+    // Closing the channels tells the workers to finish.
+    drop(senders);
+    while let Some(joined) = tasks.join_next().await {
+        if let Err(error) = worker_error(joined) {
+            worker_failure.get_or_insert(error);
+        }
+    }
+    if let Some(error) = worker_failure {
+        return Err(error);
+    }
+    let elapsed = start.elapsed();
+    progress(&snapshot(elapsed));
+
+    let c = &counters;
+    let published = load(&c.published);
+    let started = load(&c.started);
+    let per_second = |n: u64, over: Duration| {
+        if over.is_zero() {
+            0.0
+        } else {
+            n as f64 / over.as_secs_f64()
+        }
+    };
+    Ok(SimulationSummary {
+        workers: config.workers,
+        duration: elapsed,
+        requests_started: started,
+        requests_completed: load(&c.completed),
+        requests_cut_short: load(&c.cut_short),
+        requests_crashed: load(&c.crashed),
+        requests_throttled: load(&c.throttled),
+        outcomes_finished: load(&c.finished),
+        outcomes_cancelled: load(&c.cancelled),
+        outcomes_failed: load(&c.failed),
+        duplicates_sent: load(&c.duplicates),
+        reorders_sent: load(&c.reorders),
+        worker_resets_sent: load(&c.resets),
+        admitted_sent: load(&c.admitted),
+        progressed_sent: load(&c.progressed),
+        completed_sent: load(&c.completed_events),
+        events_published: published,
+        events_delivered: load(&c.delivered),
+        events_dropped: load(&c.dropped) + load(&c.send_failed),
+        achieved_rate: per_second(started, ran_for),
+        events_per_second: per_second(published, elapsed),
+    })
+}
+
+fn worker_error(
+    joined: Result<(u64, Result<(), String>), tokio::task::JoinError>,
+) -> Result<(), SimulateError> {
+    match joined {
+        Ok((_, Ok(()))) => Ok(()),
+        Ok((worker_id, Err(message))) => Err(SimulateError::Worker {
+            worker_id,
+            message,
+        }),
+        Err(join) => Err(SimulateError::Worker {
+            worker_id: 0,
+            message: join.to_string(),
+        }),
+    }
+}

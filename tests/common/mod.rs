@@ -1,0 +1,173 @@
+//! Shared by the integration tests: a real nats-server, a router fed by it, raw publishing,
+//! and bounded waiting.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
+use lease_router::ingress::{ApplyConfig, NatsIngress};
+use lease_router::nats_server::{NatsServer, NatsServerBuilder};
+use lease_router::router::{Router, RouterConfig};
+use lease_router::stats::IngressStats;
+use lease_router::subject::{DeploymentName, Subjects};
+use lease_router::wire::{self, Admitted, Completed, Envelope, LeaseEvent, Outcome, Progressed};
+use tokio_util::task::TaskTracker;
+
+pub const BOUND: Duration = Duration::from_secs(20);
+
+pub async fn server() -> NatsServer {
+    NatsServerBuilder::new()
+        .spawn()
+        .await
+        .expect("nats-server starts (is it on PATH?)")
+}
+
+pub async fn client(url: &str) -> NatsConnection {
+    connect(&NatsConnectConfig::new([url]).with_connect_deadline(Duration::from_secs(10)))
+        .await
+        .expect("connects")
+}
+
+/// A connection whose subscriptions buffer up to `capacity` messages.
+pub async fn client_with_capacity(url: &str, capacity: usize) -> NatsConnection {
+    let config = NatsConnectConfig::new([url])
+        .with_connect_deadline(Duration::from_secs(10))
+        .with_subscription_capacity(capacity);
+    connect(&config).await.expect("connects")
+}
+
+pub fn subjects(deployment: &str) -> Subjects {
+    Subjects::with_default_prefix(DeploymentName::new(deployment).unwrap())
+}
+
+/// A router for `deployment` whose ingress subscribes over `connection`.
+pub struct Harness {
+    pub router: Router,
+    pub stats: Arc<IngressStats>,
+    pub tracker: TaskTracker,
+}
+
+pub async fn router(
+    connection: &NatsConnection,
+    deployment: &str,
+    scan_interval: Duration,
+    config: ApplyConfig,
+) -> Harness {
+    let stats = Arc::new(IngressStats::new());
+    let tracker = TaskTracker::new();
+    let ingress = NatsIngress::new(
+        connection.client().clone(),
+        subjects(deployment),
+        config,
+        stats.clone(),
+    );
+    let router = Router::start_tracked(
+        RouterConfig::new(deployment).with_scan_interval(scan_interval),
+        ingress,
+        tracker.clone(),
+    )
+    .await
+    .expect("router starts");
+    Harness {
+        router,
+        stats,
+        tracker,
+    }
+}
+
+/// Publishes envelopes as a worker would, with full control of ids and sequence numbers.
+pub struct RawPublisher {
+    pub client: async_nats::Client,
+    pub subjects: Subjects,
+    pub publisher_id: u64,
+    pub next_seq: u64,
+}
+
+impl RawPublisher {
+    pub fn new(client: async_nats::Client, deployment: &str, publisher_id: u64) -> Self {
+        Self {
+            client,
+            subjects: subjects(deployment),
+            publisher_id,
+            next_seq: 1,
+        }
+    }
+
+    pub fn envelope(&mut self, event: impl Into<LeaseEvent>) -> Envelope {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        Envelope::new(self.publisher_id, seq, wire::unix_micros_now(), event)
+    }
+
+    pub async fn send(&mut self, event: impl Into<LeaseEvent>) {
+        let envelope = self.envelope(event);
+        self.send_envelope(&envelope).await;
+    }
+
+    pub async fn send_envelope(&self, envelope: &Envelope) {
+        let subject = self.subjects.worker_subject(envelope.event.worker_id());
+        let bytes = wire::encode(envelope).expect("encodes");
+        self.send_bytes(subject, bytes).await;
+    }
+
+    pub async fn send_bytes(&self, subject: String, bytes: Vec<u8>) {
+        self.client
+            .publish(subject, Bytes::from(bytes))
+            .await
+            .expect("publish");
+    }
+
+    pub async fn flush(&self) {
+        self.client.flush().await.expect("flush");
+    }
+}
+
+pub fn admitted(request_id: &str, worker_id: u64, prompt_tokens: u32) -> Admitted {
+    Admitted {
+        request_id: request_id.to_string(),
+        worker_id,
+        dp_rank: 0,
+        prompt_tokens,
+        expected_output_tokens: Some(16),
+    }
+}
+
+pub fn progressed(request_id: &str, worker_id: u64) -> Progressed {
+    Progressed {
+        request_id: request_id.to_string(),
+        worker_id,
+        dp_rank: 0,
+        stage: wire::ProgressStage::Decoding,
+        output_tokens: 1,
+    }
+}
+
+pub fn completed(request_id: &str, worker_id: u64) -> Completed {
+    Completed {
+        request_id: request_id.to_string(),
+        worker_id,
+        dp_rank: 0,
+        outcome: Outcome::Finished,
+    }
+}
+
+/// Polls `check` until it holds or `bound` passes; returns whether it held.
+pub async fn eventually<F, Fut>(bound: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + bound;
+    loop {
+        if check().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
