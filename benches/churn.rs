@@ -1,1 +1,202 @@
-fn main() {}
+//! 1,000 cycles of adding and removing a deployment's router while events for it keep
+//! arriving (`cargo bench --bench churn`).
+//!
+//! A background publisher sends lifecycles for the deployment at a steady rate the whole time.
+//! Each cycle starts a router (NATS ingress on a shared connection, manager, scheduler,
+//! reaper) on one shared `TaskTracker`, lets it apply events for a moment, then removes it:
+//! even cycles with `shutdown()`, odd ones by dropping it. Resident memory and live tasks are
+//! measured after the first 10 cycles and at the end, each after the removed routers' tasks
+//! have wound down; the last line is `churn_rss_growth=<fraction>`.
+//!
+//! Environment: `CHURN_CYCLES` (default 1000), `CHURN_RATE` (events/s, default 20000).
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use lease_router::ingress::{ApplyConfig, NatsIngress};
+use lease_router::nats_server::NatsServerBuilder;
+use lease_router::router::{Router, RouterConfig};
+use lease_router::stats::IngressStats;
+use lease_router::subject::Subjects;
+use lease_router::wire::{self, Envelope};
+use tokio_util::task::TaskTracker;
+
+use common::{nats, rss_bytes, subjects, LifecycleGen, LifecycleShape};
+
+const DEPLOYMENT: &str = "churn";
+const WORKERS: u64 = 16;
+/// How long each router lives.
+const LIFETIME: Duration = Duration::from_millis(3);
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Publishes lifecycles for the deployment until `stop`, paced on 1 ms ticks.
+async fn publisher(client: async_nats::Client, subjects: Subjects, rate: f64, stop: Arc<AtomicBool>) -> u64 {
+    let mut gen = LifecycleGen::new(
+        4242,
+        (0..WORKERS).collect(),
+        u64::MAX,
+        LifecycleShape {
+            concurrency: 64,
+            ..LifecycleShape::default()
+        },
+    );
+    let worker_subjects: Vec<async_nats::Subject> = (0..WORKERS)
+        .map(|w| subjects.worker_subject(w).into())
+        .collect();
+    let mut ticker = tokio::time::interval(Duration::from_millis(1));
+    let start = Instant::now();
+    let mut seq = 0u64;
+    let mut buf = Vec::with_capacity(128);
+    while !stop.load(Ordering::Relaxed) {
+        ticker.tick().await;
+        let due = (start.elapsed().as_secs_f64() * rate) as u64;
+        while seq < due {
+            let event = gen.next_event().expect("endless requests");
+            seq += 1;
+            let subject = worker_subjects[event.worker_id() as usize].clone();
+            buf.clear();
+            wire::encode_into(
+                &Envelope::new(0xC4A2, seq, wire::unix_micros_now(), event),
+                &mut buf,
+            )
+            .unwrap();
+            client
+                .publish(subject, Bytes::copy_from_slice(&buf))
+                .await
+                .expect("publish");
+        }
+    }
+    seq
+}
+
+/// Waits (bounded) until no removed router's task is still winding down, then measures.
+async fn settle(tracker: &TaskTracker) -> (u64, usize, usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !tracker.is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Give the allocator and the client's subscription bookkeeping a moment too.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let alive = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
+    (rss_bytes(), tracker.len(), alive)
+}
+
+fn growth(base: f64, end: f64) -> f64 {
+    if base == 0.0 {
+        if end == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        }
+    } else {
+        (end - base) / base
+    }
+}
+
+async fn bench() {
+    let cycles = env_u64("CHURN_CYCLES", 1000).max(11);
+    let rate = env_u64("CHURN_RATE", 20_000) as f64;
+    println!("machine: {}", common::machine());
+    let server = NatsServerBuilder::new()
+        .spawn()
+        .await
+        .expect("nats-server starts");
+    let url = server.url();
+    let subjects = subjects(DEPLOYMENT);
+    // One connection for every router, as a service host has.
+    let conn = nats(&url, None).await;
+    let stats = Arc::new(IngressStats::new());
+    let tracker = TaskTracker::new();
+    let stop = Arc::new(AtomicBool::new(false));
+    let publishing = tokio::spawn(publisher(
+        nats(&url, None).await.client().clone(),
+        subjects.clone(),
+        rate,
+        stop.clone(),
+    ));
+
+    let mut live_during = 0;
+    let mut base = None;
+    let start = Instant::now();
+    for cycle in 1..=cycles {
+        let ingress = NatsIngress::new(
+            conn.client().clone(),
+            subjects.clone(),
+            ApplyConfig::default(),
+            stats.clone(),
+        );
+        let router = Router::start_tracked(RouterConfig::new(DEPLOYMENT), ingress, tracker.clone())
+            .await
+            .expect("router starts");
+        tokio::time::sleep(LIFETIME).await;
+        live_during = live_during.max(tracker.len());
+        if cycle % 2 == 0 {
+            router.shutdown().await.expect("router shuts down cleanly");
+        } else {
+            drop(router);
+        }
+        if cycle == 10 {
+            let (rss, tasks, alive) = settle(&tracker).await;
+            println!(
+                "after 10 cycles: rss {:.2} MiB, live router tasks {tasks}, runtime tasks {alive}",
+                rss as f64 / 1048576.0
+            );
+            base = Some((rss, tasks, alive));
+        }
+    }
+    let elapsed = start.elapsed();
+    let (rss, tasks, alive) = settle(&tracker).await;
+    stop.store(true, Ordering::Relaxed);
+    let published = publishing.await.unwrap();
+    let (base_rss, base_tasks, base_alive) = base.expect("at least 10 cycles");
+    let s = stats.snapshot();
+    println!(
+        "after {cycles} cycles ({:.1} s, {:.1} ms per cycle): rss {:.2} MiB, live router tasks \
+         {tasks} (at most {live_during} while a router ran), runtime tasks {alive}",
+        elapsed.as_secs_f64(),
+        elapsed.as_secs_f64() * 1e3 / cycles as f64,
+        rss as f64 / 1048576.0
+    );
+    println!(
+        "events: published {published}, received by routers {}, applied {}, dropped {:?}",
+        s.received,
+        s.applied_total(),
+        s.dropped
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .collect::<Vec<_>>()
+    );
+    let task_growth = growth(base_tasks as f64, tasks as f64);
+    let runtime_task_growth = growth(base_alive as f64, alive as f64);
+    println!("churn_live_tasks_after_10={base_tasks}");
+    println!("churn_live_tasks_end={tasks}");
+    println!("churn_task_growth={task_growth:.3}");
+    println!("churn_runtime_tasks_after_10={base_alive}");
+    println!("churn_runtime_tasks_end={alive}");
+    println!("churn_runtime_task_growth={runtime_task_growth:.3}");
+    println!(
+        "churn_rss_growth={:.4}",
+        growth(base_rss as f64, rss as f64)
+    );
+}
+
+fn main() {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(bench());
+}

@@ -1,1 +1,234 @@
-fn main() {}
+//! Ingest throughput of a full router against the raw NATS ceiling, in one run
+//! (`cargo bench --bench ingest`).
+//!
+//! The same pre-encoded stream (8 publishers on their own connections, 64 workers, realistic
+//! lifecycles: admitted, 2 to 4 progressed, completed for ~90% of requests) is published as
+//! fast as possible to
+//! (a) a bare async-nats subscriber that only decodes each event, and
+//! (b) a router: NATS ingress, weak observer, lease manager, scheduler.
+//! Both are timed the same way, from the start of publishing to the moment the consumer has
+//! taken the last event, and alternate over a few rounds; the medians are compared. The last
+//! line is `ingest_ratio=<b/a>`.
+//!
+//! Environment: `INGEST_EVENTS` (default 600000), `INGEST_ROUNDS` (default 3).
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use lease_router::ingress::{ApplyConfig, NatsIngress};
+use lease_router::nats_server::NatsServerBuilder;
+use lease_router::router::{Router, RouterConfig};
+use lease_router::stats::IngressStats;
+use lease_router::wire::{self, DEFAULT_MAX_EVENT_BYTES};
+use tokio_util::task::TaskTracker;
+
+use common::{encoded_stream, nats, subjects, wait_until, Encoded, LifecycleShape};
+
+const PUBLISHERS: u64 = 8;
+const WORKERS: u64 = 64;
+const DEPLOYMENT: &str = "ingest";
+/// Messages a subscription may buffer: the whole burst, so nothing is dropped as slow.
+const CAPACITY: usize = 1 << 21;
+const BOUND: Duration = Duration::from_secs(120);
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Publishes every stream on its own connection, as fast as the clients take it.
+async fn publish_all(clients: &[async_nats::Client], streams: &Arc<Vec<Vec<Encoded>>>) {
+    let mut tasks = Vec::new();
+    for (p, client) in clients.iter().enumerate() {
+        let client = client.clone();
+        let streams = streams.clone();
+        tasks.push(tokio::spawn(async move {
+            for e in &streams[p] {
+                client
+                    .publish(e.subject.clone(), e.payload.clone())
+                    .await
+                    .expect("publish");
+            }
+            client.flush().await.expect("flush");
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+struct Run {
+    events: u64,
+    elapsed: Duration,
+}
+
+impl Run {
+    fn rate(&self) -> f64 {
+        self.events as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// (a) A bare subscriber that decodes each event and nothing else.
+async fn raw(url: &str, clients: &[async_nats::Client], streams: &Arc<Vec<Vec<Encoded>>>) -> Run {
+    let total: u64 = streams.iter().map(|s| s.len() as u64).sum();
+    let conn = nats(url, Some(CAPACITY)).await;
+    let mut sub = conn
+        .client()
+        .subscribe(subjects(DEPLOYMENT).deployment_filter())
+        .await
+        .unwrap();
+    conn.client().flush().await.unwrap();
+    let received = Arc::new(AtomicU64::new(0));
+    let counter = received.clone();
+    let consumer = tokio::spawn(async move {
+        let mut decoded = 0u64;
+        while let Some(message) = sub.next().await {
+            if wire::decode(&message.payload, DEFAULT_MAX_EVENT_BYTES).is_ok() {
+                decoded += 1;
+            }
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        decoded
+    });
+    let start = Instant::now();
+    let publishing = publish_all(clients, streams);
+    let done = async { wait_until(BOUND, || received.load(Ordering::Relaxed) >= total).await };
+    let ((), end) = tokio::join!(publishing, done);
+    let end = end.unwrap_or_else(|| {
+        panic!(
+            "raw subscriber got {} of {total} events",
+            received.load(Ordering::Relaxed)
+        )
+    });
+    assert_eq!(conn.stats().slow_consumer_events(), 0);
+    drop(conn);
+    consumer.abort();
+    Run {
+        events: total,
+        elapsed: end - start,
+    }
+}
+
+/// (b) A full router applying the stream.
+async fn router(
+    url: &str,
+    clients: &[async_nats::Client],
+    streams: &Arc<Vec<Vec<Encoded>>>,
+) -> Run {
+    let total: u64 = streams.iter().map(|s| s.len() as u64).sum();
+    let conn = nats(url, Some(CAPACITY)).await;
+    let stats = Arc::new(IngressStats::new());
+    let ingress = NatsIngress::new(
+        conn.client().clone(),
+        subjects(DEPLOYMENT),
+        ApplyConfig::default(),
+        stats.clone(),
+    );
+    let router = Router::start_tracked(RouterConfig::new(DEPLOYMENT), ingress, TaskTracker::new())
+        .await
+        .expect("router starts");
+    let start = Instant::now();
+    let publishing = publish_all(clients, streams);
+    let done = async { wait_until(BOUND, || stats.snapshot().received >= total).await };
+    let ((), end) = tokio::join!(publishing, done);
+    let s = stats.snapshot();
+    let end = end.unwrap_or_else(|| panic!("router got {} of {total} events", s.received));
+    // Everything was applied, not dropped, and the scheduler agrees with the manager.
+    assert_eq!(conn.stats().slow_consumer_events(), 0);
+    assert_eq!(s.applied_total(), total, "{s:?}");
+    let loads = router.scheduler().loads().await.unwrap();
+    let booked: u64 = loads.iter().map(|(_, l)| l.active_bookings).sum();
+    assert_eq!(booked, router.manager().active_leases() as u64);
+    router.shutdown().await.expect("router shuts down");
+    Run {
+        events: total,
+        elapsed: end - start,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+async fn bench() {
+    let events = env_u64("INGEST_EVENTS", 600_000);
+    let rounds = env_u64("INGEST_ROUNDS", 3).max(1);
+    println!("machine: {}", common::machine());
+    let server = NatsServerBuilder::new()
+        .spawn()
+        .await
+        .expect("nats-server starts");
+    let url = server.url();
+    let subjects = subjects(DEPLOYMENT);
+    let shape = LifecycleShape::default();
+    // ~4.9 events per request (1 + 3 + 0.9).
+    let requests = (events as f64 / 4.9 / PUBLISHERS as f64).ceil() as u64;
+    let streams: Vec<Vec<Encoded>> = (0..PUBLISHERS)
+        .map(|p| {
+            // Each publisher is a node agent for 8 of the 64 workers.
+            let workers = (0..WORKERS).filter(|w| w % PUBLISHERS == p).collect();
+            encoded_stream(&subjects, 0xA11C_E000 + p, p, workers, requests, shape)
+        })
+        .collect();
+    let total: u64 = streams.iter().map(|s| s.len() as u64).sum();
+    let bytes: usize = streams.iter().flatten().map(|e| e.payload.len()).sum();
+    println!(
+        "stream: {total} events from {PUBLISHERS} publishers over {WORKERS} workers, \
+         {} requests, mean {:.1} bytes/event",
+        requests * PUBLISHERS,
+        bytes as f64 / total as f64
+    );
+    let streams = Arc::new(streams);
+    let mut clients = Vec::new();
+    for _ in 0..PUBLISHERS {
+        clients.push(nats(&url, None).await.client().clone());
+    }
+
+    let (mut raw_rates, mut router_rates) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        // Alternate which goes first, so neither always gets the warmer machine.
+        for phase in 0..2 {
+            let router_phase = (phase + round) % 2 == 1;
+            let run = if router_phase {
+                router(&url, &clients, &streams).await
+            } else {
+                raw(&url, &clients, &streams).await
+            };
+            let name = if router_phase { "router" } else { "raw" };
+            println!(
+                "round {round} {name:>6}: {} events in {:.3} s = {:.0} events/s",
+                run.events,
+                run.elapsed.as_secs_f64(),
+                run.rate()
+            );
+            if router_phase {
+                router_rates.push(run.rate());
+            } else {
+                raw_rates.push(run.rate());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    let raw_rate = median(raw_rates);
+    let router_rate = median(router_rates);
+    println!("raw_events_per_sec={raw_rate:.0}");
+    println!("router_events_per_sec={router_rate:.0}");
+    println!("ingest_ratio={:.3}", router_rate / raw_rate);
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; there is nothing to configure from the command line.
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(bench());
+}

@@ -19,12 +19,17 @@
 //!   teardown, shutdown.
 //! - [`wire`]: the MessagePack wire contract (documented in `schemas/`).
 //! - [`subject`]: NATS subjects and the validation of the names in them.
+//! - [`durable`]: durable mode on JetStream: the lease stream and the replaying ingress.
+//! - [`ingress`]: the core-NATS ingress and the per-event path shared with durable mode.
+//! - [`stats`]: the counters of one deployment's ingress.
+//! - [`publisher`]: [`publisher::LeasePublisher`], what workers publish their events with.
 //! - [`connection`]: connecting to NATS with retry, and connection state.
 //! - [`retry`]: exponential backoff, the one module that uses the `backoff` crate.
 //! - [`nats_server`]: starting a real `nats-server` (or a cluster) for tests, benches and
 //!   the demo.
 
 pub mod connection;
+pub mod durable;
 pub mod ingress;
 pub mod lease;
 pub mod nats_server;

@@ -332,7 +332,6 @@ impl LeasePublisher {
             next_sequence: 1,
             buf: Vec::with_capacity(128),
             stats: stats.clone(),
-            retry: config.retry.clone(),
             backoff: config.retry.backoff(),
             max_attempts: config.max_publish_attempts.max(1),
             max_batch: config.max_batch.max(1),
@@ -530,7 +529,7 @@ struct PublishLoop<S> {
     /// The encoding buffer, reused for every event.
     buf: Vec<u8>,
     stats: Arc<PublisherStats>,
-    retry: RetryPolicy,
+    /// One backoff, reset at the first failure of each event.
     backoff: Backoff,
     max_attempts: usize,
     max_batch: usize,
@@ -648,7 +647,7 @@ impl<S: EnvelopeSink> PublishLoop<S> {
                 None
             } else {
                 if attempts == 1 {
-                    self.backoff = self.retry.backoff();
+                    self.backoff.reset();
                 }
                 self.backoff.next_delay()
             };

@@ -88,7 +88,8 @@ pub struct SimulationConfig {
     pub report_every: Duration,
     /// The publishers' settings.
     pub publisher: PublisherConfig,
-    /// How long each publisher may take to deliver its queue at the end. Default 10 s.
+    /// How long each publisher may take to deliver its queue at the end; what is left then
+    /// is counted as dropped. Default 10 s.
     pub close_timeout: Duration,
 }
 
@@ -258,9 +259,11 @@ pub struct SimulationSummary {
     pub completed_sent: u64,
     /// Events accepted by the publishers, all kinds.
     pub events_published: u64,
-    /// Of those, events the publishers handed to the NATS client and flushed.
+    /// Of those, events the publishers handed to the NATS client (and flushed, unless the
+    /// server was unreachable at the end).
     pub events_delivered: u64,
-    /// Events the publishers refused (queue full) or accepted but could not send.
+    /// Events the publishers refused (queue full), or accepted but could not send (or not
+    /// before [`SimulationConfig::close_timeout`] at the end).
     pub events_dropped: u64,
     /// `requests_started` per second of the configured duration actually run.
     pub achieved_rate: f64,
@@ -279,34 +282,40 @@ impl fmt::Display for SimulationSummary {
         )?;
         writeln!(
             f,
-            "  requests: {} started ({:.1}/s), {} completed ({} finished, {} cancelled, {} \
-             failed; {} cut short at the end), {} crashed, {} throttled",
-            self.requests_started,
-            self.achieved_rate,
-            self.requests_completed,
-            self.outcomes_finished,
-            self.outcomes_cancelled,
-            self.outcomes_failed,
-            self.requests_cut_short,
-            self.requests_crashed,
-            self.requests_throttled
+            "  requests: {} started ({:.1}/s), {} throttled",
+            self.requests_started, self.achieved_rate, self.requests_throttled
         )?;
         writeln!(
             f,
-            "  events: {} published ({:.0}/s: {} admitted, {} progressed, {} completed, {} \
-             worker resets), {} delivered, {} dropped at the publishers",
+            "            {} completed: {} finished, {} cancelled ({} cut short at the end), {} \
+             failed",
+            self.requests_completed,
+            self.outcomes_finished,
+            self.outcomes_cancelled,
+            self.requests_cut_short,
+            self.outcomes_failed
+        )?;
+        writeln!(
+            f,
+            "            {} crashed (never completed: their leases must expire)",
+            self.requests_crashed
+        )?;
+        writeln!(
+            f,
+            "  events:   {} published ({:.0}/s), {} delivered, {} dropped at the publishers",
             self.events_published,
             self.events_per_second,
-            self.admitted_sent,
-            self.progressed_sent,
-            self.completed_sent,
-            self.worker_resets_sent,
             self.events_delivered,
             self.events_dropped
         )?;
+        writeln!(
+            f,
+            "            {} admitted, {} progressed, {} completed, {} worker resets",
+            self.admitted_sent, self.progressed_sent, self.completed_sent, self.worker_resets_sent
+        )?;
         write!(
             f,
-            "  faults: {} duplicates, {} reorders, {} crashes",
+            "  faults:   {} duplicates, {} reorders, {} crashes",
             self.duplicates_sent, self.reorders_sent, self.requests_crashed
         )
     }
@@ -743,19 +752,29 @@ impl Worker {
         }
         self.finish();
         let counters = self.counters.clone();
+        let live_stats = self.publisher.stats().clone();
+        let worker_id = self.worker_id;
         let closed = tokio::time::timeout(close_timeout, self.publisher.close()).await;
         let stats = match closed {
             Ok(Ok(stats)) => stats,
-            Ok(Err(error)) => return Err(format!("closing its publisher failed: {error}")),
+            Ok(Err(error)) => {
+                tracing::warn!(worker_id, %error, "closing a simulated worker's publisher failed");
+                live_stats.snapshot()
+            }
             Err(_) => {
-                return Err(format!(
-                    "its publisher could not deliver its events within {}",
+                tracing::warn!(
+                    worker_id,
+                    "a simulated worker's publisher could not deliver its events within {}",
                     format_duration(close_timeout)
-                ))
+                );
+                live_stats.snapshot()
             }
         };
-        // Accepted events that the publisher then failed to send are drops too.
-        counters.send_failed.fetch_add(stats.failed, Ordering::Relaxed);
+        // Accepted events that the publisher failed to send, or could not send before the
+        // end, are drops too.
+        counters
+            .send_failed
+            .fetch_add(stats.failed + stats.pending(), Ordering::Relaxed);
         counters
             .delivered
             .fetch_add(stats.published, Ordering::Relaxed);

@@ -273,7 +273,10 @@ async fn healthz_follows_the_nats_connection() {
     let body = reply.json();
     assert_eq!(body["status"], "ok");
     assert_eq!(body["nats"]["connected"], true);
-    assert!(service.metrics().await.contains("lease_router_nats_connected 1"));
+    assert!(service
+        .metrics()
+        .await
+        .contains("lease_router_nats_connected 1"));
 
     service.nats.kill().await;
     let body = poll("healthz says 503 once NATS is gone", || async {
@@ -283,10 +286,16 @@ async fn healthz_follows_the_nats_connection() {
     .await;
     assert_eq!(body["nats"]["connected"], false);
     assert!(
-        body["reason"].as_str().unwrap().contains("NATS connection is down"),
+        body["reason"]
+            .as_str()
+            .unwrap()
+            .contains("NATS connection is down"),
         "{body}"
     );
-    assert!(service.metrics().await.contains("lease_router_nats_connected 0"));
+    assert!(service
+        .metrics()
+        .await
+        .contains("lease_router_nats_connected 0"));
 
     service.nats.restart().await.expect("restart nats-server");
     poll("healthz says 200 again after the restart", || async {
@@ -317,7 +326,10 @@ async fn deployments_over_http() {
     assert_eq!(reply.json()["ready"], true);
 
     // A first deployment, whose task count is the baseline.
-    assert_eq!(request(addr, "PUT", "/v1/deployments/other").await.status, 201);
+    assert_eq!(
+        request(addr, "PUT", "/v1/deployments/other").await.status,
+        201
+    );
     let baseline = metric(&service.metrics().await, "lease_router_live_tasks").unwrap();
     assert!(baseline >= 1.0, "the other deployment's router runs tasks");
 
@@ -332,7 +344,10 @@ async fn deployments_over_http() {
     assert_eq!(reply.status, 400, "{}", reply.body);
     let error = reply.json()["error"].as_str().unwrap().to_owned();
     assert!(error.contains("\"a.b\""), "the bad value is named: {error}");
-    assert!(error.contains("ASCII letters"), "and what is allowed: {error}");
+    assert!(
+        error.contains("ASCII letters"),
+        "and what is allowed: {error}"
+    );
 
     let reply = get(addr, "/v1/deployments").await;
     assert_eq!(reply.status, 200);
@@ -418,7 +433,10 @@ async fn deployments_over_http() {
     // Delete: 204, then 404; its tasks are gone, its counters stay.
     let reply = request(addr, "DELETE", "/v1/deployments/d").await;
     assert_eq!(reply.status, 204, "{}", reply.body);
-    assert_eq!(request(addr, "DELETE", "/v1/deployments/d").await.status, 404);
+    assert_eq!(
+        request(addr, "DELETE", "/v1/deployments/d").await.status,
+        404
+    );
     assert_eq!(get(addr, "/v1/deployments/d/leases").await.status, 404);
     assert_eq!(get(addr, "/v1/deployments/d/workers").await.status, 404);
     let text = service.metrics().await;
@@ -430,7 +448,8 @@ async fn deployments_over_http() {
     assert_eq!(service.host.live_tasks() as f64, baseline);
     assert!(text
         .lines()
-        .any(|l| l.starts_with("lease_router_events_dropped_total{deployment=\"d\",reason=\"late\"} ")));
+        .any(|l| l
+            .starts_with("lease_router_events_dropped_total{deployment=\"d\",reason=\"late\"} ")));
     assert!(!text.contains("lease_router_active_leases{deployment=\"d\"}"));
     assert!(text.lines().any(|l| l == "lease_router_deployments 1"));
 
@@ -446,7 +465,10 @@ async fn deployments_over_http() {
     .await;
     let text = service.metrics().await;
     assert_eq!(
-        metric(&text, "lease_router_events_received_total{deployment=\"d\"}"),
+        metric(
+            &text,
+            "lease_router_events_received_total{deployment=\"d\"}"
+        ),
         Some(1.0),
         "nothing was received for the removed deployment:\n{text}"
     );
@@ -457,10 +479,16 @@ async fn deployments_over_http() {
     // Added again: a fresh router, the same counters.
     assert_eq!(request(addr, "PUT", "/v1/deployments/d").await.status, 201);
     let leases = get(addr, "/v1/deployments/d/leases").await.json();
-    assert_eq!(leases["active_leases"], 0, "the event sent while removed is gone");
+    assert_eq!(
+        leases["active_leases"], 0,
+        "the event sent while removed is gone"
+    );
     let text = service.metrics().await;
     assert_eq!(
-        metric(&text, "lease_router_events_received_total{deployment=\"d\"}"),
+        metric(
+            &text,
+            "lease_router_events_received_total{deployment=\"d\"}"
+        ),
         Some(1.0),
         "re-adding keeps the counters:\n{text}"
     );
@@ -490,7 +518,10 @@ async fn readyz_asks_the_readiness_hook() {
     assert_eq!(reply.status, 503, "{}", reply.body);
     let body = reply.json();
     assert_eq!(body["ready"], false);
-    assert!(body["reason"].as_str().unwrap().contains("catching up"), "{body}");
+    assert!(
+        body["reason"].as_str().unwrap().contains("catching up"),
+        "{body}"
+    );
 
     caught_up.store(true, Ordering::Relaxed);
     let reply = get(addr, "/readyz").await;
@@ -501,5 +532,69 @@ async fn readyz_asks_the_readiness_hook() {
     let reply = get(addr, "/nope").await;
     assert_eq!(reply.status, 404);
     assert!(reply.json()["error"].is_string());
+    service.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_puts_and_deletes_agree() {
+    if !nats_or_skip("concurrent_puts_and_deletes_agree") {
+        return;
+    }
+    let service = Service::start(None).await;
+    let addr = service.addr;
+
+    let puts = (0..8).map(|_| request(addr, "PUT", "/v1/deployments/race"));
+    let mut statuses: Vec<u16> = futures::future::join_all(puts)
+        .await
+        .iter()
+        .map(|r| r.status)
+        .collect();
+    statuses.sort_unstable();
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 200, 200, 201]);
+
+    let deletes = (0..4).map(|_| request(addr, "DELETE", "/v1/deployments/race"));
+    let mut statuses: Vec<u16> = futures::future::join_all(deletes)
+        .await
+        .iter()
+        .map(|r| r.status)
+        .collect();
+    statuses.sort_unstable();
+    assert_eq!(statuses, [204, 404, 404, 404]);
+    assert_eq!(service.host.live_tasks(), 0);
+
+    // Interleaved: whatever the order, the end state is consistent and nothing leaks.
+    let mixed = (0..6).map(|i| {
+        let method = if i % 2 == 0 { "PUT" } else { "DELETE" };
+        request(addr, method, "/v1/deployments/race")
+    });
+    for reply in futures::future::join_all(mixed).await {
+        assert!(
+            [200, 201, 204, 404].contains(&reply.status),
+            "{}: {}",
+            reply.status,
+            reply.body
+        );
+    }
+    let hosted = get(addr, "/v1/deployments").await.json()["deployments"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert!(hosted <= 1);
+    assert!(service.host.is_ready());
+
+    // After shutdown_all, additions are refused.
+    let host = service.host.clone();
+    timeout(Duration::from_secs(30), host.shutdown_all())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(host.live_tasks(), 0);
+    let reply = request(addr, "PUT", "/v1/deployments/late").await;
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert!(reply.json()["error"]
+        .as_str()
+        .unwrap()
+        .contains("shutting down"));
+    assert_eq!(get(addr, "/readyz").await.status, 503);
     service.stop().await;
 }

@@ -33,6 +33,10 @@ pub struct ApplyConfig {
     pub max_held_progress: usize,
     /// Publishers whose sequence windows are kept; the least recent is forgotten past this.
     pub max_publishers: usize,
+    /// Drop events older than a publisher's sequence window (core NATS, where they cannot
+    /// be told from duplicates). Durable mode turns this off: JetStream already stored each
+    /// event once, and a retried publish may land far behind its neighbours.
+    pub drop_behind_window: bool,
 }
 
 impl Default for ApplyConfig {
@@ -44,6 +48,7 @@ impl Default for ApplyConfig {
             held_progress_ttl: Duration::from_secs(10),
             max_held_progress: 100_000,
             max_publishers: 10_000,
+            drop_behind_window: true,
         }
     }
 }
@@ -67,6 +72,7 @@ pub struct EventApplier {
     tombstones: ExpiringMap,
     held_progress: ExpiringMap,
     warn_limit: LogRateLimiter,
+    record_lag: bool,
 }
 
 impl EventApplier {
@@ -84,8 +90,14 @@ impl EventApplier {
             tombstones: ExpiringMap::new(config.tombstone_ttl, config.max_tombstones),
             held_progress: ExpiringMap::new(config.held_progress_ttl, config.max_held_progress),
             warn_limit: LogRateLimiter::new(Duration::from_secs(5)),
+            record_lag: true,
             config,
         }
+    }
+
+    /// Whether publish-to-apply lag is recorded: not while replaying old events.
+    pub fn set_record_lag(&mut self, record: bool) {
+        self.record_lag = record;
     }
 
     pub fn stats(&self) -> &Arc<IngressStats> {
@@ -161,9 +173,11 @@ impl EventApplier {
             }
             SequenceVerdict::Late => {}
             SequenceVerdict::Duplicate => return Ok(Applied::Dropped(DropReason::Duplicate)),
-            SequenceVerdict::TooOld => return Ok(Applied::Dropped(DropReason::Stale)),
+            SequenceVerdict::TooOld if self.config.drop_behind_window => {
+                return Ok(Applied::Dropped(DropReason::Stale))
+            }
+            SequenceVerdict::TooOld => {}
         }
-        let lag = wire::unix_micros_now().saturating_sub(envelope.published_at_us);
         let kind = envelope.event.kind();
         let outcome = match envelope.event {
             LeaseEvent::Admitted(e) => self.admitted(e)?,
@@ -173,7 +187,10 @@ impl EventApplier {
         };
         if outcome == Applied::Applied {
             self.stats.applied(kind);
-            self.stats.lag().observe_us(lag);
+            if self.record_lag {
+                let lag = wire::unix_micros_now().saturating_sub(envelope.published_at_us);
+                self.stats.lag().observe_us(lag);
+            }
         }
         Ok(outcome)
     }

@@ -96,7 +96,11 @@ pub struct ServeArgs {
 
     /// Address of the HTTP API and /metrics, HOST:PORT (port 0: any free port)
     /// [default: 127.0.0.1:9464].
-    #[arg(long = "http-addr", value_name = "HOST:PORT", env = "LEASE_ROUTER_HTTP_ADDR")]
+    #[arg(
+        long = "http-addr",
+        value_name = "HOST:PORT",
+        env = "LEASE_ROUTER_HTTP_ADDR"
+    )]
     pub http_addr: Option<String>,
 
     /// First token(s) of every lease subject: {prefix}.{deployment}.{worker_id}
@@ -118,7 +122,11 @@ pub struct ServeArgs {
     pub lease_scan_interval: Option<String>,
 
     /// Log line format: text or json [default: text].
-    #[arg(long = "log-format", value_name = "FORMAT", env = "LEASE_ROUTER_LOG_FORMAT")]
+    #[arg(
+        long = "log-format",
+        value_name = "FORMAT",
+        env = "LEASE_ROUTER_LOG_FORMAT"
+    )]
     pub log_format: Option<String>,
 
     /// How long to keep trying to reach NATS at startup [default: 30s].
@@ -718,14 +726,9 @@ mod tests {
         std::env::set_var("LEASE_ROUTER_HTTP_ADDR", "127.0.0.1:2222");
         std::env::set_var("LEASE_ROUTER_LEASE_SCAN_INTERVAL", "2m");
         let env_only = Cli::try_parse_from(["serve", "--config", &path]).map(|c| c.serve);
-        let flag_and_env = Cli::try_parse_from([
-            "serve",
-            "--config",
-            &path,
-            "--http-addr",
-            "127.0.0.1:3333",
-        ])
-        .map(|c| c.serve);
+        let flag_and_env =
+            Cli::try_parse_from(["serve", "--config", &path, "--http-addr", "127.0.0.1:3333"])
+                .map(|c| c.serve);
         std::env::remove_var("LEASE_ROUTER_HTTP_ADDR");
         std::env::remove_var("LEASE_ROUTER_LEASE_SCAN_INTERVAL");
         let file_only = Cli::try_parse_from(["serve", "--config", &path])
@@ -775,7 +778,9 @@ mod tests {
              (an IP address or localhost; port 0 picks a free port)"
         );
         assert_eq!(
-            message(&args(|a| a.deployments = Some(vec!["ok".into(), "a.b".into()]))),
+            message(&args(
+                |a| a.deployments = Some(vec!["ok".into(), "a.b".into()])
+            )),
             "invalid setting deployments = \"a.b\": a deployment name may hold only ASCII \
              letters, digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod"
         );
@@ -797,8 +802,10 @@ mod tests {
         );
         let m = message(&args(|a| a.max_event_bytes = Some("10".into())));
         assert!(
-            m.starts_with("invalid setting max_event_bytes = \"10\": expected a whole number of \
-                 bytes from 64 to 67108864"),
+            m.starts_with(
+                "invalid setting max_event_bytes = \"10\": expected a whole number of \
+                 bytes from 64 to 67108864"
+            ),
             "{m}"
         );
         let m = message(&args(|a| a.subject_prefix = Some("a.*".into())));

@@ -93,7 +93,9 @@ pub enum AddDeploymentError {
 /// Why a removal did not end cleanly. The deployment is removed in every case.
 #[derive(Debug, thiserror::Error)]
 pub enum RemoveDeploymentError {
-    #[error("deployment {deployment} was removed, but its router did not shut down cleanly: {source}")]
+    #[error(
+        "deployment {deployment} was removed, but its router did not shut down cleanly: {source}"
+    )]
     Shutdown {
         deployment: DeploymentName,
         #[source]

@@ -107,7 +107,9 @@ pub fn router(state: ApiState) -> axum::Router {
         .route("/v1/deployments", get(list_deployments))
         .route(
             "/v1/deployments/{name}",
-            get(get_deployment).put(put_deployment).delete(delete_deployment),
+            get(get_deployment)
+                .put(put_deployment)
+                .delete(delete_deployment),
         )
         .route("/v1/deployments/{name}/leases", get(leases))
         .route("/v1/deployments/{name}/workers", get(workers))
@@ -256,7 +258,11 @@ async fn put_deployment(
                 AddOutcome::Created => (StatusCode::CREATED, true),
                 AddOutcome::Existed => (StatusCode::OK, false),
             };
-            Ok((status, Json(json!({ "deployment": name, "created": created }))).into_response())
+            Ok((
+                status,
+                Json(json!({ "deployment": name, "created": created })),
+            )
+                .into_response())
         }
         Err(err @ AddDeploymentError::ShuttingDown { .. }) => {
             Err(ApiError(StatusCode::SERVICE_UNAVAILABLE, err.to_string()))
@@ -354,10 +360,7 @@ impl WorkerJson {
     }
 }
 
-async fn workers(
-    State(state): State<ApiState>,
-    Path(raw): Path<String>,
-) -> ApiResult<Response> {
+async fn workers(State(state): State<ApiState>, Path(raw): Path<String>) -> ApiResult<Response> {
     let view = running_view(&state, &raw)?;
     let scheduler = view.scheduler().clone();
     let name = view.name().clone();
@@ -369,10 +372,12 @@ async fn workers(
             format!("the scheduler of deployment {name} did not answer: {err}"),
         )
     };
-    let query = async { Ok::<_, crate::scheduler::QuerySchedulerError>((
-        scheduler.loads().await?,
-        scheduler.least_loaded().await?,
-    )) };
+    let query = async {
+        Ok::<_, crate::scheduler::QuerySchedulerError>((
+            scheduler.loads().await?,
+            scheduler.least_loaded().await?,
+        ))
+    };
     let (loads, least) = tokio::time::timeout(SCHEDULER_QUERY_TIMEOUT, query)
         .await
         .map_err(|_| stopped(format!("no answer within {SCHEDULER_QUERY_TIMEOUT:?}")))?

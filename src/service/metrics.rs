@@ -268,9 +268,10 @@ pub fn encode_snapshot(
     let applied: Vec<_> = deps
         .iter()
         .flat_map(|d| {
-            d.ingress.applied.iter().map(|(kind, n)| {
-                ([("deployment", d.name.as_str()), ("kind", *kind)], *n)
-            })
+            d.ingress
+                .applied
+                .iter()
+                .map(|(kind, n)| ([("deployment", d.name.as_str()), ("kind", *kind)], *n))
         })
         .collect();
     counter_family(
@@ -282,9 +283,10 @@ pub fn encode_snapshot(
     let dropped: Vec<_> = deps
         .iter()
         .flat_map(|d| {
-            d.ingress.dropped.iter().map(|(reason, n)| {
-                ([("deployment", d.name.as_str()), ("reason", *reason)], *n)
-            })
+            d.ingress
+                .dropped
+                .iter()
+                .map(|(reason, n)| ([("deployment", d.name.as_str()), ("reason", *reason)], *n))
         })
         .collect();
     counter_family(
@@ -336,12 +338,14 @@ pub fn encode_snapshot(
         )?;
         for d in deps {
             let labels = [("deployment", d.name.as_str())];
-            metric.encode_family(&labels)?.encode_histogram::<NoLabelSet>(
-                d.ingress.lag.sum_seconds,
-                d.ingress.lag.count,
-                &histogram_buckets(&d.ingress.lag),
-                None,
-            )?;
+            metric
+                .encode_family(&labels)?
+                .encode_histogram::<NoLabelSet>(
+                    d.ingress.lag.sum_seconds,
+                    d.ingress.lag.count,
+                    &histogram_buckets(&d.ingress.lag),
+                    None,
+                )?;
         }
     }
     gauge(
@@ -452,12 +456,7 @@ mod tests {
     fn scrape_names_labels_and_values() {
         let text = Metrics::from_source(Fixed(sample())).encode();
         let lines = lines(&text);
-        let has = |line: &str| {
-            assert!(
-                lines.contains(&line),
-                "missing line {line:?} in:\n{text}"
-            )
-        };
+        let has = |line: &str| assert!(lines.contains(&line), "missing line {line:?} in:\n{text}");
         has("# TYPE lease_router_events_received counter");
         has("lease_router_events_received_total{deployment=\"prod\"} 5");
         has("lease_router_events_received_total{deployment=\"gone\"} 1");
@@ -492,7 +491,9 @@ mod tests {
         has("# TYPE lease_router_publish_to_apply_lag_seconds histogram");
         has("# UNIT lease_router_publish_to_apply_lag_seconds seconds");
         has("lease_router_publish_to_apply_lag_seconds_count{deployment=\"prod\"} 3");
-        has("lease_router_publish_to_apply_lag_seconds_bucket{le=\"0.0001\",deployment=\"prod\"} 1");
+        has(
+            "lease_router_publish_to_apply_lag_seconds_bucket{le=\"0.0001\",deployment=\"prod\"} 1",
+        );
         has("lease_router_publish_to_apply_lag_seconds_bucket{le=\"0.00025\",deployment=\"prod\"} 1");
         has("lease_router_publish_to_apply_lag_seconds_bucket{le=\"0.001\",deployment=\"prod\"} 2");
         has("lease_router_publish_to_apply_lag_seconds_bucket{le=\"30.0\",deployment=\"prod\"} 2");
@@ -501,10 +502,15 @@ mod tests {
         let sum = lines
             .iter()
             .find_map(|l| {
-                l.strip_prefix("lease_router_publish_to_apply_lag_seconds_sum{deployment=\"prod\"} ")
+                l.strip_prefix(
+                    "lease_router_publish_to_apply_lag_seconds_sum{deployment=\"prod\"} ",
+                )
             })
             .expect("a sum");
-        assert!((sum.parse::<f64>().unwrap() - 60.00075).abs() < 1e-9, "{sum}");
+        assert!(
+            (sum.parse::<f64>().unwrap() - 60.00075).abs() < 1e-9,
+            "{sum}"
+        );
         has("lease_router_nats_connected 1");
         has("lease_router_nats_reconnects_total 2");
         has("lease_router_nats_disconnects_total 2");

@@ -19,7 +19,6 @@ use lease_router::simulate::{
 use lease_router::stats::DropReason;
 use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
 use parking_lot::Mutex;
-use tokio_util::sync::CancellationToken;
 
 use super::serve::{bind, Service};
 use super::simulate::TrafficArgs;
@@ -116,7 +115,9 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
         let subjects = Subjects::new(SubjectPrefix::default(), deployment.clone());
         let progress = progress.clone();
         let cancel = sim_cancel.clone();
-        let config = config.clone();
+        let mut config = config.clone();
+        // Do not hang at the end if the NATS server is gone (see below).
+        config.close_timeout = Duration::from_secs(3);
         async move {
             run_simulation(client, subjects, config, cancel, |p| {
                 *progress.lock() = p.clone();
@@ -150,8 +151,15 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
             None
         }
     };
-    // Let the router take the last events before the closing figures.
-    view.catch_up(service.host()).await;
+    let server_gone = server.as_ref().is_some_and(|s| !s.is_running());
+    if server_gone {
+        // A Ctrl-C in a terminal reaches every process of the foreground group, the
+        // nats-server this demo started included.
+        eprintln!("note: the nats-server the demo started has stopped too");
+    } else {
+        // Let the router take the last events before the closing figures.
+        view.catch_up(service.host()).await;
+    }
     let p = progress.lock().clone();
     view.frame(service.host(), &p).await;
     view.close();
@@ -159,7 +167,10 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
     if let Some(summary) = &summary {
         println!("{summary}");
     }
-    println!("{}", router_summary(service.host(), &deployment, summary.as_ref()));
+    println!(
+        "{}",
+        router_summary(service.host(), &deployment, summary.as_ref(), server_gone)
+    );
     service.stop().await?;
     drop(connection);
     if let Some(server) = server {
@@ -266,11 +277,10 @@ impl LiveView {
         let m = self.metrics(host);
         let now = Instant::now();
         let received = m.ingress.received;
-        if let Some((at, before)) = self.last {
-            let dt = now.duration_since(at).as_secs_f64();
-            if dt > 0.0 {
-                self.events_per_second = received.saturating_sub(before) as f64 / dt;
-            }
+        let (at, before) = self.last.unwrap_or((self.started, 0));
+        let dt = now.duration_since(at).as_secs_f64();
+        if dt > 0.0 {
+            self.events_per_second = received.saturating_sub(before) as f64 / dt;
         }
         self.last = Some((now, received));
         let loads = self.loads(host).await;
@@ -288,30 +298,31 @@ impl LiveView {
             );
             return;
         }
+        // Every line stays within 76 columns: a wrapped line would break the redraw.
         let mut text = String::new();
         let _ = writeln!(
             text,
-            "\x1b[1mlease-router demo\x1b[0m  {elapsed} / {}  [{}]",
+            "\x1b[1mlease-router demo\x1b[0m   {elapsed} / {}   [{}]",
             format_duration(sim.duration),
             bar(sim.fraction(), 20)
         );
         let _ = writeln!(
             text,
-            "events/s {:>8.0}   received {:>9}   active leases {:>6}   expired {:>5}   gaps {:>4}",
-            self.events_per_second, received, active, m.leases_expired, m.ingress.gaps
+            "router     events/s {:<8.0} received {:<10} gaps {}",
+            self.events_per_second, received, m.ingress.gaps
         );
-        let _ = writeln!(text, "dropped  {drops}");
         let _ = writeln!(
             text,
-            "simulated: started {}  completed {}  crashed {}  live {}  published {}",
-            sim.requests_started,
-            sim.requests_completed,
-            sim.requests_crashed,
-            sim.live_requests,
-            sim.events_published
+            "           active leases {active:<6} expired {:<6} dropped: {drops}",
+            m.leases_expired
+        );
+        let _ = writeln!(
+            text,
+            "simulated  started {:<8} completed {:<8} crashed {:<6} live {}",
+            sim.requests_started, sim.requests_completed, sim.requests_crashed, sim.live_requests
         );
         let _ = writeln!(text);
-        let _ = writeln!(text, "worker  leases  {:<BAR_WIDTH$}  simulated live", "");
+        let _ = writeln!(text, "worker  leases  {:<BAR_WIDTH$}    live", "");
         let max = loads.values().copied().max().unwrap_or(0).max(1);
         let mut workers: BTreeMap<u64, (u64, u64)> =
             loads.iter().map(|(w, n)| (*w, (*n, 0))).collect();
@@ -325,6 +336,11 @@ impl LiveView {
                 bar(*leases as f64 / max as f64, BAR_WIDTH)
             );
         }
+        let _ = writeln!(
+            text,
+            "\x1b[2mleases: the router's view (all ranks); live: the simulated worker's own\n\
+             requests in flight. The difference: crashed requests, until they expire.\x1b[0m"
+        );
         // Move up over the previous frame and clear it, then draw.
         if self.lines_drawn > 0 {
             let _ = write!(out, "\x1b[{}F\x1b[J", self.lines_drawn);
@@ -372,6 +388,7 @@ fn router_summary(
     host: &DeploymentHost,
     deployment: &DeploymentName,
     simulation: Option<&SimulationSummary>,
+    server_gone: bool,
 ) -> String {
     let m = host
         .metrics_snapshot()
@@ -383,10 +400,13 @@ fn router_summary(
     let applied = |kind| i.applied(kind);
     use lease_router::wire::EventKind;
     let mut text = format!(
-        "router ({deployment}): {} events received, {} applied ({} admitted, {} progressed, {} \
-         completed, {} worker resets)\n",
+        "router ({deployment}): {} events received, {} applied\n",
         i.received,
         i.applied_total(),
+    );
+    let _ = writeln!(
+        text,
+        "  applied:  {} admitted, {} progressed, {} completed, {} worker resets",
         applied(EventKind::Admitted),
         applied(EventKind::Progressed),
         applied(EventKind::Completed),
@@ -394,22 +414,26 @@ fn router_summary(
     );
     let _ = writeln!(
         text,
-        "  dropped: {} (duplicates and stale events are the simulated faults, handled)",
+        "  dropped:  {} (stale and duplicate events are the simulated faults)",
         drops_text(&m)
     );
     let _ = writeln!(
         text,
-        "  sequence gaps {}, reorders held {}, leases expired {}",
-        i.gaps, i.reorders_held, m.leases_expired
+        "  reorders held {}, sequence gaps {}, leases expired {}",
+        i.reorders_held, i.gaps, m.leases_expired
     );
     let active = m.active_leases.unwrap_or(0);
     let _ = write!(text, "  active leases at the end: {active}");
     if let Some(sim) = simulation {
-        if active > 0 && sim.requests_crashed > 0 {
+        if server_gone {
             let _ = write!(
                 text,
-                " (requests whose worker crashed: their leases expire on their own within two \
-                 scan intervals)"
+                "\n    (the NATS server stopped early: the last events never arrived)"
+            );
+        } else if active > 0 && sim.requests_crashed > 0 {
+            let _ = write!(
+                text,
+                "\n    (of crashed requests: they expire on their own within two scan intervals)"
             );
         }
         if sim.events_delivered > i.received {

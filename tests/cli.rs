@@ -1,0 +1,608 @@
+//! The `lease-router` binary end to end, as spawned processes, against real nats-servers that
+//! the tests start on free ports (the system server on 4222 is never used). Every wait is
+//! bounded; children are killed when their handle is dropped. Skipped with a message when
+//! `nats-server` is not installed (set `LEASE_ROUTER_REQUIRE_NATS=1` to make that a failure).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use lease_router::nats_server::{nats_server_available, NatsServer, NatsServerBuilder};
+
+const BIN: &str = env!("CARGO_BIN_EXE_lease-router");
+/// The bound of every wait for something that should happen quickly.
+const BOUND: Duration = Duration::from_secs(20);
+
+fn nats_or_skip(test: &str) -> bool {
+    if nats_server_available() {
+        return true;
+    }
+    if std::env::var_os("LEASE_ROUTER_REQUIRE_NATS").is_some() {
+        panic!("{test}: nats-server is not installed");
+    }
+    eprintln!("{test}: skipped, nats-server is not installed");
+    false
+}
+
+async fn nats() -> NatsServer {
+    NatsServerBuilder::new()
+        .spawn()
+        .await
+        .expect("nats-server starts")
+}
+
+/// The binary, with none of the caller's settings leaking in.
+fn command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args)
+        .env_remove("NATS_URL")
+        .env_remove("LEASE_ROUTER_CONFIG")
+        .env_remove("LEASE_ROUTER_DEPLOYMENTS")
+        .env_remove("LEASE_ROUTER_HTTP_ADDR")
+        .env_remove("LEASE_ROUTER_SUBJECT_PREFIX")
+        .env_remove("LEASE_ROUTER_LEASE_SCAN_INTERVAL")
+        .env_remove("LEASE_ROUTER_LOG_FORMAT")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// The output of a command that ran to its end (bounded).
+struct Finished {
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+impl Finished {
+    fn code(&self) -> Option<i32> {
+        self.status.code()
+    }
+}
+
+/// Runs to completion, at most `bound`.
+fn run(mut cmd: Command, bound: Duration) -> Finished {
+    let mut proc = Proc::spawn(&mut cmd);
+    let status = proc.wait(bound).unwrap_or_else(|| {
+        panic!(
+            "{:?} did not end within {bound:?}\nstdout:\n{}\nstderr:\n{}",
+            cmd,
+            proc.stdout(),
+            proc.stderr()
+        )
+    });
+    Finished {
+        status,
+        stdout: proc.stdout(),
+        stderr: proc.stderr(),
+    }
+}
+
+/// A running child whose output is collected by threads; killed on drop.
+struct Proc {
+    child: Child,
+    stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
+    status: Option<ExitStatus>,
+}
+
+impl Proc {
+    fn spawn(cmd: &mut Command) -> Proc {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the binary starts");
+        let stdout = Arc::new(Mutex::new(String::new()));
+        let stderr = Arc::new(Mutex::new(String::new()));
+        collect(child.stdout.take().unwrap(), stdout.clone());
+        collect(child.stderr.take().unwrap(), stderr.clone());
+        Proc {
+            child,
+            stdout,
+            stderr,
+            status: None,
+        }
+    }
+
+    fn stdout(&self) -> String {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// The exit status, waiting at most `bound`; also collects the rest of the output.
+    fn wait(&mut self, bound: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + bound;
+        loop {
+            if let Some(status) = self.status {
+                return Some(status);
+            }
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                self.status = Some(status);
+                // Let the reader threads take the last output.
+                thread::sleep(Duration::from_millis(100));
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -{name} failed");
+    }
+
+    /// Waits for a stdout line starting with `prefix` and returns the rest of it.
+    fn wait_for_line(&mut self, prefix: &str, bound: Duration) -> String {
+        let deadline = Instant::now() + bound;
+        loop {
+            if let Some(rest) = self
+                .stdout()
+                .lines()
+                .find_map(|line| line.strip_prefix(prefix).map(str::to_owned))
+            {
+                return rest;
+            }
+            if let Some(status) = self.wait(Duration::ZERO) {
+                panic!(
+                    "exited ({status}) before printing {prefix:?}\nstdout:\n{}\nstderr:\n{}",
+                    self.stdout(),
+                    self.stderr()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no line {prefix:?} within {bound:?}\nstdout:\n{}\nstderr:\n{}",
+                self.stdout(),
+                self.stderr()
+            );
+            thread::sleep(Duration::from_millis(25));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
+    thread::spawn(move || {
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        while matches!(reader.read_line(&mut line), Ok(n) if n > 0) {
+            into.lock().unwrap().push_str(&line);
+            line.clear();
+        }
+    });
+}
+
+/// `serve` on a free port; returns the process and its HTTP address.
+fn serve(nats_url: &str, extra: &[&str]) -> (Proc, SocketAddr) {
+    let mut args = vec!["serve", "--nats-url", nats_url, "--http-addr", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let mut proc = Proc::spawn(&mut command(&args));
+    let addr = proc.wait_for_line("listening on http://", BOUND);
+    let addr = addr.trim().parse().expect("a socket address");
+    (proc, addr)
+}
+
+/// A minimal HTTP/1.1 client: one request per connection. Returns the status and the body.
+fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("read the answer");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status code");
+    let chunked = head
+        .lines()
+        .any(|l| l.to_ascii_lowercase().starts_with("transfer-encoding: chunked"));
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    };
+    (status, body)
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+fn json(addr: SocketAddr, path: &str) -> serde_json::Value {
+    let (status, body) = http(addr, "GET", path);
+    assert_eq!(status, 200, "GET {path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: {e}: {body}"))
+}
+
+/// Polls `check` until it gives a value, at most `bound`.
+fn eventually<T>(what: &str, bound: Duration, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + bound;
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "{what}: not within {bound:?}");
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The value of one metric series (the whole line up to the value must match).
+fn metric(addr: SocketAddr, series: &str) -> Option<f64> {
+    let (status, body) = http(addr, "GET", "/metrics");
+    assert_eq!(status, 200);
+    body.lines().find_map(|line| {
+        line.strip_prefix(series)
+            .and_then(|rest| rest.strip_prefix(' '))
+            .and_then(|value| value.split_whitespace().next()?.parse().ok())
+    })
+}
+
+fn active_leases(addr: SocketAddr, deployment: &str) -> Option<u64> {
+    json(addr, "/v1/deployments")["deployments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == deployment)
+        .map(|d| d["active_leases"].as_u64().unwrap())
+}
+
+/// SIGTERM, then exit code 0 within the bound.
+fn terminate(mut proc: Proc) -> Proc {
+    proc.signal("TERM");
+    let status = proc.wait(BOUND).unwrap_or_else(|| {
+        panic!(
+            "did not exit within {BOUND:?} of SIGTERM\nstderr:\n{}",
+            proc.stderr()
+        )
+    });
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", proc.stderr());
+    proc
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_events_are_seen_by_serve_over_http() {
+    if !nats_or_skip("published_events_are_seen_by_serve_over_http") {
+        return;
+    }
+    let server = nats().await;
+    let url = server.url();
+    let (serve, addr) = serve(&url, &["--deployment", "cli-a"]);
+
+    let publish = |args: &[&str]| {
+        let mut all = vec![
+            "publish",
+            "--nats-url",
+            &url,
+            "--deployment",
+            "cli-a",
+            "--worker",
+            "7",
+            "--dp-rank",
+            "1",
+        ];
+        all.extend_from_slice(args);
+        let out = run(command(&all), BOUND);
+        assert_eq!(out.code(), Some(0), "{all:?}\nstderr:\n{}", out.stderr);
+        out.stdout
+    };
+    let out = publish(&[
+        "admitted",
+        "--request-id",
+        "req-1",
+        "--prompt-tokens",
+        "300",
+        "--expected-output-tokens",
+        "50",
+    ]);
+    assert!(
+        out.starts_with("published admitted on leases.cli-a.7"),
+        "{out}"
+    );
+
+    let lease = eventually("the lease is listed", BOUND, || {
+        let body = json(addr, "/v1/deployments/cli-a/leases");
+        body["leases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["request_id"] == "req-1")
+            .cloned()
+    });
+    assert_eq!(lease["worker_id"], 7);
+    assert_eq!(lease["dp_rank"], 1);
+    let workers = json(addr, "/v1/deployments/cli-a/workers");
+    let worker = &workers["workers"][0];
+    assert_eq!(worker["worker_id"], 7, "{workers}");
+    assert_eq!(worker["active_bookings"], 1, "{workers}");
+    assert_eq!(worker["prompt_tokens"], 300, "{workers}");
+    assert_eq!(active_leases(addr, "cli-a"), Some(1));
+
+    publish(&["progressed", "--request-id", "req-1", "--output-tokens", "5"]);
+    publish(&["completed", "--request-id", "req-1", "--outcome", "cancelled"]);
+    eventually("the lease is released", BOUND, || {
+        (active_leases(addr, "cli-a") == Some(0)).then_some(())
+    });
+    eventually("the events are counted", BOUND, || {
+        metric(
+            addr,
+            "lease_router_events_applied_total{deployment=\"cli-a\",kind=\"completed\"}",
+        )
+        .filter(|n| *n >= 1.0)
+    });
+
+    // A worker reset over the CLI too.
+    publish(&["admitted", "--request-id", "req-2"]);
+    eventually("the second lease", BOUND, || {
+        (active_leases(addr, "cli-a") == Some(1)).then_some(())
+    });
+    let out = publish(&["reset"]);
+    assert!(out.contains("worker 7 rank 1"), "{out}");
+    eventually("the reset releases it", BOUND, || {
+        (active_leases(addr, "cli-a") == Some(0)).then_some(())
+    });
+    terminate(serve);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deployments_come_and_go_at_runtime_while_simulate_publishes() {
+    if !nats_or_skip("deployments_come_and_go_at_runtime_while_simulate_publishes") {
+        return;
+    }
+    let server = nats().await;
+    let url = server.url();
+    let (serve, addr) = serve(&url, &[]);
+    assert_eq!(json(addr, "/v1/deployments")["deployments"], serde_json::json!([]));
+
+    let (status, body) = http(addr, "PUT", "/v1/deployments/cli-b");
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = http(addr, "PUT", "/v1/deployments/cli-b");
+    assert_eq!(status, 200, "{body}");
+
+    let mut simulate = Proc::spawn(&mut command(&[
+        "simulate",
+        "--nats-url",
+        &url,
+        "--deployment",
+        "cli-b",
+        "--workers",
+        "3",
+        "--rate",
+        "100",
+        "--duration",
+        "60s",
+        "--seed",
+        "7",
+    ]));
+    eventually("leases from the simulation", BOUND, || {
+        active_leases(addr, "cli-b").filter(|n| *n > 0)
+    });
+
+    let (status, body) = http(addr, "DELETE", "/v1/deployments/cli-b");
+    assert_eq!(status, 204, "{body}");
+    assert_eq!(active_leases(addr, "cli-b"), None, "no longer listed");
+    let (status, _) = http(addr, "GET", "/v1/deployments/cli-b/leases");
+    assert_eq!(status, 404);
+    let (status, _) = http(addr, "GET", "/v1/deployments/cli-b/workers");
+    assert_eq!(status, 404);
+    let (status, _) = http(addr, "DELETE", "/v1/deployments/cli-b");
+    assert_eq!(status, 404);
+    // Its tasks ended, and the late-drop series outlives it (events already on their way
+    // when it was torn down are counted there).
+    assert_eq!(metric(addr, "lease_router_live_tasks"), Some(0.0));
+    assert_eq!(metric(addr, "lease_router_deployments"), Some(0.0));
+    let late = metric(
+        addr,
+        "lease_router_events_dropped_total{deployment=\"cli-b\",reason=\"late\"}",
+    );
+    assert!(late.is_some(), "the late series is still exported");
+    assert!(
+        metric(addr, "lease_router_active_leases{deployment=\"cli-b\"}").is_none(),
+        "no active-lease gauge for a removed deployment"
+    );
+
+    // Added again: a new router picks the live traffic up.
+    let (status, body) = http(addr, "PUT", "/v1/deployments/cli-b");
+    assert_eq!(status, 201, "{body}");
+    eventually("leases again after re-adding", BOUND, || {
+        active_leases(addr, "cli-b").filter(|n| *n > 0)
+    });
+    assert!(metric(addr, "lease_router_live_tasks").unwrap() > 0.0);
+
+    // The simulation stops gracefully on SIGINT and prints its summary.
+    simulate.signal("INT");
+    let status = simulate.wait(BOUND).expect("simulate stops on SIGINT");
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", simulate.stderr());
+    let summary = simulate.stdout();
+    assert!(summary.contains("simulation: 3 workers"), "{summary}");
+    assert!(summary.contains("0 dropped at the publishers"), "{summary}");
+    // Its live requests were completed at the end: only crashed ones stay (none at this
+    // seed and size is not guaranteed, so compare with the summary's crash count).
+    terminate(serve);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_deployment_names_are_refused() {
+    // No NATS is needed: the names are refused before anything connects.
+    let out = run(
+        command(&[
+            "publish",
+            "--nats-url",
+            "nats://127.0.0.1:1",
+            "--deployment",
+            "a.b",
+            "--worker",
+            "1",
+            "admitted",
+            "--request-id",
+            "r",
+        ]),
+        BOUND,
+    );
+    assert_eq!(out.code(), Some(2), "stderr:\n{}", out.stderr);
+    assert!(out.stderr.contains("a.b"), "{}", out.stderr);
+    assert!(out.stderr.contains("invalid deployment name"), "{}", out.stderr);
+
+    let out = run(
+        command(&[
+            "serve",
+            "--nats-url",
+            "nats://127.0.0.1:1",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--deployment",
+            "a*",
+        ]),
+        BOUND,
+    );
+    assert_eq!(out.code(), Some(2), "stderr:\n{}", out.stderr);
+    assert!(out.stderr.contains("\"a*\""), "{}", out.stderr);
+    assert!(out.stderr.contains("deployments"), "{}", out.stderr);
+
+    let out = run(
+        command(&[
+            "simulate",
+            "--nats-url",
+            "nats://127.0.0.1:1",
+            "--deployment",
+            "x y",
+        ]),
+        BOUND,
+    );
+    assert_eq!(out.code(), Some(2), "stderr:\n{}", out.stderr);
+    assert!(out.stderr.contains("x y"), "{}", out.stderr);
+
+    // Other settings name themselves and what is accepted.
+    let out = run(
+        command(&[
+            "serve",
+            "--nats-url",
+            "nats://127.0.0.1:1",
+            "--log-format",
+            "xml",
+        ]),
+        BOUND,
+    );
+    assert_eq!(out.code(), Some(2), "stderr:\n{}", out.stderr);
+    assert!(
+        out.stderr.contains("log_format") && out.stderr.contains("text or json"),
+        "{}",
+        out.stderr
+    );
+    let out = run(
+        command(&[
+            "simulate",
+            "--deployment",
+            "d",
+            "--crash-share",
+            "2",
+        ]),
+        BOUND,
+    );
+    assert_eq!(out.code(), Some(2), "stderr:\n{}", out.stderr);
+    assert!(out.stderr.contains("--crash-share"), "{}", out.stderr);
+
+    if !nats_or_skip("invalid_deployment_names_are_refused (API)") {
+        return;
+    }
+    let server = nats().await;
+    let (serve, addr) = serve(&server.url(), &[]);
+    for bad in ["a.b", "%24SYS", "a%20b", "a%2A"] {
+        let (status, body) = http(addr, "PUT", &format!("/v1/deployments/{bad}"));
+        assert_eq!(status, 400, "PUT {bad}: {body}");
+        assert!(body.contains("invalid deployment name"), "{body}");
+    }
+    assert_eq!(json(addr, "/v1/deployments")["deployments"], serde_json::json!([]));
+    terminate(serve);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_serve_cleanly() {
+    if !nats_or_skip("sigterm_stops_serve_cleanly") {
+        return;
+    }
+    let server = nats().await;
+    let (serve, addr) = serve(&server.url(), &["--deployment", "cli-c,cli-d"]);
+    assert_eq!(http(addr, "GET", "/healthz").0, 200);
+    eventually("ready", BOUND, || {
+        (http(addr, "GET", "/readyz").0 == 200).then_some(())
+    });
+    let started = Instant::now();
+    let serve = terminate(serve);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let log = serve.stderr();
+    assert!(log.contains("every deployment is shut down"), "{log}");
+    assert!(TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_runs_against_the_given_nats_and_summarizes() {
+    if !nats_or_skip("demo_runs_against_the_given_nats_and_summarizes") {
+        return;
+    }
+    let server = nats().await;
+    let mut cmd = command(&[
+        "demo",
+        "--duration",
+        "3s",
+        "--rate",
+        "200",
+        "--http-addr",
+        "127.0.0.1:0",
+    ]);
+    cmd.env("NATS_URL", server.url()).env("RUST_LOG", "warn");
+    let out = run(cmd, Duration::from_secs(60));
+    assert_eq!(out.code(), Some(0), "stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
+    let text = &out.stdout;
+    assert!(
+        text.contains(&format!("using the NATS server at {}", server.url())),
+        "{text}"
+    );
+    assert!(text.contains("router for deployment \"demo\" is up: http://127.0.0.1:"), "{text}");
+    // Not a terminal: one plain line per second.
+    assert!(text.contains("t=1s events/s="), "{text}");
+    assert!(text.contains("simulation: 8 workers"), "{text}");
+    assert!(text.contains("router (demo): "), "{text}");
+    assert!(text.contains("active leases at the end"), "{text}");
+}
