@@ -238,10 +238,12 @@ enum Command {
 /// one encoded envelope, and waiting until everything sent so far is out.
 pub(crate) trait EnvelopeSink: Send + 'static {
     /// Sends one encoded envelope. `Attempt::Transient` is retried, `Attempt::Permanent` is not.
+    /// `msg_id` (`{publisher_id}-{sequence}`) lets a durable sink store a re-sent event once.
     fn send(
         &mut self,
         subject: &Subject,
         payload: Bytes,
+        msg_id: &str,
     ) -> impl Future<Output = Result<(), Attempt<String>>> + Send;
 
     /// Resolves once everything sent before the call is flushed. The future must not borrow
@@ -259,6 +261,7 @@ impl EnvelopeSink for CoreNatsSink {
         &mut self,
         subject: &Subject,
         payload: Bytes,
+        _msg_id: &str,
     ) -> impl Future<Output = Result<(), Attempt<String>>> + Send {
         let publish = self.client.publish(subject.clone(), payload);
         async move {
@@ -308,6 +311,20 @@ impl LeasePublisher {
     /// Outside a tokio runtime.
     pub fn start(client: Client, subjects: Subjects, config: PublisherConfig) -> LeasePublisher {
         Self::start_with_sink(CoreNatsSink { client }, subjects, config)
+    }
+
+    /// A durable publisher: events go to the JetStream lease stream (which must exist, see
+    /// [`crate::durable::ensure_stream`]) with `Nats-Msg-Id` = publisher id and sequence, so
+    /// a retried publish is stored once; up to `max_in_flight` acknowledgements are awaited
+    /// at a time, and [`flush`](Self::flush) waits for all of them.
+    pub fn start_durable(
+        client: Client,
+        subjects: Subjects,
+        config: PublisherConfig,
+        max_in_flight: usize,
+    ) -> LeasePublisher {
+        let sink = crate::durable::publish::JetStreamSink::new(client, max_in_flight);
+        Self::start_with_sink(sink, subjects, config)
     }
 
     /// [`start`](Self::start) with any [`EnvelopeSink`].
@@ -631,11 +648,12 @@ impl<S: EnvelopeSink> PublishLoop<S> {
         self.next_sequence += 1;
         let payload = Bytes::copy_from_slice(&self.buf);
         let subject = self.subject(worker_id);
+        let msg_id = format!("{}-{}", envelope.publisher_id, envelope.sequence);
 
         let mut attempts = 0usize;
         loop {
             attempts += 1;
-            let error = match self.sink.send(&subject, payload.clone()).await {
+            let error = match self.sink.send(&subject, payload.clone(), &msg_id).await {
                 Ok(()) => {
                     self.stats.published.fetch_add(1, Ordering::AcqRel);
                     return;
@@ -731,6 +749,7 @@ mod tests {
             &mut self,
             subject: &Subject,
             payload: Bytes,
+            _msg_id: &str,
         ) -> impl Future<Output = Result<(), Attempt<String>>> + Send {
             let mock = self.mock.clone();
             let subject = subject.to_string();

@@ -434,9 +434,7 @@ impl Planner {
         let request_id = format!("sim-{:08x}-w{worker_id}-{}", self.run_id, self.next);
         let dp_rank = rng.random_range(0..c.dp_ranks);
         let prompt_tokens = rng.random_range(100..=4000);
-        let expected_output_tokens = rng
-            .random_bool(0.8)
-            .then(|| rng.random_range(16..=2048));
+        let expected_output_tokens = rng.random_bool(0.8).then(|| rng.random_range(16..=2048));
         // Exponential lifetime, clamped to [one interval, ten means].
         let u: f64 = rng.random();
         let mean = c.mean_request_time.as_secs_f64();
@@ -615,8 +613,7 @@ impl Worker {
                 };
                 bump(&self.counters.reorders);
                 self.send(self.completed(&plan, outcome));
-                self.deferred
-                    .push_back(self.admitted(&plan).into());
+                self.deferred.push_back(self.admitted(&plan).into());
                 self.count_outcome(outcome);
                 return;
             }
@@ -778,7 +775,11 @@ impl Worker {
         counters
             .delivered
             .fetch_add(stats.published, Ordering::Relaxed);
-        tracing::debug!(worker_id = self.worker_id, ?stats, "simulated worker closed");
+        tracing::debug!(
+            worker_id = self.worker_id,
+            ?stats,
+            "simulated worker closed"
+        );
         Ok(())
     }
 }
@@ -949,13 +950,277 @@ fn worker_error(
 ) -> Result<(), SimulateError> {
     match joined {
         Ok((_, Ok(()))) => Ok(()),
-        Ok((worker_id, Err(message))) => Err(SimulateError::Worker {
-            worker_id,
-            message,
-        }),
+        Ok((worker_id, Err(message))) => Err(SimulateError::Worker { worker_id, message }),
         Err(join) => Err(SimulateError::Worker {
             worker_id: 0,
             message: join.to_string(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, HashMap};
+
+    use futures::StreamExt;
+
+    use super::*;
+    use crate::nats_server::{nats_server_available, NatsServerBuilder};
+    use crate::subject::DeploymentName;
+    use crate::wire::{self, EventKind};
+
+    fn small(seed: u64) -> SimulationConfig {
+        SimulationConfig {
+            workers: 3,
+            rate: 400.0,
+            duration: Duration::from_millis(1500),
+            progress_every: Duration::from_millis(20),
+            mean_request_time: Duration::from_millis(200),
+            crash_share: 0.1,
+            duplicate_share: 0.1,
+            reorder_share: 0.1,
+            seed: Some(seed),
+            report_every: Duration::from_millis(100),
+            ..SimulationConfig::default()
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid_and_mistakes_name_the_setting() {
+        SimulationConfig::default().validate().unwrap();
+        let check = |f: fn(&mut SimulationConfig), setting: &str| {
+            let mut config = SimulationConfig::default();
+            f(&mut config);
+            let message = config.validate().unwrap_err().to_string();
+            assert!(
+                message.starts_with(&format!("invalid simulation setting {setting} = ")),
+                "{message}"
+            );
+            assert!(message.contains("accepted values are"), "{message}");
+        };
+        check(|c| c.workers = 0, "workers");
+        check(|c| c.dp_ranks = 0, "dp ranks");
+        check(|c| c.rate = 0.0, "rate");
+        check(|c| c.rate = f64::NAN, "rate");
+        check(|c| c.crash_share = 1.5, "crash share");
+        check(|c| c.duplicate_share = -0.1, "duplicate share");
+        check(|c| c.reorder_share = 2.0, "reorder share");
+        check(|c| c.progress_every = Duration::ZERO, "progress interval");
+        check(
+            |c| c.mean_request_time = Duration::ZERO,
+            "mean request time",
+        );
+        check(|c| c.first_worker_id = u64::MAX, "first worker id");
+        check(|c| c.max_live_requests = 0, "max live requests");
+    }
+
+    #[test]
+    fn a_seed_decides_every_request() {
+        let plans = |seed| {
+            let mut planner = Planner::new(&small(seed));
+            (0..500)
+                .map(|_| {
+                    let worker = planner.pick_worker();
+                    planner.plan(worker as u64 + 1)
+                })
+                .collect::<Vec<_>>()
+        };
+        let a = plans(42);
+        assert_eq!(a, plans(42));
+        assert_ne!(a, plans(43));
+        let ids: std::collections::HashSet<_> = a.iter().map(|p| &p.request_id).collect();
+        assert_eq!(ids.len(), a.len(), "request ids are unique");
+        for plan in &a {
+            assert!((100..=4000).contains(&plan.prompt_tokens));
+            assert!(plan.dp_rank < 2);
+            assert!(plan.ticks >= 1 && plan.ticks <= 100, "{}", plan.ticks);
+            if plan.reorder == Some(Reorder::CompleteFirst) {
+                assert!(matches!(plan.fate, Fate::Complete(_)));
+            }
+            if plan.fate == Fate::Crash {
+                assert_ne!(plan.duplicate, Some(Duplicate::Completed));
+            }
+        }
+        let share = |f: &dyn Fn(&RequestPlan) -> bool| {
+            a.iter().filter(|p| f(p)).count() as f64 / a.len() as f64
+        };
+        assert!((0.04..0.2).contains(&share(&|p| p.fate == Fate::Crash)));
+        assert!((0.04..0.2).contains(&share(&|p| p.duplicate.is_some())));
+        assert!((0.04..0.2).contains(&share(&|p| p.reorder.is_some())));
+        assert!((0.1..0.3).contains(&share(&|p| p.expected_output_tokens.is_none())));
+    }
+
+    #[test]
+    fn durations_for_people() {
+        assert_eq!(format_duration(Duration::from_millis(250)), "250ms");
+        assert_eq!(format_duration(Duration::from_millis(1500)), "1.5s");
+        assert_eq!(format_duration(Duration::from_secs(30)), "30s");
+        assert_eq!(format_duration(Duration::from_secs(300)), "5m");
+        assert_eq!(format_duration(Duration::from_secs(3723)), "1h2m3s");
+        for d in [250, 1500, 30_000, 300_000, 3_723_000] {
+            let d = Duration::from_millis(d);
+            assert_eq!(
+                crate::service::config::parse_duration(&format_duration(d)),
+                Some(d)
+            );
+        }
+    }
+
+    /// Everything a real subscriber sees matches the summary and the lifecycle rules.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lifecycles_on_a_real_server() {
+        if !nats_server_available() {
+            eprintln!("skipped: nats-server is not installed");
+            return;
+        }
+        let server = NatsServerBuilder::new().spawn().await.unwrap();
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let subjects = Subjects::with_default_prefix(DeploymentName::new("sim").unwrap());
+        let mut sub = client
+            .subscribe(subjects.deployment_filter())
+            .await
+            .unwrap();
+        client.flush().await.unwrap();
+
+        let mut reports = 0;
+        let summary = run_simulation(
+            client.clone(),
+            subjects.clone(),
+            small(7),
+            CancellationToken::new(),
+            |p| {
+                reports += 1;
+                assert!(p.live_requests <= 10_000);
+                assert_eq!(p.live_by_worker.len(), 3);
+            },
+        )
+        .await
+        .unwrap();
+        assert!(reports >= 5, "{reports}");
+
+        let mut by_publisher: HashMap<u64, Vec<u64>> = HashMap::new();
+        let mut requests: BTreeMap<String, Vec<EventKind>> = BTreeMap::new();
+        let mut kinds: HashMap<EventKind, u64> = HashMap::new();
+        let mut received = 0u64;
+        while received < summary.events_published {
+            let message = tokio::time::timeout(Duration::from_secs(5), sub.next())
+                .await
+                .expect("every published event arrives")
+                .unwrap();
+            let envelope = wire::decode(&message.payload, wire::DEFAULT_MAX_EVENT_BYTES).unwrap();
+            let worker = subjects.parse_worker(&message.subject).unwrap();
+            assert_eq!(
+                worker,
+                envelope.event.worker_id(),
+                "subject names the worker"
+            );
+            assert!((1..=3).contains(&worker));
+            by_publisher
+                .entry(envelope.publisher_id)
+                .or_default()
+                .push(envelope.sequence);
+            *kinds.entry(envelope.kind()).or_default() += 1;
+            if let Some(id) = envelope.event.request_id() {
+                requests
+                    .entry(id.to_owned())
+                    .or_default()
+                    .push(envelope.kind());
+            }
+            received += 1;
+        }
+
+        // One publisher per worker, each with its own gap-free sequence from 1.
+        assert_eq!(by_publisher.len(), 3);
+        for sequences in by_publisher.values() {
+            let expected: Vec<u64> = (1..=sequences.len() as u64).collect();
+            assert_eq!(sequences, &expected);
+        }
+        assert_eq!(summary.events_dropped, 0);
+        assert_eq!(summary.events_delivered, summary.events_published);
+        assert_eq!(kinds[&EventKind::Admitted], summary.admitted_sent);
+        assert_eq!(kinds[&EventKind::Progressed], summary.progressed_sent);
+        assert_eq!(kinds[&EventKind::Completed], summary.completed_sent);
+        assert_eq!(kinds[&EventKind::WorkerReset], 3);
+        assert_eq!(requests.len() as u64, summary.requests_started);
+        assert_eq!(
+            summary.requests_completed + summary.requests_crashed,
+            summary.requests_started
+        );
+        assert_eq!(
+            summary.outcomes_finished + summary.outcomes_cancelled + summary.outcomes_failed,
+            summary.requests_completed
+        );
+        assert!(summary.requests_started >= 500, "{summary}");
+        assert!(summary.requests_crashed > 0 && summary.duplicates_sent > 0);
+        assert!(summary.reorders_sent > 0);
+
+        let (mut crashed, mut completed, mut reordered, mut duplicated) = (0, 0, 0, 0);
+        for (id, events) in &requests {
+            let admitted = events.iter().filter(|k| **k == EventKind::Admitted).count();
+            let done = events
+                .iter()
+                .filter(|k| **k == EventKind::Completed)
+                .count();
+            assert!((1..=2).contains(&admitted), "{id}: {events:?}");
+            assert!(done <= 2, "{id}: {events:?}");
+            if admitted == 2 || done == 2 {
+                duplicated += 1;
+            }
+            if events[0] != EventKind::Admitted {
+                reordered += 1;
+            }
+            if done == 0 {
+                crashed += 1;
+            } else {
+                completed += 1;
+                // Nothing follows the completion but its duplicate or a late admit.
+                let last_progress = events.iter().rposition(|k| *k == EventKind::Progressed);
+                let first_done = events.iter().position(|k| *k == EventKind::Completed);
+                assert!(last_progress < first_done, "{id}: {events:?}");
+            }
+        }
+        assert_eq!(crashed, summary.requests_crashed);
+        assert_eq!(completed, summary.requests_completed);
+        assert_eq!(reordered, summary.reorders_sent);
+        assert_eq!(duplicated, summary.duplicates_sent);
+    }
+
+    #[tokio::test]
+    async fn cancel_ends_the_run_early_and_completes_live_requests() {
+        if !nats_server_available() {
+            eprintln!("skipped: nats-server is not installed");
+            return;
+        }
+        let server = NatsServerBuilder::new().spawn().await.unwrap();
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let subjects = Subjects::with_default_prefix(DeploymentName::new("sim").unwrap());
+        let cancel = CancellationToken::new();
+        let config = SimulationConfig {
+            duration: Duration::from_secs(600),
+            mean_request_time: Duration::from_secs(60),
+            crash_share: 0.0,
+            ..small(1)
+        };
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            stop.cancel();
+        });
+        let summary = tokio::time::timeout(
+            Duration::from_secs(20),
+            run_simulation(client, subjects, config, cancel, |_| {}),
+        )
+        .await
+        .expect("ends soon after the cancel")
+        .unwrap();
+        assert!(summary.duration < Duration::from_secs(10));
+        assert!(summary.requests_started > 0);
+        // A minute-long mean: almost every request was live at the cancel, and completed then.
+        assert!(
+            summary.requests_cut_short * 10 >= summary.requests_started * 8,
+            "{summary}"
+        );
+        assert_eq!(summary.requests_crashed, 0);
+        assert_eq!(summary.requests_completed, summary.requests_started);
     }
 }

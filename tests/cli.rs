@@ -196,7 +196,13 @@ fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
 
 /// `serve` on a free port; returns the process and its HTTP address.
 fn serve(nats_url: &str, extra: &[&str]) -> (Proc, SocketAddr) {
-    let mut args = vec!["serve", "--nats-url", nats_url, "--http-addr", "127.0.0.1:0"];
+    let mut args = vec![
+        "serve",
+        "--nats-url",
+        nats_url,
+        "--http-addr",
+        "127.0.0.1:0",
+    ];
     args.extend_from_slice(extra);
     let mut proc = Proc::spawn(&mut command(&args));
     let addr = proc.wait_for_line("listening on http://", BOUND);
@@ -224,9 +230,10 @@ fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .expect("a status code");
-    let chunked = head
-        .lines()
-        .any(|l| l.to_ascii_lowercase().starts_with("transfer-encoding: chunked"));
+    let chunked = head.lines().any(|l| {
+        l.to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked")
+    });
     let body = if chunked {
         dechunk(body)
     } else {
@@ -359,8 +366,20 @@ async fn published_events_are_seen_by_serve_over_http() {
     assert_eq!(worker["prompt_tokens"], 300, "{workers}");
     assert_eq!(active_leases(addr, "cli-a"), Some(1));
 
-    publish(&["progressed", "--request-id", "req-1", "--output-tokens", "5"]);
-    publish(&["completed", "--request-id", "req-1", "--outcome", "cancelled"]);
+    publish(&[
+        "progressed",
+        "--request-id",
+        "req-1",
+        "--output-tokens",
+        "5",
+    ]);
+    publish(&[
+        "completed",
+        "--request-id",
+        "req-1",
+        "--outcome",
+        "cancelled",
+    ]);
     eventually("the lease is released", BOUND, || {
         (active_leases(addr, "cli-a") == Some(0)).then_some(())
     });
@@ -393,7 +412,10 @@ async fn deployments_come_and_go_at_runtime_while_simulate_publishes() {
     let server = nats().await;
     let url = server.url();
     let (serve, addr) = serve(&url, &[]);
-    assert_eq!(json(addr, "/v1/deployments")["deployments"], serde_json::json!([]));
+    assert_eq!(
+        json(addr, "/v1/deployments")["deployments"],
+        serde_json::json!([])
+    );
 
     let (status, body) = http(addr, "PUT", "/v1/deployments/cli-b");
     assert_eq!(status, 201, "{body}");
@@ -482,7 +504,11 @@ async fn invalid_deployment_names_are_refused() {
     );
     assert_eq!(out.code(), Some(2), "stderr:\n{}", out.stderr);
     assert!(out.stderr.contains("a.b"), "{}", out.stderr);
-    assert!(out.stderr.contains("invalid deployment name"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("invalid deployment name"),
+        "{}",
+        out.stderr
+    );
 
     let out = run(
         command(&[
@@ -531,13 +557,7 @@ async fn invalid_deployment_names_are_refused() {
         out.stderr
     );
     let out = run(
-        command(&[
-            "simulate",
-            "--deployment",
-            "d",
-            "--crash-share",
-            "2",
-        ]),
+        command(&["simulate", "--deployment", "d", "--crash-share", "2"]),
         BOUND,
     );
     assert_eq!(out.code(), Some(2), "stderr:\n{}", out.stderr);
@@ -553,7 +573,10 @@ async fn invalid_deployment_names_are_refused() {
         assert_eq!(status, 400, "PUT {bad}: {body}");
         assert!(body.contains("invalid deployment name"), "{body}");
     }
-    assert_eq!(json(addr, "/v1/deployments")["deployments"], serde_json::json!([]));
+    assert_eq!(
+        json(addr, "/v1/deployments")["deployments"],
+        serde_json::json!([])
+    );
     terminate(serve);
 }
 
@@ -593,13 +616,22 @@ async fn demo_runs_against_the_given_nats_and_summarizes() {
     ]);
     cmd.env("NATS_URL", server.url()).env("RUST_LOG", "warn");
     let out = run(cmd, Duration::from_secs(60));
-    assert_eq!(out.code(), Some(0), "stdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
+    assert_eq!(
+        out.code(),
+        Some(0),
+        "stdout:\n{}\nstderr:\n{}",
+        out.stdout,
+        out.stderr
+    );
     let text = &out.stdout;
     assert!(
         text.contains(&format!("using the NATS server at {}", server.url())),
         "{text}"
     );
-    assert!(text.contains("router for deployment \"demo\" is up: http://127.0.0.1:"), "{text}");
+    assert!(
+        text.contains("router for deployment \"demo\" is up: http://127.0.0.1:"),
+        "{text}"
+    );
     // Not a terminal: one plain line per second.
     assert!(text.contains("t=1s events/s="), "{text}");
     assert!(text.contains("simulation: 8 workers"), "{text}");

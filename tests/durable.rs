@@ -21,7 +21,7 @@ use lease_router::nats_server::{NatsCluster, NatsServer, NatsServerBuilder};
 use lease_router::router::{Router, RouterConfig};
 use lease_router::stats::{DropReason, IngressStats};
 use lease_router::subject::SubjectPrefix;
-use lease_router::types::RequestId;
+
 use lease_router::wire::{self, Envelope, LeaseEvent};
 use tokio_util::task::TaskTracker;
 
@@ -518,5 +518,88 @@ async fn client_of(urls: &[String]) -> NatsConnection {
     .expect("connects to the cluster")
 }
 
-#[allow(dead_code)]
-fn _uses(_: RequestId) {}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_published_while_no_router_ran_are_there_when_one_starts() {
+    use lease_router::publisher::{LeasePublisher, PublisherConfig};
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    ensure_stream(&jetstream::new(conn.client().clone()), &stream_config(1))
+        .await
+        .unwrap();
+    let publisher = LeasePublisher::start_durable(
+        conn.client().clone(),
+        subjects("offline"),
+        PublisherConfig::default(),
+        256,
+    );
+    let mut live = HashSet::new();
+    for i in 0..3_000u64 {
+        let id = format!("offline-{i}");
+        publisher
+            .admitted(id.clone(), i % 16, 0, 100, None)
+            .unwrap();
+        if i % 5 == 0 {
+            publisher
+                .completed(id, i % 16, 0, wire::Outcome::Finished)
+                .unwrap();
+        } else {
+            live.insert(id);
+        }
+    }
+    let stats = tokio::time::timeout(BOUND, publisher.close())
+        .await
+        .expect("close is bounded")
+        .expect("every publish acknowledged");
+    assert_eq!(stats.published, 3_600);
+
+    let h = durable_router(&conn, "offline", 1).await;
+    tokio::time::timeout(BOUND, h.catch_up.wait())
+        .await
+        .expect("catches up");
+    assert_eq!(h.catch_up.replayed(), 3_600);
+    assert_eq!(live_ids(&h.router), live);
+    let s = h.stats.snapshot();
+    assert_eq!(s.applied_total(), 3_600, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hosted_durable_deployment_is_not_ready_until_caught_up() {
+    use lease_router::service::host::{DeploymentHost, HostSettings};
+    use lease_router::subject::DeploymentName;
+    const EVENTS: usize = 60_000;
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    ensure_stream(&jetstream::new(conn.client().clone()), &stream_config(1))
+        .await
+        .unwrap();
+    let (events, live) = lifecycle_events("hosted", EVENTS, 0);
+    JsPublisher::new(conn.client().clone(), "hosted", 1)
+        .publish_all(events)
+        .await;
+
+    let settings = HostSettings {
+        lease_scan_interval: NO_EXPIRY,
+        durable: Some(stream_config(1)),
+        ..HostSettings::default()
+    };
+    let host = DeploymentHost::new(conn.clone(), settings);
+    let name = DeploymentName::new("hosted").unwrap();
+    host.add(&name).await.expect("durable deployment starts");
+    let not_ready = host.not_ready();
+    assert!(
+        not_ready
+            .iter()
+            .any(|(n, why)| n == &name && why.contains("catching up")),
+        "a replaying deployment is not ready: {not_ready:?}"
+    );
+    assert!(eventually(Duration::from_secs(60), || async { host.is_ready() }).await);
+    let view = host.get(&name).unwrap();
+    assert_eq!(view.manager().active_leases(), live.len());
+    // A view holds the manager: let it go before shutting down.
+    drop(view);
+    let metrics = host.metrics_snapshot();
+    let catch_up = metrics.deployments[0].catch_up.expect("durable");
+    assert!(catch_up.done);
+    assert_eq!(catch_up.replayed, EVENTS as u64);
+    host.shutdown_all().await.unwrap();
+}

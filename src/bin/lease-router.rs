@@ -32,6 +32,11 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Host one router per deployment, with the HTTP API and /metrics, until SIGINT/SIGTERM.
+    ///
+    /// Prints `listening on http://ADDR` on stdout once every deployment is subscribed.
+    /// Settings: flags, then environment, then the --config file, then defaults. A first
+    /// SIGINT/SIGTERM stops taking events, shuts every router down and exits 0; a second one
+    /// exits at once (130). Invalid settings exit 2.
     Serve(lease_router::service::ServeArgs),
     /// Publish one lease event and wait until the NATS server has it.
     Publish(cli::publish::PublishArgs),
@@ -39,6 +44,12 @@ enum Command {
     Simulate(cli::simulate::SimulateArgs),
     /// A router, simulated workers and a live view in one process (starts nats-server if
     /// none answers).
+    ///
+    /// Connects to NATS_URL (default nats://127.0.0.1:4222); if nothing answers within a
+    /// second, starts `nats-server` from PATH on a free port (JetStream on, in a temporary
+    /// directory, stopped on exit). Then hosts deployment `demo` with the HTTP API, runs
+    /// simulated workers against it, and shows a live view (a plain line per second when
+    /// stdout is not a terminal) until Ctrl-C or --duration, then a summary.
     Demo(cli::demo::DemoArgs),
 }
 

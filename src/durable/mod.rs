@@ -2,11 +2,13 @@
 //! starts (or restarts) late first replays what it missed and then follows live events.
 //!
 //! - [`stream`]: the stream over the subject prefix, created or updated idempotently.
+//! - `publish`: the JetStream sink behind [`crate::publisher::LeasePublisher::start_durable`].
 //! - [`ingress`]: the durable ingress: one ordered consumer that replays the deployment's
 //!   subjects and then keeps following them, so there is no seam between catch-up and live
 //!   events; recreated from the last applied stream sequence when it is lost.
 
 pub mod ingress;
+pub(crate) mod publish;
 pub mod stream;
 
 pub use ingress::{CatchUpState, JetStreamIngress, StartDurableIngressError};

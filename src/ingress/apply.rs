@@ -240,8 +240,15 @@ impl EventApplier {
             None => SchedulerBookingDescriptor::new(request_id, worker),
         };
         let outcome = self.observer.admitted(booking.clone(), load)?;
-        if outcome == AdmitOutcome::NotWired {
-            return Ok(Applied::Dropped(DropReason::Stale));
+        match outcome {
+            AdmitOutcome::NotWired => return Ok(Applied::Dropped(DropReason::Stale)),
+            AdmitOutcome::Full => {
+                // Refused by the manager's max_active_leases (counted there as refused_full);
+                // progress held for it would wait for nothing.
+                self.held_progress.take(&booking.request_id, worker);
+                return Ok(Applied::Dropped(DropReason::Overflow));
+            }
+            AdmitOutcome::Registered | AdmitOutcome::Duplicate | AdmitOutcome::Superseded => {}
         }
         if self.held_progress.take(&booking.request_id, worker) {
             self.observer.progressed(&booking)?;

@@ -37,6 +37,10 @@ use crate::types::{
 
 /// The reference router's scan interval: a silent lease lives 5 to 10 minutes.
 pub const DEFAULT_SCAN_INTERVAL: Duration = Duration::from_secs(300);
+/// Default bound of [`LeaseConfig::max_active_leases`]: far above any real deployment's
+/// in-flight requests, far below what would exhaust a router's memory (a lease costs about a
+/// hundred bytes plus its request id).
+pub const DEFAULT_MAX_ACTIVE_LEASES: usize = 1_000_000;
 const DEFAULT_SHARDS: usize = 64;
 
 /// Settings of a [`RequestLeaseManager`].
@@ -46,6 +50,12 @@ pub struct LeaseConfig {
     pub scan_interval: Duration,
     /// Number of lock shards (rounded up to a power of two).
     pub shards: usize,
+    /// At most this many live leases. Past it, an admission that would create a new lease is
+    /// refused ([`AdmitOutcome::Full`], counted in [`LeaseStats::refused_full`]); duplicates
+    /// and new attempts of a live request id (which replace their lease) are still accepted.
+    /// The bound may be passed by at most the number of concurrent admitters: the count is
+    /// shared by all shards, and each admitter holds only its own shard's lock.
+    pub max_active_leases: usize,
 }
 
 impl Default for LeaseConfig {
@@ -53,6 +63,7 @@ impl Default for LeaseConfig {
         Self {
             scan_interval: DEFAULT_SCAN_INTERVAL,
             shards: DEFAULT_SHARDS,
+            max_active_leases: DEFAULT_MAX_ACTIVE_LEASES,
         }
     }
 }
@@ -69,6 +80,8 @@ pub enum AdmitOutcome {
     Superseded,
     /// No scheduler is wired yet: refused, nothing stored.
     NotWired,
+    /// [`LeaseConfig::max_active_leases`] live leases already: refused, nothing stored.
+    Full,
 }
 
 /// The result of a renewal.
@@ -112,6 +125,7 @@ pub struct LeaseStatsCounters {
     expired: AtomicU64,
     reset_released: AtomicU64,
     refused_unwired: AtomicU64,
+    refused_full: AtomicU64,
     scans: AtomicU64,
 }
 
@@ -130,6 +144,8 @@ pub struct LeaseStats {
     pub expired: u64,
     pub reset_released: u64,
     pub refused_unwired: u64,
+    /// Admissions refused because [`LeaseConfig::max_active_leases`] were live.
+    pub refused_full: u64,
     pub scans: u64,
 }
 
@@ -175,6 +191,24 @@ pub(crate) struct RequestLeaseManagerInner {
     stats: LeaseStatsCounters,
     epoch: Instant,
     scan_interval: Duration,
+    /// Live leases across all shards, kept in step with insertions and removals (each under
+    /// its shard's write lock), for the [`LeaseConfig::max_active_leases`] check.
+    active: AtomicU64,
+    max_active_leases: u64,
+}
+
+impl RequestLeaseManagerInner {
+    /// `retain` on one shard's map, keeping the live-lease count in step.
+    fn retain_counted(
+        &self,
+        map: &mut HashMap<RequestId, Lease>,
+        keep: impl FnMut(&RequestId, &mut Lease) -> bool,
+    ) {
+        let before = map.len();
+        map.retain(keep);
+        let removed = before - map.len();
+        self.active.fetch_sub(removed as u64, Ordering::Relaxed);
+    }
 }
 
 /// The liveness record of every booking of one deployment.
@@ -208,6 +242,8 @@ impl RequestLeaseManager {
                 stats: LeaseStatsCounters::default(),
                 epoch: Instant::now(),
                 scan_interval: config.scan_interval,
+                active: AtomicU64::new(0),
+                max_active_leases: u64::try_from(config.max_active_leases).unwrap_or(u64::MAX),
             }),
         }
     }
@@ -290,7 +326,14 @@ impl RequestLeaseManager {
                 AdmitOutcome::Superseded
             }
             Entry::Vacant(entry) => {
+                // Counted across shards without their locks: approximate by the number of
+                // concurrent admitters, which is enough to bound memory.
+                if self.inner.active.load(Ordering::Relaxed) >= self.inner.max_active_leases {
+                    bump(&stats.refused_full);
+                    return AdmitOutcome::Full;
+                }
                 entry.insert(lease);
+                self.inner.active.fetch_add(1, Ordering::Relaxed);
                 scheduler.book(booking, load);
                 bump(&stats.registered);
                 AdmitOutcome::Registered
@@ -328,6 +371,7 @@ impl RequestLeaseManager {
                 if entry.get().attempt_id == booking.attempt_id =>
             {
                 let lease = entry.remove();
+                self.inner.active.fetch_sub(1, Ordering::Relaxed);
                 lease.clock.claim() && {
                     if let Some(scheduler) = self.inner.scheduler.get() {
                         scheduler.release(booking.clone(), ReleaseReason::Completed);
@@ -356,7 +400,7 @@ impl RequestLeaseManager {
         let scheduler = self.inner.scheduler.get();
         let mut dropped = 0;
         for shard in self.inner.shards.iter() {
-            shard.write().retain(|request_id, lease| {
+            self.inner.retain_counted(&mut shard.write(), |request_id, lease| {
                 if !matches(&lease.worker) {
                     return true;
                 }
@@ -441,6 +485,7 @@ impl RequestLeaseManager {
             expired: get(&c.expired),
             reset_released: get(&c.reset_released),
             refused_unwired: get(&c.refused_unwired),
+            refused_full: get(&c.refused_full),
             scans: get(&c.scans),
         }
     }
@@ -449,9 +494,10 @@ impl RequestLeaseManager {
     fn scan_shard(&self, index: usize) -> usize {
         let scheduler = self.inner.scheduler.get();
         let mut expired = 0;
-        self.inner.shards[index]
-            .write()
-            .retain(|request_id, lease| match lease.clock.reap() {
+        let inner = &self.inner;
+        inner.retain_counted(
+            &mut inner.shards[index].write(),
+            |request_id, lease| match lease.clock.reap() {
                 ReapOutcome::SecondChance => true,
                 ReapOutcome::Expired => {
                     expired += 1;
@@ -462,7 +508,8 @@ impl RequestLeaseManager {
                     false
                 }
                 ReapOutcome::AlreadyClaimed => false,
-            });
+            },
+        );
         expired
     }
 

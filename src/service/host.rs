@@ -32,8 +32,10 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn, Instrument};
 
 use crate::connection::NatsConnection;
-use crate::ingress::{ApplyConfig, NatsIngress};
+use crate::durable::{CatchUpState, JetStreamIngress, LeaseStreamConfig, StartDurableIngressError};
+use crate::ingress::{ApplyConfig, NatsIngress, StartIngressError};
 use crate::lease::{LeaseConfig, RequestLeaseManager};
+use crate::router::{IngressContext, IngressStart, RouterTask};
 use crate::router::{Router, RouterConfig, ShutdownRouterError, StartRouterError};
 use crate::scheduler::SchedulerHandle;
 use crate::stats::{IngressStats, IngressStatsSnapshot};
@@ -53,6 +55,8 @@ pub struct HostSettings {
     pub apply: ApplyConfig,
     /// How long a removal waits for the router's tasks to end after its shutdown.
     pub task_stop_timeout: Duration,
+    /// Durable mode: replay each deployment from this JetStream stream before following it.
+    pub durable: Option<LeaseStreamConfig>,
 }
 
 impl Default for HostSettings {
@@ -62,6 +66,7 @@ impl Default for HostSettings {
             lease_scan_interval: crate::lease::manager::DEFAULT_SCAN_INTERVAL,
             apply: ApplyConfig::default(),
             task_stop_timeout: DEFAULT_TASK_STOP_TIMEOUT,
+            durable: None,
         }
     }
 }
@@ -206,6 +211,16 @@ pub struct DeploymentMetrics {
     pub active_leases: Option<u64>,
     /// Expired leases over every router this name has had.
     pub leases_expired: u64,
+    /// Durable mode only: the replay of the running router.
+    pub catch_up: Option<CatchUpMetrics>,
+}
+
+/// Where a durable router's replay stands.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CatchUpMetrics {
+    pub done: bool,
+    pub replayed: u64,
+    pub seconds: f64,
 }
 
 /// Everything the metrics exporter reads, taken at scrape time.
@@ -226,6 +241,8 @@ struct Running {
     router: Router,
     tracker: TaskTracker,
     stats: Arc<IngressStats>,
+    /// Durable mode only: not ready until the replay is done.
+    catch_up: Option<Arc<CatchUpState>>,
     started_at: Instant,
     /// Tasks right after the start: fewer later means one ended on its own.
     tasks_at_start: usize,
@@ -568,8 +585,15 @@ impl DeploymentHost {
             .slots
             .iter()
             .filter_map(|(name, slot)| match slot {
-                Slot::Running(running) if running.is_live() => None,
-                Slot::Running(_) => Some((name.clone(), "a router task has ended")),
+                Slot::Running(running) if !running.is_live() => {
+                    Some((name.clone(), "a router task has ended"))
+                }
+                Slot::Running(running)
+                    if running.catch_up.as_ref().is_some_and(|c| !c.is_caught_up()) =>
+                {
+                    Some((name.clone(), "catching up from the lease stream"))
+                }
+                Slot::Running(_) => None,
                 Slot::Pending {
                     phase: DeploymentPhase::Stopping,
                     ..
@@ -613,6 +637,7 @@ impl DeploymentHost {
             stats: Arc<IngressStats>,
             expired_before: u64,
             manager: Option<crate::lease::WeakRequestLeaseManager>,
+            catch_up: Option<Arc<CatchUpState>>,
         }
         let (entries, hosted) = {
             let state = self.inner.state.lock();
@@ -625,6 +650,10 @@ impl DeploymentHost {
                     expired_before: record.expired_before,
                     manager: match state.slots.get(name) {
                         Some(Slot::Running(running)) => Some(running.router.manager().downgrade()),
+                        _ => None,
+                    },
+                    catch_up: match state.slots.get(name) {
+                        Some(Slot::Running(running)) => running.catch_up.clone(),
                         _ => None,
                     },
                 })
@@ -644,6 +673,11 @@ impl DeploymentHost {
                     active_leases: lease_stats.as_ref().map(|s| s.active),
                     leases_expired: entry.expired_before
                         + lease_stats.as_ref().map_or(0, |s| s.expired),
+                    catch_up: entry.catch_up.map(|c| CatchUpMetrics {
+                        done: c.is_caught_up(),
+                        replayed: c.replayed(),
+                        seconds: c.duration().as_secs_f64(),
+                    }),
                 }
             })
             .collect();
@@ -657,6 +691,32 @@ impl DeploymentHost {
             nats_disconnects: connection.disconnects(),
             slow_consumer_events: connection.slow_consumer_events(),
         }
+    }
+}
+
+/// The ingress of a hosted deployment: core NATS, or durable on JetStream.
+enum DeploymentIngress {
+    Core(NatsIngress),
+    Durable(JetStreamIngress),
+}
+
+/// Why a hosted deployment's ingress could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartDeploymentIngressError {
+    #[error(transparent)]
+    Core(#[from] StartIngressError),
+    #[error(transparent)]
+    Durable(#[from] StartDurableIngressError),
+}
+
+impl IngressStart for DeploymentIngress {
+    type Error = StartDeploymentIngressError;
+
+    async fn start(self, ctx: IngressContext) -> Result<Vec<RouterTask>, Self::Error> {
+        Ok(match self {
+            Self::Core(ingress) => ingress.start(ctx).await?,
+            Self::Durable(ingress) => ingress.start(ctx).await?,
+        })
     }
 }
 
@@ -694,12 +754,31 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
         (stats, tracker)
     };
     let settings = &inner.settings;
-    let ingress = NatsIngress::new(
-        inner.connection.client().clone(),
-        Subjects::new(settings.subject_prefix.clone(), name.clone()),
-        settings.apply.clone(),
-        stats.clone(),
-    );
+    let client = inner.connection.client().clone();
+    let subjects = Subjects::new(settings.subject_prefix.clone(), name.clone());
+    let (ingress, catch_up) = match &settings.durable {
+        None => (
+            DeploymentIngress::Core(NatsIngress::new(
+                client,
+                subjects,
+                settings.apply.clone(),
+                stats.clone(),
+            )),
+            None,
+        ),
+        Some(stream) => {
+            let catch_up = Arc::new(CatchUpState::new());
+            let ingress = JetStreamIngress::new(
+                client,
+                subjects,
+                stream.clone(),
+                settings.apply.clone(),
+                stats.clone(),
+                catch_up.clone(),
+            );
+            (DeploymentIngress::Durable(ingress), Some(catch_up))
+        }
+    };
     let config = RouterConfig {
         deployment: name.to_string(),
         lease: LeaseConfig {
@@ -727,6 +806,7 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
         router,
         tracker,
         stats,
+        catch_up,
         started_at: Instant::now(),
     };
     inner

@@ -205,11 +205,11 @@ fn counter_family<L: EncodeLabelSet>(
     Ok(())
 }
 
-fn gauge_family<L: EncodeLabelSet>(
+fn gauge_family<L: EncodeLabelSet, V: prometheus_client::encoding::EncodeGaugeValue>(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    series: &[(L, u64)],
+    series: &[(L, V)],
 ) -> fmt::Result {
     let mut metric = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
     for (labels, value) in series {
@@ -304,6 +304,34 @@ pub fn encode_snapshot(
         "active_leases",
         "Live request leases of each hosted deployment.",
         &active,
+    )?;
+    let replay = |value: fn(&super::host::CatchUpMetrics) -> f64| {
+        deps.iter()
+            .filter_map(|d| {
+                Some((
+                    [("deployment", d.name.as_str())],
+                    value(d.catch_up.as_ref()?),
+                ))
+            })
+            .collect::<Vec<_>>()
+    };
+    gauge_family(
+        encoder,
+        "catchup_done",
+        "Durable mode: 1 once the router has replayed the lease stream and follows live events.",
+        &replay(|c| f64::from(u8::from(c.done))),
+    )?;
+    gauge_family(
+        encoder,
+        "catchup_replayed_events",
+        "Durable mode: events applied while replaying the lease stream.",
+        &replay(|c| c.replayed as f64),
+    )?;
+    gauge_family(
+        encoder,
+        "catchup_seconds",
+        "Durable mode: how long the replay took (0 until it is done).",
+        &replay(|c| c.seconds),
     )?;
     counter_family(
         encoder,
@@ -430,12 +458,14 @@ mod tests {
                     name: "gone".into(),
                     ingress: removed.snapshot(),
                     active_leases: None,
+                    catch_up: None,
                     leases_expired: 4,
                 },
                 DeploymentMetrics {
                     name: "prod".into(),
                     ingress: live.snapshot(),
                     active_leases: Some(2),
+                    catch_up: None,
                     leases_expired: 1,
                 },
             ],

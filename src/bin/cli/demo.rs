@@ -23,8 +23,7 @@ use parking_lot::Mutex;
 use super::serve::{bind, Service};
 use super::simulate::TrafficArgs;
 use super::{
-    bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, CliError, Signals,
-    Stream,
+    bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, CliError, Signals, Stream,
 };
 
 /// The deployment the demo hosts and simulates.
@@ -96,9 +95,7 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
     let service = Service::start(&settings, connection.clone(), listener).await?;
     let base = format!("http://{}", service.http_addr());
     println!("router for deployment {DEMO_DEPLOYMENT:?} is up: {base}");
-    println!(
-        "  try: curl {base}/v1/deployments/{DEMO_DEPLOYMENT}/workers   curl {base}/metrics"
-    );
+    println!("  try: curl {base}/v1/deployments/{DEMO_DEPLOYMENT}/workers   curl {base}/metrics");
     println!(
         "simulating {} workers at {} requests/s for {}, leases scanned every {} (Ctrl-C stops)",
         config.workers,

@@ -109,9 +109,7 @@ pub fn init_logging(format: LogFormat, default_filter: &str) {
         .with_env_filter(filter)
         .with_writer(io::stderr);
     let result = match format {
-        LogFormat::Text => builder
-            .with_ansi(io::stderr().is_terminal())
-            .try_init(),
+        LogFormat::Text => builder.with_ansi(io::stderr().is_terminal()).try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
     if let Err(error) = result {

@@ -1,0 +1,283 @@
+//! Bounded memory under abuse: a worker (or anyone who may publish on a deployment's subjects)
+//! floods each bounded structure of the router; each stays at its limit and the overflow is
+//! counted, never an unbounded growth.
+//!
+//! The bounds live in the ingress's `EventApplier` (tombstones, held progress, publishers) and
+//! in the lease manager (active leases). The applier is fed synchronously here: a NATS server
+//! would add nothing but time (the real ingress calls the same `apply`). One test floods the
+//! lease bound through a real server and router, end to end.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use lease_router::ingress::sequence::SequenceTracker;
+use lease_router::ingress::{Applied, ApplyConfig, EventApplier};
+use lease_router::lease::{AdmitOutcome, LeaseConfig};
+use lease_router::router::{NoIngress, Router, RouterConfig};
+use lease_router::stats::{DropReason, IngressStats};
+use lease_router::subject::Subjects;
+use lease_router::types::{RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
+use lease_router::wire::{self, Envelope, LeaseEvent};
+
+const DEPLOYMENT: &str = "abuse";
+const FLOOD: usize = 5_000;
+
+fn small_limits() -> ApplyConfig {
+    ApplyConfig {
+        max_tombstones: 100,
+        max_held_progress: 100,
+        max_publishers: 100,
+        ..ApplyConfig::default()
+    }
+}
+
+async fn router_with(lease: LeaseConfig) -> Router {
+    let mut config = RouterConfig::new(DEPLOYMENT).with_scan_interval(Duration::from_secs(3600));
+    config.lease = LeaseConfig {
+        scan_interval: config.lease.scan_interval,
+        ..lease
+    };
+    Router::start(config, NoIngress).await.expect("router starts")
+}
+
+fn applier(router: &Router, config: ApplyConfig) -> (EventApplier, Arc<IngressStats>, Subjects) {
+    let stats = Arc::new(IngressStats::new());
+    let subjects = subjects(DEPLOYMENT);
+    let applier = EventApplier::new(subjects.clone(), router.observer(), stats.clone(), config);
+    (applier, stats, subjects)
+}
+
+/// Encodes and applies one event from `publisher` with sequence `seq`.
+fn feed(
+    applier: &mut EventApplier,
+    subjects: &Subjects,
+    publisher: u64,
+    seq: u64,
+    event: impl Into<LeaseEvent>,
+) -> Applied {
+    let envelope = Envelope::new(publisher, seq, wire::unix_micros_now(), event);
+    let subject = subjects.worker_subject(envelope.event.worker_id());
+    let bytes = wire::encode(&envelope).unwrap();
+    applier.apply(&subject, &bytes).expect("router alive")
+}
+
+#[tokio::test]
+async fn tombstone_flood_stays_at_its_limit_and_counts_overflow() {
+    let router = router_with(LeaseConfig::default()).await;
+    let (mut applier, stats, subjects) = applier(&router, small_limits());
+    // Completions of requests nobody admitted: each would leave a tombstone.
+    for i in 0..FLOOD {
+        let outcome = feed(
+            &mut applier,
+            &subjects,
+            1,
+            i as u64 + 1,
+            completed(&format!("ghost-{i}"), 1),
+        );
+        assert_eq!(outcome, Applied::Held);
+        assert!(applier.reorder_buffers().0 <= 100);
+    }
+    assert_eq!(applier.reorder_buffers(), (100, 0));
+    let s = stats.snapshot();
+    assert_eq!(s.dropped(DropReason::Overflow), (FLOOD - 100) as u64);
+    assert_eq!(s.received, FLOOD as u64);
+    assert_eq!(router.manager().active_leases(), 0);
+    router.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn held_progress_flood_stays_at_its_limit_and_counts_overflow() {
+    let router = router_with(LeaseConfig::default()).await;
+    let (mut applier, stats, subjects) = applier(&router, small_limits());
+    // Progress of requests nobody admitted: each would be held for its admission.
+    for i in 0..FLOOD {
+        let outcome = feed(
+            &mut applier,
+            &subjects,
+            1,
+            i as u64 + 1,
+            progressed(&format!("ghost-{i}"), 1),
+        );
+        assert_eq!(outcome, Applied::Held);
+        assert!(applier.reorder_buffers().1 <= 100);
+    }
+    assert_eq!(applier.reorder_buffers(), (0, 100));
+    assert_eq!(
+        stats.snapshot().dropped(DropReason::Overflow),
+        (FLOOD - 100) as u64
+    );
+    // The kept entries are the newest: a late admission of the newest is renewed at once,
+    // one of the oldest (evicted) is not.
+    assert_eq!(router.manager().active_leases(), 0);
+    router.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn publisher_flood_stays_at_its_limit() {
+    // The tracker itself: never more than its bound, evictions counted.
+    let mut tracker = SequenceTracker::new(100);
+    for publisher in 0..FLOOD as u64 {
+        tracker.observe(publisher, 1);
+        assert!(tracker.len() <= 100);
+    }
+    assert_eq!(tracker.len(), 100);
+    assert_eq!(tracker.evicted(), (FLOOD - 100) as u64);
+
+    // Through the applier: a flood of publisher ids (one event each) makes the router forget
+    // the least recent publishers, so a re-sent event of the first one is no longer known as
+    // a duplicate; with room for every publisher, it is.
+    for (max_publishers, expect_duplicate) in [(100, false), (FLOOD + 1, true)] {
+        let router = router_with(LeaseConfig::default()).await;
+        let config = ApplyConfig {
+            max_publishers,
+            max_tombstones: FLOOD * 2,
+            ..small_limits()
+        };
+        let (mut applier, stats, subjects) = applier(&router, config);
+        for publisher in 0..FLOOD as u64 {
+            feed(
+                &mut applier,
+                &subjects,
+                publisher + 1,
+                1,
+                completed(&format!("ghost-{publisher}"), 1),
+            );
+        }
+        let again = feed(&mut applier, &subjects, 1, 1, completed("ghost-0", 1));
+        assert_eq!(
+            again == Applied::Dropped(DropReason::Duplicate),
+            expect_duplicate,
+            "max_publishers {max_publishers}: {again:?}"
+        );
+        assert_eq!(stats.snapshot().received, FLOOD as u64 + 1);
+        router.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn lease_flood_is_refused_past_max_active_leases() {
+    let router = router_with(LeaseConfig {
+        max_active_leases: 100,
+        ..LeaseConfig::default()
+    })
+    .await;
+    let (mut applier, stats, subjects) = applier(&router, small_limits());
+    for i in 0..FLOOD {
+        let outcome = feed(
+            &mut applier,
+            &subjects,
+            1,
+            i as u64 + 1,
+            admitted(&format!("flood-{i}"), 1, 10),
+        );
+        let expected = if i < 100 {
+            Applied::Applied
+        } else {
+            Applied::Dropped(DropReason::Overflow)
+        };
+        assert_eq!(outcome, expected, "admission {i}");
+    }
+    let manager = router.manager();
+    assert_eq!(manager.active_leases(), 100);
+    let lease_stats = manager.stats();
+    assert_eq!(lease_stats.active, 100);
+    assert_eq!(lease_stats.registered, 100);
+    assert_eq!(lease_stats.refused_full, (FLOOD - 100) as u64);
+    assert_eq!(
+        stats.snapshot().dropped(DropReason::Overflow),
+        (FLOOD - 100) as u64
+    );
+
+    // A live lease is still renewed and completed while full; a completion frees a slot.
+    let mut seq = FLOOD as u64;
+    let mut next = || {
+        seq += 1;
+        seq
+    };
+    assert_eq!(
+        feed(&mut applier, &subjects, 1, next(), admitted("flood-0", 1, 10)),
+        Applied::Applied
+    );
+    assert_eq!(
+        feed(&mut applier, &subjects, 1, next(), progressed("flood-1", 1)),
+        Applied::Applied
+    );
+    assert_eq!(
+        feed(&mut applier, &subjects, 1, next(), completed("flood-2", 1)),
+        Applied::Applied
+    );
+    assert_eq!(manager.active_leases(), 99);
+    assert_eq!(
+        feed(&mut applier, &subjects, 1, next(), admitted("late", 1, 10)),
+        Applied::Applied
+    );
+    assert_eq!(
+        feed(&mut applier, &subjects, 1, next(), admitted("refused", 1, 10)),
+        Applied::Dropped(DropReason::Overflow)
+    );
+    assert_eq!(manager.active_leases(), 100);
+
+    // A worker reset and expiry free slots too (the live count follows every removal).
+    manager.reset_worker(1, None);
+    assert_eq!(manager.active_leases(), 0);
+    let worker = WorkerWithDpRank::new(2, 0);
+    for i in 0..150 {
+        let booking = SchedulerBookingDescriptor::new(format!("direct-{i}").into(), worker);
+        let outcome = manager.register_remote(booking, RequestLoad::new(1, Some(1)));
+        let expected = if i < 100 {
+            AdmitOutcome::Registered
+        } else {
+            AdmitOutcome::Full
+        };
+        assert_eq!(outcome, expected, "direct admission {i}");
+    }
+    manager.scan().await;
+    manager.scan().await;
+    assert_eq!(manager.active_leases(), 0);
+    let booking = SchedulerBookingDescriptor::new("after-expiry".into(), worker);
+    assert_eq!(
+        manager.register_remote(booking, RequestLoad::new(1, Some(1))),
+        AdmitOutcome::Registered
+    );
+    router.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn lease_flood_through_nats_is_bounded_and_counted() {
+    let server = server().await;
+    let conn = client(&server.url()).await;
+    let stats = Arc::new(IngressStats::new());
+    let ingress = lease_router::ingress::NatsIngress::new(
+        conn.client().clone(),
+        subjects(DEPLOYMENT),
+        ApplyConfig::default(),
+        stats.clone(),
+    );
+    let mut config = RouterConfig::new(DEPLOYMENT).with_scan_interval(Duration::from_secs(3600));
+    config.lease.max_active_leases = 50;
+    let router = Router::start(config, ingress).await.expect("router starts");
+
+    let publisher_conn = client(&server.url()).await;
+    let mut publisher = RawPublisher::new(publisher_conn.client().clone(), DEPLOYMENT, 7);
+    const N: usize = 1_000;
+    for i in 0..N {
+        publisher.send(admitted(&format!("r{i}"), 3, 5)).await;
+    }
+    publisher.flush().await;
+    let done = eventually(BOUND, || {
+        let s = stats.snapshot();
+        async move { s.applied_total() + s.dropped_total() >= N as u64 }
+    })
+    .await;
+    assert!(done, "{:?}", stats.snapshot());
+    assert_eq!(router.manager().active_leases(), 50);
+    assert_eq!(router.manager().stats().refused_full, (N - 50) as u64);
+    assert_eq!(
+        stats.snapshot().dropped(DropReason::Overflow),
+        (N - 50) as u64
+    );
+    router.shutdown().await.unwrap();
+}
