@@ -111,7 +111,7 @@ impl ReplicaRequestLeaseObserver for TimingObserver {
 
     fn current_booking(
         &self,
-        request_id: &RequestId,
+        request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Result<Option<SchedulerBookingDescriptor>, DeliverEventError> {
         self.inner.current_booking(request_id, worker)

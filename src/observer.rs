@@ -12,7 +12,7 @@ use std::sync::Weak;
 use crate::lease::manager::RequestLeaseManagerInner;
 use crate::lease::{AdmitOutcome, CompleteOutcome, ProgressOutcome, RequestLeaseManager};
 use crate::types::{
-    DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
+    DpRank, RequestLoad, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
 };
 
 /// The event could not be delivered.
@@ -54,7 +54,7 @@ pub trait ReplicaRequestLeaseObserver: Send + Sync {
     /// The live booking of `request_id` on `worker`: wire events carry no attempt id.
     fn current_booking(
         &self,
-        request_id: &RequestId,
+        request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Result<Option<SchedulerBookingDescriptor>, DeliverEventError>;
 
@@ -125,7 +125,7 @@ impl ReplicaRequestLeaseObserver for WeakRequestLeaseObserver {
 
     fn current_booking(
         &self,
-        request_id: &RequestId,
+        request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Result<Option<SchedulerBookingDescriptor>, DeliverEventError> {
         self.with_manager(|m| m.current_booking(request_id, worker))
@@ -175,7 +175,7 @@ impl ReplicaRequestLeaseObserver for StrongRequestLeaseObserver {
 
     fn current_booking(
         &self,
-        request_id: &RequestId,
+        request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Result<Option<SchedulerBookingDescriptor>, DeliverEventError> {
         Ok(self.0.current_booking(request_id, worker))

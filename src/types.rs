@@ -24,6 +24,22 @@ impl RequestId {
     }
 }
 
+/// Lets maps keyed by `RequestId` be searched with a borrowed `&str` (same hash, same
+/// equality), so looking up a wire event's request allocates nothing.
+impl std::borrow::Borrow<str> for RequestId {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for RequestId {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
 impl From<&str> for RequestId {
     fn from(s: &str) -> Self {
         Self(Arc::from(s))

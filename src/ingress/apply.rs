@@ -258,28 +258,31 @@ impl EventApplier {
 
     fn progressed(&mut self, e: Progressed) -> Result<Applied, DeliverEventError> {
         let worker = e.worker();
-        let request_id = RequestId::from(e.request_id);
-        match self.observer.current_booking(&request_id, worker)? {
+        match self.observer.current_booking(&e.request_id, worker)? {
             Some(booking) => Ok(match self.observer.progressed(&booking)? {
                 ProgressOutcome::Renewed | ProgressOutcome::Coalesced => Applied::Applied,
                 ProgressOutcome::Stale => Applied::Dropped(DropReason::Stale),
             }),
-            None if self.tombstones.contains(&request_id, worker) => {
-                Ok(Applied::Dropped(DropReason::Stale))
+            None => {
+                let request_id = RequestId::from(e.request_id);
+                if self.tombstones.contains(&request_id, worker) {
+                    Ok(Applied::Dropped(DropReason::Stale))
+                } else {
+                    Ok(self.hold(Hold::Progress, request_id, worker))
+                }
             }
-            None => Ok(self.hold(Hold::Progress, request_id, worker)),
         }
     }
 
     fn completed(&mut self, e: Completed) -> Result<Applied, DeliverEventError> {
         let worker = e.worker();
-        let request_id = RequestId::from(e.request_id);
-        match self.observer.current_booking(&request_id, worker)? {
+        match self.observer.current_booking(&e.request_id, worker)? {
             Some(booking) => Ok(match self.observer.completed(&booking)? {
                 CompleteOutcome::Released => Applied::Applied,
                 CompleteOutcome::Stale => Applied::Dropped(DropReason::Stale),
             }),
             None => {
+                let request_id = RequestId::from(e.request_id);
                 self.held_progress.take(&request_id, worker);
                 Ok(self.hold(Hold::Tombstone, request_id, worker))
             }

@@ -277,8 +277,8 @@ impl RequestLeaseManager {
             .map_err(|_| SetSchedulerError::AlreadySet)
     }
 
-    fn shard(&self, request_id: &RequestId) -> &Shard {
-        let hash = self.inner.shard_hasher.hash_one(request_id.as_str());
+    fn shard(&self, request_id: &str) -> &Shard {
+        let hash = self.inner.shard_hasher.hash_one(request_id);
         // The high bits: the map inside the shard uses the low ones.
         let index = (hash >> 32) as usize & (self.inner.shards.len() - 1);
         &self.inner.shards[index]
@@ -425,14 +425,14 @@ impl RequestLeaseManager {
     /// attempt id (every event on the wire) find the attempt they are about.
     pub fn current_booking(
         &self,
-        request_id: &RequestId,
+        request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<SchedulerBookingDescriptor> {
         let shard = self.shard(request_id).read();
         shard
-            .get(request_id)
-            .filter(|lease| lease.worker == worker)
-            .map(|lease| lease.booking(request_id))
+            .get_key_value(request_id)
+            .filter(|(_, lease)| lease.worker == worker)
+            .map(|(key, lease)| lease.booking(key))
     }
 
     /// The lease of `request_id`, if it is live.
