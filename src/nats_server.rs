@@ -556,6 +556,9 @@ impl NatsServer {
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(err_log))
             .kill_on_drop(true);
+        // Its own process group: a Ctrl-C in the terminal goes to the demo, which then
+        // stops the server in order, instead of killing the server under it.
+        cmd.process_group(0);
         let child = cmd.spawn().map_err(|e| {
             if e.kind() == io::ErrorKind::NotFound {
                 StartNatsServerError::NotInstalled

@@ -4,6 +4,8 @@
 //! until a deadline, never slept on. Skipped with a message when `nats-server` is not
 //! installed (set `LEASE_ROUTER_REQUIRE_NATS=1` to make that a failure).
 
+mod common;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lease_router::connection::{connect, NatsConnectConfig};
-use lease_router::nats_server::{nats_server_available, NatsServer, NatsServerBuilder};
+use lease_router::nats_server::NatsServer;
 use lease_router::retry::RetryPolicy;
 use lease_router::service::{serve, ApiState, DeploymentHost, HostSettings};
 use lease_router::wire::{self, Admitted, Envelope};
@@ -26,25 +28,6 @@ use tokio_util::sync::CancellationToken;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bound of every poll for a condition.
 const POLL_DEADLINE: Duration = Duration::from_secs(20);
-
-fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .try_init();
-}
-
-fn nats_or_skip(test: &str) -> bool {
-    init_tracing();
-    if nats_server_available() {
-        return true;
-    }
-    if std::env::var_os("LEASE_ROUTER_REQUIRE_NATS").is_some() {
-        panic!("{test}: nats-server is not installed");
-    }
-    eprintln!("{test}: skipped, nats-server is not installed");
-    false
-}
 
 // ---------------------------------------------------------------------------------------------
 // A minimal HTTP/1.1 client
@@ -172,7 +155,7 @@ struct Service {
 
 impl Service {
     async fn start(hook: Option<Arc<dyn lease_router::service::ReadinessHook>>) -> Self {
-        let nats = NatsServerBuilder::new().spawn().await.expect("nats-server");
+        let nats = common::server().await;
         let config = NatsConnectConfig::new([nats.url()])
             .with_name("http_api test")
             .with_connect_deadline(Duration::from_secs(10))
@@ -262,9 +245,7 @@ async fn admit(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthz_follows_the_nats_connection() {
-    if !nats_or_skip("healthz_follows_the_nats_connection") {
-        return;
-    }
+    common::init_tracing();
     let mut service = Service::start(None).await;
     let addr = service.addr;
 
@@ -313,9 +294,7 @@ async fn healthz_follows_the_nats_connection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deployments_over_http() {
-    if !nats_or_skip("deployments_over_http") {
-        return;
-    }
+    common::init_tracing();
     let service = Service::start(None).await;
     let addr = service.addr;
     let publisher = async_nats::connect(service.nats.url()).await.unwrap();
@@ -502,9 +481,7 @@ async fn deployments_over_http() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_asks_the_readiness_hook() {
-    if !nats_or_skip("readyz_asks_the_readiness_hook") {
-        return;
-    }
+    common::init_tracing();
     let caught_up = Arc::new(AtomicBool::new(false));
     let flag = caught_up.clone();
     let hook = move || {
@@ -537,9 +514,7 @@ async fn readyz_asks_the_readiness_hook() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_puts_and_deletes_agree() {
-    if !nats_or_skip("concurrent_puts_and_deletes_agree") {
-        return;
-    }
+    common::init_tracing();
     let service = Service::start(None).await;
     let addr = service.addr;
 

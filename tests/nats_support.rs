@@ -3,35 +3,15 @@
 //! used). Every wait is bounded. Skipped with a message when `nats-server` is not installed
 //! (set `LEASE_ROUTER_REQUIRE_NATS=1` to make that a failure).
 
+mod common;
+
 use std::time::Duration;
 
 use futures::StreamExt;
 use lease_router::connection::{connect, ConnectNatsError, NatsConnectConfig, NatsConnection};
-use lease_router::nats_server::{
-    nats_server_available, pick_free_ports, NatsCluster, NatsServer, NatsServerBuilder,
-};
+use lease_router::nats_server::{pick_free_ports, NatsCluster, NatsServer, NatsServerBuilder};
 use lease_router::retry::RetryPolicy;
 use tokio::time::{timeout, Instant};
-
-fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .try_init();
-}
-
-/// False (and a message) when the tests must be skipped.
-fn nats_or_skip(test: &str) -> bool {
-    init_tracing();
-    if nats_server_available() {
-        return true;
-    }
-    if std::env::var_os("LEASE_ROUTER_REQUIRE_NATS").is_some() {
-        panic!("{test}: nats-server is not installed");
-    }
-    eprintln!("{test}: skipped, nats-server is not installed");
-    false
-}
 
 /// Fast reconnects, so tests do not wait for the production backoff.
 fn test_config(urls: Vec<String>) -> NatsConnectConfig {
@@ -108,9 +88,7 @@ fn describe(server: &NatsServer) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_reconnects_after_server_restart_on_same_port() {
-    if !nats_or_skip("client_reconnects_after_server_restart_on_same_port") {
-        return;
-    }
+    common::init_tracing();
     timeout(Duration::from_secs(90), async {
         let mut server = NatsServerBuilder::new()
             .jetstream(true)
@@ -162,9 +140,7 @@ async fn client_reconnects_after_server_restart_on_same_port() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_waits_for_a_server_that_starts_late() {
-    if !nats_or_skip("connect_waits_for_a_server_that_starts_late") {
-        return;
-    }
+    common::init_tracing();
     timeout(Duration::from_secs(60), async {
         let port = pick_free_ports(1).unwrap()[0];
         let url = format!("nats://127.0.0.1:{port}");
@@ -203,7 +179,7 @@ async fn connect_waits_for_a_server_that_starts_late() {
 
 #[tokio::test]
 async fn connect_without_server_fails_at_deadline_naming_the_url() {
-    init_tracing();
+    common::init_tracing();
     let port = pick_free_ports(1).unwrap()[0];
     let url = format!("nats://127.0.0.1:{port}");
     let config = test_config(vec![url.clone()]).with_connect_deadline(Duration::from_secs(1));
@@ -232,9 +208,7 @@ async fn connect_without_server_fails_at_deadline_naming_the_url() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn authorization_failure_is_permanent() {
-    if !nats_or_skip("authorization_failure_is_permanent") {
-        return;
-    }
+    common::init_tracing();
     timeout(Duration::from_secs(60), async {
         let dir = tempfile::tempdir().unwrap();
         let auth = dir.path().join("auth.conf");
@@ -273,9 +247,7 @@ async fn authorization_failure_is_permanent() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_client_fails_over_to_another_node() {
-    if !nats_or_skip("cluster_client_fails_over_to_another_node") {
-        return;
-    }
+    common::init_tracing();
     timeout(Duration::from_secs(150), async {
         let mut cluster = NatsCluster::start(3, true).await.unwrap();
         assert_eq!(cluster.len(), 3);
@@ -337,7 +309,7 @@ async fn cluster_client_fails_over_to_another_node() {
 /// its own timeout, which must not carry connect past its deadline.
 #[tokio::test]
 async fn silent_server_does_not_stretch_the_deadline() {
-    init_tracing();
+    common::init_tracing();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("nats://{}", listener.local_addr().unwrap());
     let silent = tokio::spawn(async move {

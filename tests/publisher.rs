@@ -3,12 +3,13 @@
 //! message when `nats-server` is not installed (set `LEASE_ROUTER_REQUIRE_NATS=1` to make that
 //! a failure).
 
+mod common;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
 use futures::StreamExt;
 use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
-use lease_router::nats_server::{nats_server_available, NatsServer, NatsServerBuilder};
 use lease_router::publisher::{LeasePublisher, PublishEventError, PublisherConfig};
 use lease_router::retry::RetryPolicy;
 use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
@@ -19,33 +20,6 @@ use tokio::time::timeout;
 const TEST_BOUND: Duration = Duration::from_secs(90);
 /// The bound of one step inside a test.
 const STEP: Duration = Duration::from_secs(20);
-
-fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_test_writer()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .try_init();
-}
-
-/// False (and a message) when the test must be skipped.
-fn nats_or_skip(test: &str) -> bool {
-    init_tracing();
-    if nats_server_available() {
-        return true;
-    }
-    if std::env::var_os("LEASE_ROUTER_REQUIRE_NATS").is_some() {
-        panic!("{test}: nats-server is not installed");
-    }
-    eprintln!("{test}: skipped, nats-server is not installed");
-    false
-}
-
-async fn server() -> NatsServer {
-    NatsServerBuilder::new()
-        .spawn()
-        .await
-        .expect("nats-server starts")
-}
 
 /// A connection through the crate's own `connect`, with fast reconnects.
 async fn connection(url: &str, name: &str) -> NatsConnection {
@@ -195,11 +169,9 @@ fn event(i: u64) -> LeaseEvent {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_arrive_in_order_and_numbered() {
-    if !nats_or_skip("events_arrive_in_order_and_numbered") {
-        return;
-    }
+    common::init_tracing();
     timeout(TEST_BOUND, async {
-        let server = server().await;
+        let server = common::server().await;
         let subjects = subjects("order");
         let mut watcher = Watcher::new(&server.url(), &subjects).await;
         let conn = connection(&server.url(), "publisher order").await;
@@ -234,11 +206,9 @@ async fn events_arrive_in_order_and_numbered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_queue_never_blocks_the_caller() {
-    if !nats_or_skip("full_queue_never_blocks_the_caller") {
-        return;
-    }
+    common::init_tracing();
     timeout(TEST_BOUND, async {
-        let mut server = server().await;
+        let mut server = common::server().await;
         // A one-command client buffer: while disconnected, the client's second publish waits,
         // so the publisher task stalls for real with at most one event handed over.
         let client = async_nats::ConnectOptions::new()
@@ -317,11 +287,9 @@ async fn full_queue_never_blocks_the_caller() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flush_and_close_deliver_everything() {
-    if !nats_or_skip("flush_and_close_deliver_everything") {
-        return;
-    }
+    common::init_tracing();
     timeout(TEST_BOUND, async {
-        let server = server().await;
+        let server = common::server().await;
         let subjects = subjects("flush");
         let mut watcher = Watcher::new(&server.url(), &subjects).await;
         let conn = connection(&server.url(), "publisher flush").await;
@@ -358,11 +326,9 @@ async fn flush_and_close_deliver_everything() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survives_a_server_restart() {
-    if !nats_or_skip("survives_a_server_restart") {
-        return;
-    }
+    common::init_tracing();
     timeout(TEST_BOUND, async {
-        let mut server = server().await;
+        let mut server = common::server().await;
         let port = server.port();
         let subjects = subjects("restart");
         let mut watcher = Watcher::new(&server.url(), &subjects).await;
@@ -434,11 +400,9 @@ async fn survives_a_server_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_publishers_number_separately() {
-    if !nats_or_skip("two_publishers_number_separately") {
-        return;
-    }
+    common::init_tracing();
     timeout(TEST_BOUND, async {
-        let server = server().await;
+        let server = common::server().await;
         let subjects = subjects("two");
         let mut watcher = Watcher::new(&server.url(), &subjects).await;
         let conn = connection(&server.url(), "publisher two").await;

@@ -18,7 +18,18 @@ use tokio_util::task::TaskTracker;
 
 pub const BOUND: Duration = Duration::from_secs(20);
 
+/// Logs of the code under test, shown for failing tests (`RUST_LOG` filters them).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .try_init();
+}
+
+/// A nats-server of the test's own on a free port. The tests need one: a missing
+/// `nats-server` fails them with the install hint rather than skipping them.
 pub async fn server() -> NatsServer {
+    init_tracing();
     NatsServerBuilder::new()
         .spawn()
         .await
