@@ -52,6 +52,9 @@ use crate::wire::{
 pub const MIN_PROGRESS_EVERY: Duration = Duration::from_millis(1);
 
 /// How a simulation runs. [`Default`] gives a modest, realistic load.
+/// Acknowledgements each durable simulated worker keeps outstanding.
+const DURABLE_ACKS_IN_FLIGHT: usize = 256;
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimulationConfig {
     /// Number of simulated workers, each with its own publisher. Default 8.
@@ -91,6 +94,9 @@ pub struct SimulationConfig {
     /// How long each publisher may take to deliver its queue at the end; what is left then
     /// is counted as dropped. Default 10 s.
     pub close_timeout: Duration,
+    /// Publish to the JetStream lease stream with acknowledgements (durable mode); the
+    /// stream must exist (a `serve --durable` router creates it). Default off.
+    pub durable: bool,
 }
 
 impl Default for SimulationConfig {
@@ -112,6 +118,7 @@ impl Default for SimulationConfig {
             report_every: Duration::from_millis(250),
             publisher: PublisherConfig::default(),
             close_timeout: Duration::from_secs(10),
+            durable: false,
         }
     }
 }
@@ -806,8 +813,16 @@ pub async fn run_simulation(
     let mut live_by_worker = Vec::with_capacity(config.workers);
     let mut tasks = tokio::task::JoinSet::new();
     for worker_id in config.worker_ids() {
-        let publisher =
-            LeasePublisher::start(client.clone(), subjects.clone(), config.publisher.clone());
+        let publisher = if config.durable {
+            LeasePublisher::start_durable(
+                client.clone(),
+                subjects.clone(),
+                config.publisher.clone(),
+                DURABLE_ACKS_IN_FLIGHT,
+            )
+        } else {
+            LeasePublisher::start(client.clone(), subjects.clone(), config.publisher.clone())
+        };
         let (tx, rx) = mpsc::channel(1024);
         let live_here = Arc::new(AtomicU64::new(0));
         let worker = Worker {

@@ -12,4 +12,4 @@ pub(crate) mod publish;
 pub mod stream;
 
 pub use ingress::{CatchUpState, JetStreamIngress, StartDurableIngressError};
-pub use stream::{ensure_stream, EnsureStreamError, LeaseStreamConfig};
+pub use stream::{ensure_stream, require_stream, EnsureStreamError, LeaseStreamConfig};

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, context::CreateStreamErrorKind, stream};
+use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind};
+use async_nats::jetstream::{self, stream};
 use tracing::info;
 
 use crate::subject::SubjectPrefix;
@@ -74,6 +75,11 @@ pub enum EnsureStreamError {
          in its config) to use durable mode, or run without --durable"
     )]
     JetStreamUnavailable,
+    #[error(
+        "no JetStream stream {name} holds {prefix}.>: start a router with `serve --durable` \
+         first (it creates the stream), or publish without --durable"
+    )]
+    Missing { name: String, prefix: String },
     #[error("creating or updating stream {name} failed: {source}")]
     Create {
         name: String,
@@ -119,6 +125,34 @@ pub async fn ensure_stream(
             .map_err(|e| create_error(Box::new(e)));
     }
     Ok(stream)
+}
+
+/// Checks that the lease stream of `prefix` exists, without creating or changing it: what
+/// a durable publisher does, so that only routers decide the stream's settings.
+///
+/// # Errors
+/// [`EnsureStreamError::Missing`] when no router has created it yet.
+pub async fn require_stream(
+    js: &jetstream::Context,
+    prefix: &SubjectPrefix,
+) -> Result<stream::Stream, EnsureStreamError> {
+    let name = stream_name(prefix);
+    match js.get_stream(&name).await {
+        Ok(stream) => Ok(stream),
+        Err(e) => match e.kind() {
+            GetStreamErrorKind::JetStream(j) if j.code() == 404 => Err(EnsureStreamError::Missing {
+                name,
+                prefix: prefix.to_string(),
+            }),
+            GetStreamErrorKind::JetStream(j) if j.code() == 503 => {
+                Err(EnsureStreamError::JetStreamUnavailable)
+            }
+            _ => Err(EnsureStreamError::Create {
+                name,
+                source: Box::new(e),
+            }),
+        },
+    }
 }
 
 fn is_unavailable(kind: CreateStreamErrorKind) -> bool {

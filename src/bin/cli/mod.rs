@@ -180,3 +180,16 @@ pub fn bar(fraction: f64, width: usize) -> String {
     let full = ((fraction.clamp(0.0, 1.0) * width as f64).round() as usize).min(width);
     format!("{}{}", "█".repeat(full), "·".repeat(width - full))
 }
+
+/// Durable publishing needs the lease stream, which only routers create: say so plainly
+/// rather than retrying publishes that nothing stores.
+pub async fn require_lease_stream(
+    connection: &NatsConnection,
+    prefix: &lease_router::subject::SubjectPrefix,
+) -> Result<(), CliError> {
+    let js = async_nats::jetstream::new(connection.client().clone());
+    lease_router::durable::require_stream(&js, prefix)
+        .await
+        .map(drop)
+        .map_err(CliError::failed)
+}

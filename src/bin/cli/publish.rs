@@ -37,6 +37,10 @@ pub struct PublishArgs {
     /// How long to wait for NATS, to connect and then to deliver the event.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = duration_arg)]
     timeout: Duration,
+    /// Publish to the JetStream lease stream and wait for its acknowledgement (a
+    /// `serve --durable` router creates the stream).
+    #[arg(long, env = "LEASE_ROUTER_DURABLE")]
+    durable: bool,
     #[command(subcommand)]
     event: EventArgs,
 }
@@ -158,11 +162,21 @@ pub async fn run(args: PublishArgs, signals: &Signals) -> Result<(), CliError> {
     else {
         return Err(CliError::failed("interrupted before NATS answered"));
     };
-    let publisher = LeasePublisher::start(
-        connection.client().clone(),
-        subjects,
-        PublisherConfig::default(),
-    );
+    let publisher = if args.durable {
+        super::require_lease_stream(&connection, &args.subject_prefix).await?;
+        LeasePublisher::start_durable(
+            connection.client().clone(),
+            subjects,
+            PublisherConfig::default(),
+            1,
+        )
+    } else {
+        LeasePublisher::start(
+            connection.client().clone(),
+            subjects,
+            PublisherConfig::default(),
+        )
+    };
     let publisher_id = publisher.publisher_id();
     publisher
         .publish(event.clone())

@@ -105,13 +105,18 @@ pub struct SimulateArgs {
     /// Print the closing summary as JSON.
     #[arg(long)]
     json: bool,
+    /// Publish to the JetStream lease stream with acknowledgements (a `serve --durable`
+    /// router creates the stream).
+    #[arg(long, env = "LEASE_ROUTER_DURABLE")]
+    durable: bool,
     #[command(flatten)]
     traffic: TrafficArgs,
 }
 
 pub async fn run(args: SimulateArgs, signals: &Signals) -> Result<(), CliError> {
     init_logging(Default::default(), "warn");
-    let config = args.traffic.config(args.workers, args.rate, args.duration);
+    let mut config = args.traffic.config(args.workers, args.rate, args.duration);
+    config.durable = args.durable;
     config.validate().map_err(CliError::usage)?;
     let subjects = Subjects::new(args.subject_prefix.clone(), args.deployment.clone());
     let Some(connection) = connect_or_cancel(
@@ -124,6 +129,9 @@ pub async fn run(args: SimulateArgs, signals: &Signals) -> Result<(), CliError> 
     else {
         return Ok(());
     };
+    if args.durable {
+        super::require_lease_stream(&connection, &args.subject_prefix).await?;
+    }
     eprintln!(
         "simulating {} workers on {} at {} requests/s for {} (Ctrl-C stops early)",
         config.workers,
