@@ -27,6 +27,11 @@
 //! - [`retry`]: exponential backoff, the one module that uses the `backoff` crate.
 //! - [`nats_server`]: starting a real `nats-server` (or a cluster) for tests, benches and
 //!   the demo.
+//! - [`service`]: what `lease-router serve` runs: the multi-deployment host, the HTTP API,
+//!   the Prometheus metrics and the layered configuration.
+//! - [`simulate`]: simulated workers publishing realistic request lifecycles.
+//!
+//! The binary (`src/bin/lease-router.rs`) only parses arguments and wires these together.
 
 pub mod connection;
 pub mod durable;
@@ -44,3 +49,8 @@ pub mod stats;
 pub mod subject;
 pub mod types;
 pub mod wire;
+
+/// The README's Rust examples, compiled by `cargo test` so they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -13,6 +13,9 @@
 //! | `lease_router_reorders_held_total` | counter | `deployment` |
 //! | `lease_router_publisher_restarts_total` | counter | `deployment` |
 //! | `lease_router_publish_to_apply_lag_seconds` | histogram | `deployment` |
+//! | `lease_router_catchup_done` | gauge (0 or 1) | `deployment` (durable mode) |
+//! | `lease_router_catchup_replayed_events` | gauge | `deployment` (durable mode) |
+//! | `lease_router_catchup_seconds` | gauge | `deployment` (durable mode) |
 //! | `lease_router_worker_active_bookings` | gauge | `deployment`, `worker_id`, `dp_rank` |
 //! | `lease_router_worker_prompt_tokens` | gauge | `deployment`, `worker_id`, `dp_rank` |
 //! | `lease_router_worker_expected_output_tokens` | gauge | `deployment`, `worker_id`, `dp_rank` |
