@@ -40,7 +40,12 @@ fn env_u64(name: &str, default: u64) -> u64 {
 }
 
 /// Publishes lifecycles for the deployment until `stop`, paced on 1 ms ticks.
-async fn publisher(client: async_nats::Client, subjects: Subjects, rate: f64, stop: Arc<AtomicBool>) -> u64 {
+async fn publisher(
+    client: async_nats::Client,
+    subjects: Subjects,
+    rate: f64,
+    stop: Arc<AtomicBool>,
+) -> u64 {
     let mut gen = LifecycleGen::new(
         4242,
         (0..WORKERS).collect(),
@@ -173,10 +178,7 @@ async fn bench() {
         "events: published {published}, received by routers {}, applied {}, dropped {:?}",
         s.received,
         s.applied_total(),
-        s.dropped
-            .iter()
-            .filter(|(_, n)| *n > 0)
-            .collect::<Vec<_>>()
+        s.dropped.iter().filter(|(_, n)| *n > 0).collect::<Vec<_>>()
     );
     let task_growth = growth(base_tasks as f64, tasks as f64);
     let runtime_task_growth = growth(base_alive as f64, alive as f64);

@@ -10,7 +10,8 @@
 //! taken the last event, and alternate over a few rounds; the medians are compared. The last
 //! line is `ingest_ratio=<b/a>`.
 //!
-//! Environment: `INGEST_EVENTS` (default 600000), `INGEST_ROUNDS` (default 3).
+//! Environment: `INGEST_EVENTS` (default 600000), `INGEST_ROUNDS` (default 3),
+//! `INGEST_BREAKDOWN_ONLY` (set: only the in-process breakdown, e.g. under callgrind).
 
 mod common;
 
@@ -19,14 +20,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use lease_router::ingress::{ApplyConfig, NatsIngress};
+use lease_router::ingress::{ApplyConfig, EventApplier, NatsIngress};
+use lease_router::lease::{LeaseConfig, RequestLeaseManager};
 use lease_router::nats_server::NatsServerBuilder;
 use lease_router::router::{Router, RouterConfig};
+use lease_router::scheduler::spawn_scheduler;
 use lease_router::stats::IngressStats;
-use lease_router::wire::{self, DEFAULT_MAX_EVENT_BYTES};
+use lease_router::types::{RequestId, SchedulerBookingDescriptor};
+use lease_router::wire::{self, LeaseEvent, DEFAULT_MAX_EVENT_BYTES};
 use tokio_util::task::TaskTracker;
 
-use common::{encoded_stream, nats, subjects, wait_until, Encoded, LifecycleShape};
+use common::{cpu_time, encoded_stream, nats, subjects, wait_until, Encoded, LifecycleShape};
 
 const PUBLISHERS: u64 = 8;
 const WORKERS: u64 = 64;
@@ -66,6 +70,10 @@ async fn publish_all(clients: &[async_nats::Client], streams: &Arc<Vec<Vec<Encod
 struct Run {
     events: u64,
     elapsed: Duration,
+    /// CPU time of this process and of nats-server during the run.
+    cpu: Duration,
+    server_cpu: Duration,
+    note: String,
 }
 
 impl Run {
@@ -75,7 +83,12 @@ impl Run {
 }
 
 /// (a) A bare subscriber that decodes each event and nothing else.
-async fn raw(url: &str, clients: &[async_nats::Client], streams: &Arc<Vec<Vec<Encoded>>>) -> Run {
+async fn raw(
+    url: &str,
+    server_pid: Option<u32>,
+    clients: &[async_nats::Client],
+    streams: &Arc<Vec<Vec<Encoded>>>,
+) -> Run {
     let total: u64 = streams.iter().map(|s| s.len() as u64).sum();
     let conn = nats(url, Some(CAPACITY)).await;
     let mut sub = conn
@@ -96,10 +109,12 @@ async fn raw(url: &str, clients: &[async_nats::Client], streams: &Arc<Vec<Vec<En
         }
         decoded
     });
+    let (cpu0, server0) = (cpu_time(None), cpu_time(server_pid));
     let start = Instant::now();
     let publishing = publish_all(clients, streams);
     let done = async { wait_until(BOUND, || received.load(Ordering::Relaxed) >= total).await };
     let ((), end) = tokio::join!(publishing, done);
+    let (cpu, server_cpu) = (cpu_time(None) - cpu0, cpu_time(server_pid) - server0);
     let end = end.unwrap_or_else(|| {
         panic!(
             "raw subscriber got {} of {total} events",
@@ -112,12 +127,16 @@ async fn raw(url: &str, clients: &[async_nats::Client], streams: &Arc<Vec<Vec<En
     Run {
         events: total,
         elapsed: end - start,
+        cpu,
+        server_cpu,
+        note: String::new(),
     }
 }
 
 /// (b) A full router applying the stream.
 async fn router(
     url: &str,
+    server_pid: Option<u32>,
     clients: &[async_nats::Client],
     streams: &Arc<Vec<Vec<Encoded>>>,
 ) -> Run {
@@ -133,10 +152,12 @@ async fn router(
     let router = Router::start_tracked(RouterConfig::new(DEPLOYMENT), ingress, TaskTracker::new())
         .await
         .expect("router starts");
+    let (cpu0, server0) = (cpu_time(None), cpu_time(server_pid));
     let start = Instant::now();
     let publishing = publish_all(clients, streams);
     let done = async { wait_until(BOUND, || stats.snapshot().received >= total).await };
     let ((), end) = tokio::join!(publishing, done);
+    let (cpu, server_cpu) = (cpu_time(None) - cpu0, cpu_time(server_pid) - server0);
     let s = stats.snapshot();
     let end = end.unwrap_or_else(|| panic!("router got {} of {total} events", s.received));
     // Everything was applied, not dropped, and the scheduler agrees with the manager.
@@ -145,11 +166,122 @@ async fn router(
     let loads = router.scheduler().loads().await.unwrap();
     let booked: u64 = loads.iter().map(|(_, l)| l.active_bookings).sum();
     assert_eq!(booked, router.manager().active_leases() as u64);
+    let wakeups = router.scheduler().stats().wakeups;
     router.shutdown().await.expect("router shuts down");
     Run {
         events: total,
         elapsed: end - start,
+        cpu,
+        server_cpu,
+        note: format!(
+            ", scheduler woke {wakeups} times ({:.1} events per wake-up)",
+            total as f64 / wakeups.max(1) as f64
+        ),
     }
+}
+
+/// Where a router's CPU time per event goes, without NATS: the same stream (publishers
+/// interleaved as a subscriber sees them) through `wire::decode` alone, then through an
+/// `EventApplier` (ingress checks, observer, manager), then the scheduler applying the
+/// bookings and releases queued by the latter. Runs on its own current-thread runtime so the
+/// scheduler cannot run until it is asked, and the three parts are timed apart.
+fn breakdown(streams: &[Vec<Encoded>]) {
+    let longest = streams.iter().map(Vec::len).max().unwrap_or(0);
+    let interleaved: Vec<&Encoded> = (0..longest)
+        .flat_map(|i| streams.iter().filter_map(move |s| s.get(i)))
+        .collect();
+    let n = interleaved.len() as f64;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let start = Instant::now();
+        let mut ok = 0u64;
+        for e in &interleaved {
+            ok += u64::from(wire::decode(&e.payload, DEFAULT_MAX_EVENT_BYTES).is_ok());
+        }
+        let decode = start.elapsed();
+        assert_eq!(ok as f64, n);
+
+        let fresh = || {
+            let tracker = TaskTracker::new();
+            let manager = RequestLeaseManager::new(
+                DEPLOYMENT,
+                LeaseConfig {
+                    max_active_leases: 4_000_000,
+                    ..LeaseConfig::default()
+                },
+            );
+            let (scheduler, _task) =
+                spawn_scheduler(DEPLOYMENT, Some(manager.replica_observer()), &tracker);
+            manager.set_scheduler(scheduler.cleanup()).unwrap();
+            (manager, scheduler)
+        };
+
+        // The lease manager's own calls, made directly (no observer, no ingress checks): what
+        // the applier asks of it per event.
+        let (manager, scheduler) = fresh();
+        let start = Instant::now();
+        for e in &interleaved {
+            let envelope = wire::decode(&e.payload, DEFAULT_MAX_EVENT_BYTES).unwrap();
+            match envelope.event {
+                LeaseEvent::Admitted(a) => {
+                    let worker = a.worker();
+                    let load = a.load();
+                    let rid = RequestId::from(a.request_id);
+                    let booking = manager
+                        .current_booking(&rid, worker)
+                        .unwrap_or_else(|| SchedulerBookingDescriptor::new(rid, worker));
+                    manager.register_remote(booking, load);
+                }
+                LeaseEvent::Progressed(p) => {
+                    if let Some(b) = manager.current_booking(&p.request_id, p.worker()) {
+                        manager.touch_booking(&b);
+                    }
+                }
+                LeaseEvent::Completed(c) => {
+                    if let Some(b) = manager.current_booking(&c.request_id, c.worker()) {
+                        manager.complete_remote(&b);
+                    }
+                }
+                LeaseEvent::WorkerReset(_) => {}
+            }
+        }
+        let direct = start.elapsed();
+        scheduler.loads().await.unwrap();
+        drop((manager, scheduler));
+
+        let (manager, scheduler) = fresh();
+        let stats = Arc::new(IngressStats::new());
+        let mut applier = EventApplier::new(
+            subjects(DEPLOYMENT),
+            manager.replica_observer(),
+            stats.clone(),
+            ApplyConfig::default(),
+        );
+        let start = Instant::now();
+        for e in &interleaved {
+            applier.apply(&e.subject, &e.payload).unwrap();
+        }
+        let apply = start.elapsed();
+        let start = Instant::now();
+        scheduler.loads().await.unwrap();
+        let schedule = start.elapsed();
+        assert_eq!(stats.snapshot().applied_total() as f64, n);
+        let ns = |d: Duration| d.as_nanos() as f64 / n;
+        println!(
+            "in-process, per event: decode only {:.0} ns; decode + direct manager calls {:.0} \
+             ns; full ingress apply (decode, checks, stats, observer, manager) {:.0} ns; \
+             scheduler actor {:.0} ns; router total {:.0} ns = decode + {:.0} ns",
+            ns(decode),
+            ns(direct),
+            ns(apply),
+            ns(schedule),
+            ns(apply + schedule),
+            ns(apply + schedule) - ns(decode),
+        );
+    });
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -166,6 +298,7 @@ async fn bench() {
         .await
         .expect("nats-server starts");
     let url = server.url();
+    let server_pid = server.pid();
     let subjects = subjects(DEPLOYMENT);
     let shape = LifecycleShape::default();
     // ~4.9 events per request (1 + 3 + 0.9).
@@ -185,6 +318,11 @@ async fn bench() {
         requests * PUBLISHERS,
         bytes as f64 / total as f64
     );
+    // On a thread of its own: it runs its own runtime.
+    std::thread::scope(|scope| scope.spawn(|| breakdown(&streams)).join().unwrap());
+    if std::env::var_os("INGEST_BREAKDOWN_ONLY").is_some() {
+        return;
+    }
     let streams = Arc::new(streams);
     let mut clients = Vec::new();
     for _ in 0..PUBLISHERS {
@@ -197,16 +335,20 @@ async fn bench() {
         for phase in 0..2 {
             let router_phase = (phase + round) % 2 == 1;
             let run = if router_phase {
-                router(&url, &clients, &streams).await
+                router(&url, server_pid, &clients, &streams).await
             } else {
-                raw(&url, &clients, &streams).await
+                raw(&url, server_pid, &clients, &streams).await
             };
             let name = if router_phase { "router" } else { "raw" };
             println!(
-                "round {round} {name:>6}: {} events in {:.3} s = {:.0} events/s",
+                "round {round} {name:>6}: {} events in {:.3} s = {:.0} events/s; CPU per event: \
+                 this process {:.2} us, nats-server {:.2} us{}",
                 run.events,
                 run.elapsed.as_secs_f64(),
-                run.rate()
+                run.rate(),
+                run.cpu.as_secs_f64() * 1e6 / run.events as f64,
+                run.server_cpu.as_secs_f64() * 1e6 / run.events as f64,
+                run.note,
             );
             if router_phase {
                 router_rates.push(run.rate());

@@ -30,7 +30,13 @@ fn per_lease(bytes: i64) -> f64 {
 async fn bench() {
     println!("machine: {}", common::machine());
     let tracker = TaskTracker::new();
-    let manager = RequestLeaseManager::new("memory", LeaseConfig::default());
+    let manager = RequestLeaseManager::new(
+        "memory",
+        LeaseConfig {
+            max_active_leases: 4_000_000,
+            ..LeaseConfig::default()
+        },
+    );
     let (scheduler, _task) = spawn_scheduler("memory", Some(manager.replica_observer()), &tracker);
     manager.set_scheduler(scheduler.cleanup()).unwrap();
     // Warm the allocator and the runtime a little so the baseline is not the bare process.
@@ -67,7 +73,13 @@ async fn bench() {
     // The scheduler alone: a second scheduler with no manager, booked through `schedule`.
     let (alone, _alone_task) = spawn_scheduler("memory-alone", None, &tracker);
     // It learns a worker only from a booking; a throwaway manager provides one.
-    let teacher = RequestLeaseManager::new("teacher", LeaseConfig::default());
+    let teacher = RequestLeaseManager::new(
+        "teacher",
+        LeaseConfig {
+            max_active_leases: 4_000_000,
+            ..LeaseConfig::default()
+        },
+    );
     teacher.set_scheduler(alone.cleanup()).unwrap();
     teacher.register_remote(
         SchedulerBookingDescriptor::new(RequestId::from("seed"), WorkerWithDpRank::new(0, 0)),

@@ -10,6 +10,7 @@
 //! a rate limit ([`LogRateLimiter`]), so a server that stays down does not flood the log.
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,8 +28,11 @@ const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(250);
 /// The URL of the usual local server.
 pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
 
-/// How a client proves who it is. More methods (nkey, creds file, TLS client certificates)
-/// slot in here as further variants.
+/// How a client proves who it is. TLS (server verification, client certificates) is
+/// separate, [`NatsTls`], and combines with any of these.
+///
+/// Secrets never show in `Debug` (nor in any error of this module): passwords and tokens are
+/// redacted, and files are named by their path only, never by their contents.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub enum NatsAuth {
     /// No credentials (or credentials embedded in the URLs, `nats://user:pass@host`).
@@ -38,6 +42,10 @@ pub enum NatsAuth {
     UserPassword { user: String, password: String },
     /// A bearer token.
     Token(String),
+    /// A file holding an NKey seed (`SU...`), read at connect.
+    NKeySeedFile(PathBuf),
+    /// A credentials file (user JWT and NKey seed, `.creds`), read at connect.
+    CredentialsFile(PathBuf),
 }
 
 impl fmt::Debug for NatsAuth {
@@ -50,20 +58,123 @@ impl fmt::Debug for NatsAuth {
                 .field("password", &"<redacted>")
                 .finish(),
             NatsAuth::Token(_) => f.write_str("Token(<redacted>)"),
+            NatsAuth::NKeySeedFile(path) => f.debug_tuple("NKeySeedFile").field(path).finish(),
+            NatsAuth::CredentialsFile(path) => {
+                f.debug_tuple("CredentialsFile").field(path).finish()
+            }
         }
     }
 }
 
 impl NatsAuth {
-    fn apply(&self, options: ConnectOptions) -> ConnectOptions {
+    /// The method, without any secret: for messages.
+    pub fn method(&self) -> &'static str {
         match self {
+            NatsAuth::None => "no credentials",
+            NatsAuth::UserPassword { .. } => "user and password",
+            NatsAuth::Token(_) => "token",
+            NatsAuth::NKeySeedFile(_) => "nkey seed file",
+            NatsAuth::CredentialsFile(_) => "credentials file",
+        }
+    }
+
+    fn apply(&self, options: ConnectOptions) -> Result<ConnectOptions, ConnectNatsError> {
+        Ok(match self {
             NatsAuth::None => options,
             NatsAuth::UserPassword { user, password } => {
                 options.user_and_password(user.clone(), password.clone())
             }
             NatsAuth::Token(token) => options.token(token.clone()),
-        }
+            NatsAuth::NKeySeedFile(path) => {
+                let seed = read_secret_file("nkey seed", path)?;
+                let seed = seed.trim();
+                // Checked here so that a bad file reads as a bad file, not as a refusal of
+                // the server; the key's own error text never holds the seed, but it is not
+                // shown anyway.
+                if !seed.starts_with('S') || seed.len() < 32 {
+                    return Err(ConnectNatsError::Credentials {
+                        what: "nkey seed",
+                        path: path.clone(),
+                        reason: "not an NKey seed (expected one line starting with SU)".into(),
+                    });
+                }
+                options.nkey(seed.to_owned())
+            }
+            NatsAuth::CredentialsFile(path) => {
+                let creds = read_secret_file("credentials", path)?;
+                options
+                    .credentials(&creds)
+                    .map_err(|err| ConnectNatsError::Credentials {
+                        what: "credentials",
+                        path: path.clone(),
+                        reason: match err.kind() {
+                            // The parser's own messages name the part, never the content.
+                            std::io::ErrorKind::InvalidData => err.to_string(),
+                            kind => kind.to_string(),
+                        },
+                    })?
+            }
+        })
     }
+}
+
+/// Reads a file that holds a secret; an error names the file and the reason, never the
+/// content.
+fn read_secret_file(what: &'static str, path: &Path) -> Result<String, ConnectNatsError> {
+    std::fs::read_to_string(path).map_err(|err| ConnectNatsError::Credentials {
+        what,
+        path: path.to_owned(),
+        reason: err.kind().to_string(),
+    })
+}
+
+/// TLS to the NATS server: required once configured.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NatsTls {
+    /// PEM file of the certificate authorities that sign the server's certificate; `None`:
+    /// the system's roots.
+    pub ca_file: Option<PathBuf>,
+    /// PEM file of the client certificate, for servers that verify clients (`verify: true`);
+    /// needs `key_file`.
+    pub cert_file: Option<PathBuf>,
+    /// PEM file of the client certificate's private key; needs `cert_file`.
+    pub key_file: Option<PathBuf>,
+}
+
+impl NatsTls {
+    fn apply(&self, options: ConnectOptions) -> Result<ConnectOptions, ConnectNatsError> {
+        let mut options = options.require_tls(true);
+        if let Some(ca) = &self.ca_file {
+            check_readable("TLS CA", ca)?;
+            options = options.add_root_certificates(ca.clone());
+        }
+        match (&self.cert_file, &self.key_file) {
+            (Some(cert), Some(key)) => {
+                check_readable("TLS client certificate", cert)?;
+                check_readable("TLS client key", key)?;
+                options = options.add_client_certificate(cert.clone(), key.clone());
+            }
+            (None, None) => {}
+            (Some(path), None) | (None, Some(path)) => {
+                return Err(ConnectNatsError::Credentials {
+                    what: "TLS client certificate",
+                    path: path.clone(),
+                    reason: "a client certificate needs both a certificate and a key file".into(),
+                })
+            }
+        }
+        Ok(options)
+    }
+}
+
+fn check_readable(what: &'static str, path: &Path) -> Result<(), ConnectNatsError> {
+    std::fs::File::open(path)
+        .map(drop)
+        .map_err(|err| ConnectNatsError::Credentials {
+            what,
+            path: path.to_owned(),
+            reason: err.kind().to_string(),
+        })
 }
 
 /// Where and how to connect.
@@ -76,6 +187,8 @@ pub struct NatsConnectConfig {
     /// Connection name shown by the server's monitoring.
     pub name: Option<String>,
     pub auth: NatsAuth,
+    /// TLS settings; `None`: plain TCP unless the URL or the server asks for TLS.
+    pub tls: Option<NatsTls>,
     /// Bound of one TCP connect + handshake to one server. Default 5 s.
     pub connection_timeout: Duration,
     /// Delays between attempts of the first connect (its deadline is `connect_deadline`).
@@ -96,6 +209,7 @@ impl Default for NatsConnectConfig {
             connect_deadline: Duration::from_secs(30),
             name: None,
             auth: NatsAuth::None,
+            tls: None,
             connection_timeout: Duration::from_secs(5),
             connect_retry: RetryPolicy::new()
                 .with_initial(Duration::from_millis(100))
@@ -156,6 +270,19 @@ impl NatsConnectConfig {
 
     pub fn with_token(self, token: impl Into<String>) -> Self {
         self.with_auth(NatsAuth::Token(token.into()))
+    }
+
+    pub fn with_nkey_seed_file(self, path: impl Into<PathBuf>) -> Self {
+        self.with_auth(NatsAuth::NKeySeedFile(path.into()))
+    }
+
+    pub fn with_credentials_file(self, path: impl Into<PathBuf>) -> Self {
+        self.with_auth(NatsAuth::CredentialsFile(path.into()))
+    }
+
+    pub fn with_tls(mut self, tls: NatsTls) -> Self {
+        self.tls = Some(tls);
+        self
     }
 
     pub fn with_connection_timeout(mut self, timeout: Duration) -> Self {
@@ -234,13 +361,23 @@ pub enum ConnectNatsError {
     #[error("invalid NATS server URL {url:?}: {reason}")]
     InvalidUrl { url: String, reason: String },
     #[error(
-        "authorization failed connecting to NATS at {urls}: {source} \
-         (check the user/password or token)"
+        "authorization failed connecting to NATS at {urls} with {method}: {source} \
+         (check the credentials and the server's authorization settings)"
     )]
     AuthorizationFailed {
         urls: String,
+        /// The method used ([`NatsAuth::method`]), never the secret.
+        method: &'static str,
         #[source]
         source: async_nats::ConnectError,
+    },
+    /// A credentials, key or certificate file cannot be used. Names the file, never its
+    /// content.
+    #[error("cannot use the {what} file {}: {reason}", path.display())]
+    Credentials {
+        what: &'static str,
+        path: PathBuf,
+        reason: String,
     },
     #[error(
         "could not connect to NATS at {urls} within {deadline:?} ({attempts} attempts); \
@@ -590,7 +727,13 @@ pub async fn connect(config: &NatsConnectConfig) -> Result<NatsConnection, Conne
     let urls = config.display_urls();
     let stats = Arc::new(ConnectionStats::default());
     let (event_tx, event_rx) = mpsc::channel::<Event>(256);
-    let options = connect_options(config, &stats, event_tx);
+    let options = match connect_options(config, &stats, event_tx) {
+        Ok(options) => options,
+        Err(err) => {
+            tracing::error!(error = %err, "NATS connect failed");
+            return Err(err);
+        }
+    };
 
     let policy = config
         .connect_retry
@@ -633,6 +776,7 @@ pub async fn connect(config: &NatsConnectConfig) -> Result<NatsConnection, Conne
                 ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Authentication => {
                     ConnectNatsError::AuthorizationFailed {
                         urls,
+                        method: config.auth.method(),
                         source: error,
                     }
                 }
@@ -696,7 +840,7 @@ fn connect_options(
     config: &NatsConnectConfig,
     stats: &Arc<ConnectionStats>,
     event_tx: mpsc::Sender<Event>,
-) -> ConnectOptions {
+) -> Result<ConnectOptions, ConnectNatsError> {
     let reconnect = config.reconnect.clone();
     let cb_stats = stats.clone();
     let mut options = ConnectOptions::new()
@@ -722,6 +866,9 @@ fn connect_options(
     }
     if let Some(capacity) = config.subscription_capacity {
         options = options.subscription_capacity(capacity);
+    }
+    if let Some(tls) = &config.tls {
+        options = tls.apply(options)?;
     }
     config.auth.apply(options)
 }
@@ -854,6 +1001,76 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("me"));
+    }
+
+    #[test]
+    fn every_auth_method_hides_its_secret() {
+        let dir = tempfile::tempdir().unwrap();
+        let seed_path = dir.path().join("router.nk");
+        std::fs::write(&seed_path, "SUSECRETSEEDSECRETSEEDSECRETSEEDSECRETSEED\n").unwrap();
+        let creds_path = dir.path().join("router.creds");
+        std::fs::write(&creds_path, "not a creds file: CREDSSECRET\n").unwrap();
+        let ca_path = dir.path().join("ca.pem");
+        std::fs::write(&ca_path, "-----BEGIN CERTIFICATE-----\n").unwrap();
+        let configs = [
+            NatsConnectConfig::new(["nats://u:urlsecret@h:1"]).with_user_password("me", "hunter2"),
+            NatsConnectConfig::new(["nats://h:1"]).with_token("tok-secret"),
+            NatsConnectConfig::new(["nats://h:1"]).with_nkey_seed_file(&seed_path),
+            NatsConnectConfig::new(["nats://h:1"])
+                .with_credentials_file(&creds_path)
+                .with_tls(NatsTls {
+                    ca_file: Some(ca_path.clone()),
+                    ..NatsTls::default()
+                }),
+        ];
+        for config in &configs {
+            let text = format!("{config:?} {}", config.display_urls());
+            for secret in ["hunter2", "tok-secret", "SUSECRET", "CREDSSECRET"] {
+                assert!(!text.contains(secret), "{text}");
+            }
+            assert!(!config.auth.method().is_empty());
+        }
+        // Files are read only at connect; a bad one is an error that names the file only.
+        let stats = Arc::new(ConnectionStats::default());
+        let (tx, _rx) = mpsc::channel(1);
+        let err = connect_options(&configs[3], &stats, tx)
+            .map(drop)
+            .unwrap_err();
+        let text = format!("{err} {err:?}");
+        assert!(
+            text.contains("credentials") && text.contains("router.creds"),
+            "{text}"
+        );
+        assert!(!text.contains("CREDSSECRET"), "{text}");
+        std::fs::write(&seed_path, "NOTASEED-but-secret-anyway\n").unwrap();
+        let (tx, _rx) = mpsc::channel(1);
+        let err = connect_options(&configs[2], &stats, tx)
+            .map(drop)
+            .unwrap_err();
+        let text = format!("{err} {err:?}");
+        assert!(
+            text.contains("nkey seed") && text.contains("router.nk"),
+            "{text}"
+        );
+        assert!(!text.contains("secret-anyway"), "{text}");
+
+        let missing = NatsConnectConfig::new(["nats://h:1"])
+            .with_nkey_seed_file(dir.path().join("missing.nk"));
+        let (tx, _rx) = mpsc::channel(1);
+        let err = connect_options(&missing, &stats, tx).map(drop).unwrap_err();
+        assert!(matches!(err, ConnectNatsError::Credentials { .. }), "{err}");
+        let half_tls = NatsConnectConfig::new(["nats://h:1"]).with_tls(NatsTls {
+            cert_file: Some(seed_path.clone()),
+            ..NatsTls::default()
+        });
+        let (tx, _rx) = mpsc::channel(1);
+        let err = connect_options(&half_tls, &stats, tx)
+            .map(drop)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("both a certificate and a key"),
+            "{err}"
+        );
     }
 
     #[tokio::test]

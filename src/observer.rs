@@ -11,9 +11,7 @@ use std::sync::Weak;
 
 use crate::lease::manager::RequestLeaseManagerInner;
 use crate::lease::{AdmitOutcome, CompleteOutcome, ProgressOutcome, RequestLeaseManager};
-use crate::types::{
-    DpRank, RequestLoad, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
-};
+use crate::types::{DpRank, RequestLoad, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank};
 
 /// The event could not be delivered.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, thiserror::Error)]

@@ -40,7 +40,9 @@ async fn router_with(lease: LeaseConfig) -> Router {
         scan_interval: config.lease.scan_interval,
         ..lease
     };
-    Router::start(config, NoIngress).await.expect("router starts")
+    Router::start(config, NoIngress)
+        .await
+        .expect("router starts")
 }
 
 fn applier(router: &Router, config: ApplyConfig) -> (EventApplier, Arc<IngressStats>, Subjects) {
@@ -109,8 +111,6 @@ async fn held_progress_flood_stays_at_its_limit_and_counts_overflow() {
         stats.snapshot().dropped(DropReason::Overflow),
         (FLOOD - 100) as u64
     );
-    // The kept entries are the newest: a late admission of the newest is renewed at once,
-    // one of the oldest (evicted) is not.
     assert_eq!(router.manager().active_leases(), 0);
     router.shutdown().await.unwrap();
 }
@@ -198,7 +198,13 @@ async fn lease_flood_is_refused_past_max_active_leases() {
         seq
     };
     assert_eq!(
-        feed(&mut applier, &subjects, 1, next(), admitted("flood-0", 1, 10)),
+        feed(
+            &mut applier,
+            &subjects,
+            1,
+            next(),
+            admitted("flood-0", 1, 10)
+        ),
         Applied::Applied
     );
     assert_eq!(
@@ -215,13 +221,19 @@ async fn lease_flood_is_refused_past_max_active_leases() {
         Applied::Applied
     );
     assert_eq!(
-        feed(&mut applier, &subjects, 1, next(), admitted("refused", 1, 10)),
+        feed(
+            &mut applier,
+            &subjects,
+            1,
+            next(),
+            admitted("refused", 1, 10)
+        ),
         Applied::Dropped(DropReason::Overflow)
     );
     assert_eq!(manager.active_leases(), 100);
 
     // A worker reset and expiry free slots too (the live count follows every removal).
-    manager.reset_worker(1, None);
+    manager.reset_worker(lease_router::types::WorkerId(1), None);
     assert_eq!(manager.active_leases(), 0);
     let worker = WorkerWithDpRank::new(2, 0);
     for i in 0..150 {
@@ -280,4 +292,46 @@ async fn lease_flood_through_nats_is_bounded_and_counted() {
         (N - 50) as u64
     );
     router.shutdown().await.unwrap();
+}
+
+/// An event larger than the router's `max_event_bytes` (default 4096) but well within the
+/// server's `max_payload` (default 1 MB) reaches the router and is dropped, counted as
+/// oversized, without being decoded; the next normal event is applied.
+#[tokio::test]
+async fn event_between_limit_and_max_payload_is_dropped_as_oversized() {
+    let server = server().await;
+    let conn = client(&server.url()).await;
+    let h = router(
+        &conn,
+        DEPLOYMENT,
+        Duration::from_secs(3600),
+        ApplyConfig::default(),
+    )
+    .await;
+    let max_payload = conn.client().server_info().max_payload;
+    assert!(wire::DEFAULT_MAX_EVENT_BYTES < max_payload, "{max_payload}");
+
+    let publisher_conn = client(&server.url()).await;
+    let mut publisher = RawPublisher::new(publisher_conn.client().clone(), DEPLOYMENT, 9);
+    let huge = "x".repeat(64 * 1024);
+    let envelope = publisher.envelope(admitted(&huge, 4, 1));
+    let bytes = wire::encode(&envelope).unwrap();
+    assert!(bytes.len() > wire::DEFAULT_MAX_EVENT_BYTES && bytes.len() < max_payload);
+    publisher
+        .send_bytes(publisher.subjects.worker_subject(4), bytes)
+        .await;
+    publisher.send(admitted("normal", 4, 1)).await;
+    publisher.flush().await;
+
+    let done = eventually(BOUND, || {
+        let s = h.stats.snapshot();
+        async move { s.received >= 2 }
+    })
+    .await;
+    assert!(done, "{:?}", h.stats.snapshot());
+    let s = h.stats.snapshot();
+    assert_eq!(s.dropped(DropReason::Oversized), 1, "{s:?}");
+    assert_eq!(s.applied_total(), 1, "{s:?}");
+    assert_eq!(h.router.manager().active_leases(), 1);
+    h.router.shutdown().await.unwrap();
 }

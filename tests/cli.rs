@@ -608,3 +608,82 @@ async fn demo_runs_against_the_given_nats_and_summarizes() {
     assert!(text.contains("router (demo): "), "{text}");
     assert!(text.contains("active leases at the end"), "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_serve_replays_what_was_published_while_it_was_down() {
+    let server = common::js_server().await;
+    let url = server.url();
+    let publish = |request: &str, event: &str| {
+        let args = [
+            "publish",
+            "--durable",
+            "--nats-url",
+            &url,
+            "--deployment",
+            "dur",
+            "--worker",
+            "3",
+            event,
+            "--request-id",
+            request,
+        ];
+        let out = run(command(&args), BOUND);
+        assert_eq!(out.code(), Some(0), "{args:?}\nstderr:\n{}", out.stderr);
+    };
+    // Before any durable router ran there is no stream: a clear error, not a silent loss.
+    let early = [
+        "publish",
+        "--durable",
+        "--nats-url",
+        &url,
+        "--deployment",
+        "dur",
+        "--worker",
+        "3",
+        "admitted",
+        "--request-id",
+        "too-early",
+    ];
+    let out = run(command(&early), BOUND);
+    assert_eq!(out.code(), Some(1), "stderr:\n{}", out.stderr);
+    assert!(out.stderr.contains("serve --durable"), "{}", out.stderr);
+
+    let (serve1, addr) = serve(&url, &["--durable", "--deployment", "dur"]);
+    publish("r-1", "admitted");
+    eventually("the first lease", BOUND, || {
+        (active_leases(addr, "dur") == Some(1)).then_some(())
+    });
+    terminate(serve1);
+
+    // No router runs: these are only in the stream.
+    publish("r-2", "admitted");
+    publish("r-3", "admitted");
+    publish("r-1", "completed");
+
+    let (serve2, addr) = serve(&url, &["--durable", "--deployment", "dur"]);
+    eventually("ready after catch-up", BOUND, || {
+        (http(addr, "GET", "/readyz").0 == 200).then_some(())
+    });
+    let body = json(addr, "/v1/deployments/dur/leases");
+    let mut ids: Vec<String> = body["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["request_id"].as_str().unwrap().to_string())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["r-2", "r-3"], "{body}");
+    assert_eq!(
+        metric(addr, "lease_router_catchup_done{deployment=\"dur\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(
+            addr,
+            "lease_router_catchup_replayed_events{deployment=\"dur\"}"
+        ),
+        Some(4.0),
+        "r-1 admitted, r-2 admitted, r-3 admitted, r-1 completed"
+    );
+    terminate(serve2);
+}

@@ -17,7 +17,7 @@ use lease_router::durable::{
     ensure_stream, CatchUpState, EnsureStreamError, JetStreamIngress, LeaseStreamConfig,
 };
 use lease_router::ingress::ApplyConfig;
-use lease_router::nats_server::{NatsCluster, NatsServer, NatsServerBuilder};
+use lease_router::nats_server::NatsCluster;
 use lease_router::router::{Router, RouterConfig};
 use lease_router::stats::{DropReason, IngressStats};
 use lease_router::subject::SubjectPrefix;
@@ -26,14 +26,6 @@ use lease_router::wire::{self, Envelope, LeaseEvent};
 use tokio_util::task::TaskTracker;
 
 const NO_EXPIRY: Duration = Duration::from_secs(3600);
-
-async fn js_server() -> NatsServer {
-    NatsServerBuilder::new()
-        .jetstream(true)
-        .spawn()
-        .await
-        .expect("nats-server with JetStream starts")
-}
 
 fn stream_config(replicas: usize) -> LeaseStreamConfig {
     LeaseStreamConfig::new(SubjectPrefix::default(), NO_EXPIRY).with_replicas(replicas)

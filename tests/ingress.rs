@@ -172,8 +172,15 @@ async fn duplicates_and_reorderings_are_harmless() {
     assert_eq!(scheduler.load(w(2)).await.unwrap(), WorkerLoad::default());
     assert!(manager.lease(&RequestId::from("early-progress")).is_some());
     let lease_stats = manager.stats();
-    assert_eq!(lease_stats.duplicate_admits, 1, "the re-sent admission is a touch");
-    assert_eq!(lease_stats.renewed + lease_stats.coalesced, 1, "the held progress");
+    assert_eq!(
+        lease_stats.duplicate_admits, 1,
+        "the re-sent admission is a touch"
+    );
+    assert_eq!(
+        lease_stats.renewed + lease_stats.coalesced,
+        1,
+        "the held progress"
+    );
     assert!(manager.lease(&RequestId::from("ooo-a")).is_some());
     assert!(manager.lease(&RequestId::from("ooo-b")).is_some());
 }

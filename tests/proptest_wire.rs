@@ -46,15 +46,17 @@ fn event() -> impl Strategy<Value = LeaseEvent> {
             any::<u32>(),
             any::<Option<u32>>()
         )
-            .prop_map(|(request_id, worker_id, dp_rank, prompt_tokens, expected)| {
-                LeaseEvent::Admitted(Admitted {
-                    request_id,
-                    worker_id,
-                    dp_rank,
-                    prompt_tokens,
-                    expected_output_tokens: expected,
-                })
-            }),
+            .prop_map(
+                |(request_id, worker_id, dp_rank, prompt_tokens, expected)| {
+                    LeaseEvent::Admitted(Admitted {
+                        request_id,
+                        worker_id,
+                        dp_rank,
+                        prompt_tokens,
+                        expected_output_tokens: expected,
+                    })
+                }
+            ),
         (
             request_id(),
             any::<u64>(),
@@ -282,7 +284,7 @@ proptest! {
             format!("acme.leases.dep-1. {worker}"),
             format!("acme.leases.dep-2.{worker}"),
             format!("acme.leases.{worker}"),
-            format!("acme.leases.dep-1.*"),
+            "acme.leases.dep-1.*".to_string(),
             "acme.leases.dep-1.>".to_string(),
         ] {
             prop_assert_eq!(subjects.parse_worker(&bad), None, "{:?}", bad);

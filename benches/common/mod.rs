@@ -106,12 +106,13 @@ pub fn subjects(deployment: &str) -> Subjects {
 
 /// A connection whose subscriptions buffer up to `capacity` messages (`None`: the default).
 pub async fn nats(url: &str, capacity: Option<usize>) -> NatsConnection {
-    let mut config =
-        NatsConnectConfig::new([url]).with_connect_deadline(Duration::from_secs(10));
+    let mut config = NatsConnectConfig::new([url]).with_connect_deadline(Duration::from_secs(10));
     if let Some(capacity) = capacity {
         config = config.with_subscription_capacity(capacity);
     }
-    connect(&config).await.expect("connects to the bench nats-server")
+    connect(&config)
+        .await
+        .expect("connects to the bench nats-server")
 }
 
 /// One event of a pre-built stream: where it goes and its encoded bytes.
@@ -269,8 +270,7 @@ pub fn encoded_stream(
         seq += 1;
         let subject = worker_subjects[&event.worker_id()].clone();
         buf.clear();
-        wire::encode_into(&Envelope::new(publisher_id, seq, ts, event), &mut buf)
-            .expect("encodes");
+        wire::encode_into(&Envelope::new(publisher_id, seq, ts, event), &mut buf).expect("encodes");
         out.push(Encoded {
             subject,
             payload: Bytes::copy_from_slice(&buf),
@@ -286,6 +286,8 @@ pub struct PollTimer<F> {
     pub polls: u64,
     pub longest: Duration,
     pub busy: Duration,
+    /// Every poll's duration, in order.
+    pub steps: Vec<Duration>,
 }
 
 impl<F: Future> PollTimer<F> {
@@ -295,6 +297,7 @@ impl<F: Future> PollTimer<F> {
             polls: 0,
             longest: Duration::ZERO,
             busy: Duration::ZERO,
+            steps: Vec::new(),
         }
     }
 }
@@ -310,6 +313,7 @@ impl<F: Future> Future for PollTimer<F> {
         this.polls += 1;
         this.busy += took;
         this.longest = this.longest.max(took);
+        this.steps.push(took);
         result
     }
 }
@@ -327,4 +331,24 @@ pub async fn wait_until(bound: Duration, mut done: impl FnMut() -> bool) -> Opti
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+}
+
+/// CPU time (user + system) a process has used so far, from `/proc/<pid>/stat` (10 ms
+/// resolution); `None` for this process.
+pub fn cpu_time(pid: Option<u32>) -> Duration {
+    let path = match pid {
+        Some(pid) => format!("/proc/{pid}/stat"),
+        None => "/proc/self/stat".to_string(),
+    };
+    let Ok(stat) = fs::read_to_string(path) else {
+        return Duration::ZERO;
+    };
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after the name.
+    let ticks: u64 = fields
+        .get(11..13)
+        .map_or(0, |f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum());
+    Duration::from_millis(ticks * 10)
 }

@@ -140,10 +140,12 @@ pub async fn require_stream(
     match js.get_stream(&name).await {
         Ok(stream) => Ok(stream),
         Err(e) => match e.kind() {
-            GetStreamErrorKind::JetStream(j) if j.code() == 404 => Err(EnsureStreamError::Missing {
-                name,
-                prefix: prefix.to_string(),
-            }),
+            GetStreamErrorKind::JetStream(j) if j.code() == 404 => {
+                Err(EnsureStreamError::Missing {
+                    name,
+                    prefix: prefix.to_string(),
+                })
+            }
             GetStreamErrorKind::JetStream(j) if j.code() == 503 => {
                 Err(EnsureStreamError::JetStreamUnavailable)
             }

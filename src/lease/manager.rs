@@ -400,18 +400,20 @@ impl RequestLeaseManager {
         let scheduler = self.inner.scheduler.get();
         let mut dropped = 0;
         for shard in self.inner.shards.iter() {
-            self.inner.retain_counted(&mut shard.write(), |request_id, lease| {
-                if !matches(&lease.worker) {
-                    return true;
-                }
-                if lease.clock.claim() {
-                    dropped += 1;
-                    if let Some(scheduler) = scheduler {
-                        scheduler.release(lease.booking(request_id), ReleaseReason::WorkerReset);
+            self.inner
+                .retain_counted(&mut shard.write(), |request_id, lease| {
+                    if !matches(&lease.worker) {
+                        return true;
                     }
-                }
-                false
-            });
+                    if lease.clock.claim() {
+                        dropped += 1;
+                        if let Some(scheduler) = scheduler {
+                            scheduler
+                                .release(lease.booking(request_id), ReleaseReason::WorkerReset);
+                        }
+                    }
+                    false
+                });
         }
         self.inner
             .stats

@@ -17,6 +17,30 @@
 //! | log format | `--log-format` | `LEASE_ROUTER_LOG_FORMAT` | `log_format` | `text` |
 //! | NATS connect deadline | `--connect-deadline` | `LEASE_ROUTER_CONNECT_DEADLINE` | `connect_deadline` | `30s` |
 //! | largest event accepted | `--max-event-bytes` | `LEASE_ROUTER_MAX_EVENT_BYTES` | `max_event_bytes` | `4096` |
+//! | live leases per deployment | `--max-active-leases` | `LEASE_ROUTER_MAX_ACTIVE_LEASES` | `max_active_leases` | `1000000` |
+//! | tombstones per deployment | `--max-tombstones` | `LEASE_ROUTER_MAX_TOMBSTONES` | `max_tombstones` | `100000` |
+//! | held progress per deployment | `--max-held-progress` | `LEASE_ROUTER_MAX_HELD_PROGRESS` | `max_held_progress` | `100000` |
+//! | tracked publishers per deployment | `--max-publishers` | `LEASE_ROUTER_MAX_PUBLISHERS` | `max_publishers` | `10000` |
+//! | durable mode (JetStream replay) | `--durable` | `LEASE_ROUTER_DURABLE` | `durable` | off |
+//! | lease stream replicas (durable) | `--stream-replicas` | `LEASE_ROUTER_STREAM_REPLICAS` | `stream_replicas` | `1` |
+//! | NATS user (with a password) | `--nats-user` | `NATS_USER` | `nats_user` | none |
+//! | NATS password | `--nats-password` | `NATS_PASSWORD` | `nats_password` | none |
+//! | NATS token | `--nats-token` | `NATS_TOKEN` | `nats_token` | none |
+//! | NKey seed file | `--nats-nkey` | `NATS_NKEY` | `nats_nkey` | none |
+//! | credentials file (JWT + seed) | `--nats-creds` | `NATS_CREDS` | `nats_creds` | none |
+//! | TLS: CA certificates (PEM) | `--nats-tls-ca` | `NATS_TLS_CA` | `nats_tls_ca` | system roots |
+//! | TLS: client certificate (PEM) | `--nats-tls-cert` | `NATS_TLS_CERT` | `nats_tls_cert` | none |
+//! | TLS: client key (PEM) | `--nats-tls-key` | `NATS_TLS_KEY` | `nats_tls_key` | none |
+//!
+//! # Credentials
+//! At most one authentication method: user and password (both), a token, an NKey seed file
+//! or a credentials file. Any TLS setting makes TLS required; the client certificate and key
+//! go together. Files are checked to be readable when the settings are resolved, and read
+//! when connecting. Secrets never appear in `Debug` output, in logs or in errors: a bad
+//! password or token is shown as `<redacted>`, a file by its path only. Prefer files or the
+//! environment over flags for secrets (flags show in the process list), and keep the default
+//! `max_event_bytes` (4096) well below the server's `max_payload` (1 MB by default), so that
+//! an oversized event is dropped and counted by the router.
 //!
 //! Durations are a number of seconds (`300`) or a number with a unit, `ms`, `s`, `m` or `h`,
 //! possibly several (`5m`, `1m30s`, `250ms`). A flag or variable given replaces the list of
@@ -37,9 +61,10 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::connection::{NatsConnectConfig, DEFAULT_NATS_URL};
+use crate::connection::{NatsAuth, NatsConnectConfig, NatsTls, DEFAULT_NATS_URL};
+use crate::durable::LeaseStreamConfig;
 use crate::ingress::ApplyConfig;
-use crate::lease::manager::DEFAULT_SCAN_INTERVAL;
+use crate::lease::manager::{DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_SCAN_INTERVAL};
 use crate::subject::{DeploymentName, SubjectPrefix, DEFAULT_SUBJECT_PREFIX};
 use crate::wire::DEFAULT_MAX_EVENT_BYTES;
 
@@ -58,7 +83,7 @@ pub const MIN_MAX_EVENT_BYTES: usize = 64;
 pub const MAX_MAX_EVENT_BYTES: usize = 64 * 1024 * 1024;
 
 /// The keys a config file may hold.
-pub const FILE_KEYS: [&str; 8] = [
+pub const FILE_KEYS: [&str; 22] = [
     "nats_url",
     "deployments",
     "http_addr",
@@ -67,16 +92,36 @@ pub const FILE_KEYS: [&str; 8] = [
     "log_format",
     "connect_deadline",
     "max_event_bytes",
+    "max_active_leases",
+    "max_tombstones",
+    "max_held_progress",
+    "max_publishers",
+    "durable",
+    "stream_replicas",
+    "nats_user",
+    "nats_password",
+    "nats_token",
+    "nats_nkey",
+    "nats_creds",
+    "nats_tls_ca",
+    "nats_tls_cert",
+    "nats_tls_key",
 ];
+
+/// What error messages show instead of a secret value.
+const REDACTED: &str = "<redacted>";
 
 /// The flags of `lease-router serve` (flatten it into the subcommand).
 ///
 /// Every field is optional: what is not given on the command line or in the environment is
 /// taken from the config file, else from the defaults, by [`resolve`].
-#[derive(Clone, Debug, Default, PartialEq, Eq, clap::Args)]
+/// `Debug` is written by hand: it shows whether a password or token was given, never which.
+#[derive(Clone, Default, PartialEq, Eq, clap::Args)]
 pub struct ServeArgs {
     /// TOML file with settings (keys: nats_url, deployments, http_addr, subject_prefix,
-    /// lease_scan_interval, log_format, connect_deadline, max_event_bytes).
+    /// lease_scan_interval, log_format, connect_deadline, max_event_bytes, max_active_leases,
+    /// max_tombstones, max_held_progress, max_publishers, nats_user, nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, nats_tls_cert,
+    /// nats_tls_key).
     #[arg(long = "config", value_name = "FILE", env = "LEASE_ROUTER_CONFIG")]
     pub config: Option<PathBuf>,
 
@@ -144,6 +189,162 @@ pub struct ServeArgs {
         env = "LEASE_ROUTER_MAX_EVENT_BYTES"
     )]
     pub max_event_bytes: Option<String>,
+
+    /// Live leases per deployment; past it new admissions are refused and counted
+    /// [default: 1000000].
+    #[arg(
+        long = "max-active-leases",
+        value_name = "N",
+        env = "LEASE_ROUTER_MAX_ACTIVE_LEASES"
+    )]
+    pub max_active_leases: Option<String>,
+
+    /// Completions kept for late admissions, per deployment; the oldest is evicted and
+    /// counted past it [default: 100000].
+    #[arg(
+        long = "max-tombstones",
+        value_name = "N",
+        env = "LEASE_ROUTER_MAX_TOMBSTONES"
+    )]
+    pub max_tombstones: Option<String>,
+
+    /// Progress events held for their admission, per deployment; the oldest is evicted and
+    /// counted past it [default: 100000].
+    #[arg(
+        long = "max-held-progress",
+        value_name = "N",
+        env = "LEASE_ROUTER_MAX_HELD_PROGRESS"
+    )]
+    pub max_held_progress: Option<String>,
+
+    /// Publishers whose sequence windows are tracked, per deployment; the least recent is
+    /// forgotten past it [default: 10000].
+    #[arg(
+        long = "max-publishers",
+        value_name = "N",
+        env = "LEASE_ROUTER_MAX_PUBLISHERS"
+    )]
+    pub max_publishers: Option<String>,
+
+    /// Durable mode: each deployment replays the JetStream lease stream (created or updated
+    /// by the router) before following live events; `/readyz` is 503 until then
+    /// [default: off; `--durable` alone means true].
+    #[arg(
+        long = "durable",
+        value_name = "BOOL",
+        env = "LEASE_ROUTER_DURABLE",
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub durable: Option<String>,
+
+    /// Copies of the lease stream kept by a NATS cluster in durable mode (1 to 5; 3 on a
+    /// three-node cluster) [default: 1].
+    #[arg(
+        long = "stream-replicas",
+        value_name = "N",
+        env = "LEASE_ROUTER_STREAM_REPLICAS"
+    )]
+    pub stream_replicas: Option<String>,
+
+    /// Authentication and TLS to NATS (boxed: they make the struct large).
+    #[command(flatten)]
+    pub nats_credentials: Box<NatsCredentialArgs>,
+}
+
+impl fmt::Debug for ServeArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServeArgs")
+            .field("config", &self.config)
+            .field("nats_url", &self.nats_url.as_deref().map(redact_url_list))
+            .field("deployments", &self.deployments)
+            .field("http_addr", &self.http_addr)
+            .field("subject_prefix", &self.subject_prefix)
+            .field("lease_scan_interval", &self.lease_scan_interval)
+            .field("log_format", &self.log_format)
+            .field("connect_deadline", &self.connect_deadline)
+            .field("max_event_bytes", &self.max_event_bytes)
+            .field("max_active_leases", &self.max_active_leases)
+            .field("max_tombstones", &self.max_tombstones)
+            .field("max_held_progress", &self.max_held_progress)
+            .field("max_publishers", &self.max_publishers)
+            .field("durable", &self.durable)
+            .field("stream_replicas", &self.stream_replicas)
+            .field("nats_credentials", &self.nats_credentials)
+            .finish()
+    }
+}
+
+/// The authentication and TLS flags of [`ServeArgs`]. `Debug` shows whether a password or
+/// token was given, never which.
+#[derive(Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct NatsCredentialArgs {
+    /// NATS user name; needs --nats-password.
+    #[arg(long = "nats-user", value_name = "USER", env = "NATS_USER")]
+    pub nats_user: Option<String>,
+
+    /// NATS password (prefer the environment or the config file: flags show in the process
+    /// list).
+    #[arg(
+        long = "nats-password",
+        value_name = "PASSWORD",
+        env = "NATS_PASSWORD",
+        hide_env_values = true
+    )]
+    pub nats_password: Option<String>,
+
+    /// NATS authentication token (prefer the environment or the config file).
+    #[arg(
+        long = "nats-token",
+        value_name = "TOKEN",
+        env = "NATS_TOKEN",
+        hide_env_values = true
+    )]
+    pub nats_token: Option<String>,
+
+    /// File holding the NKey seed to authenticate with.
+    #[arg(long = "nats-nkey", value_name = "FILE", env = "NATS_NKEY")]
+    pub nats_nkey: Option<String>,
+
+    /// NATS credentials file (user JWT and NKey seed, .creds).
+    #[arg(long = "nats-creds", value_name = "FILE", env = "NATS_CREDS")]
+    pub nats_creds: Option<String>,
+
+    /// PEM file of the CAs that sign the NATS server's certificate; makes TLS required.
+    #[arg(long = "nats-tls-ca", value_name = "FILE", env = "NATS_TLS_CA")]
+    pub nats_tls_ca: Option<String>,
+
+    /// PEM file of a TLS client certificate (with --nats-tls-key); makes TLS required.
+    #[arg(long = "nats-tls-cert", value_name = "FILE", env = "NATS_TLS_CERT")]
+    pub nats_tls_cert: Option<String>,
+
+    /// PEM file of the TLS client certificate's key (with --nats-tls-cert).
+    #[arg(long = "nats-tls-key", value_name = "FILE", env = "NATS_TLS_KEY")]
+    pub nats_tls_key: Option<String>,
+}
+
+impl fmt::Debug for NatsCredentialArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let secret = |v: &Option<String>| v.as_ref().map(|_| REDACTED);
+        f.debug_struct("NatsCredentialArgs")
+            .field("nats_user", &self.nats_user)
+            .field("nats_password", &secret(&self.nats_password))
+            .field("nats_token", &secret(&self.nats_token))
+            .field("nats_nkey", &self.nats_nkey)
+            .field("nats_creds", &self.nats_creds)
+            .field("nats_tls_ca", &self.nats_tls_ca)
+            .field("nats_tls_cert", &self.nats_tls_cert)
+            .field("nats_tls_key", &self.nats_tls_key)
+            .finish()
+    }
+}
+
+/// A comma-separated URL list with any `user:password@` replaced.
+fn redact_url_list(list: &str) -> String {
+    list.split(',')
+        .map(crate::connection::redact_url)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// How log lines are written.
@@ -196,6 +397,19 @@ pub struct ServeSettings {
     pub log_format: LogFormat,
     pub connect_deadline: Duration,
     pub max_event_bytes: usize,
+    /// Live leases per deployment (the lease manager's `max_active_leases`).
+    pub max_active_leases: usize,
+    pub max_tombstones: usize,
+    pub max_held_progress: usize,
+    pub max_publishers: usize,
+    /// Durable mode on JetStream.
+    pub durable: bool,
+    /// Replicas of the lease stream (durable mode).
+    pub stream_replicas: usize,
+    /// How to authenticate to NATS (its `Debug` redacts secrets).
+    pub nats_auth: NatsAuth,
+    /// TLS to NATS; `None`: plain TCP unless the URL or the server asks for TLS.
+    pub nats_tls: Option<NatsTls>,
     /// The config file that was read, if any.
     pub config_file: Option<PathBuf>,
 }
@@ -211,6 +425,14 @@ impl Default for ServeSettings {
             log_format: LogFormat::Text,
             connect_deadline: DEFAULT_CONNECT_DEADLINE,
             max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
+            max_active_leases: DEFAULT_MAX_ACTIVE_LEASES,
+            max_tombstones: ApplyConfig::default().max_tombstones,
+            max_held_progress: ApplyConfig::default().max_held_progress,
+            max_publishers: ApplyConfig::default().max_publishers,
+            durable: false,
+            stream_replicas: 1,
+            nats_auth: NatsAuth::None,
+            nats_tls: None,
             config_file: None,
         }
     }
@@ -219,9 +441,14 @@ impl Default for ServeSettings {
 impl ServeSettings {
     /// How to connect to NATS.
     pub fn nats_connect_config(&self) -> NatsConnectConfig {
-        NatsConnectConfig::new(self.nats_urls.iter().cloned())
+        let config = NatsConnectConfig::new(self.nats_urls.iter().cloned())
             .with_connect_deadline(self.connect_deadline)
             .with_name("lease-router serve")
+            .with_auth(self.nats_auth.clone());
+        match &self.nats_tls {
+            Some(tls) => config.with_tls(tls.clone()),
+            None => config,
+        }
     }
 
     /// The settings of the [`super::DeploymentHost`].
@@ -231,8 +458,16 @@ impl ServeSettings {
             lease_scan_interval: self.lease_scan_interval,
             apply: ApplyConfig {
                 max_event_bytes: self.max_event_bytes,
+                max_tombstones: self.max_tombstones,
+                max_held_progress: self.max_held_progress,
+                max_publishers: self.max_publishers,
                 ..ApplyConfig::default()
             },
+            max_active_leases: self.max_active_leases,
+            durable: self.durable.then(|| {
+                LeaseStreamConfig::new(self.subject_prefix.clone(), self.lease_scan_interval)
+                    .with_replicas(self.stream_replicas)
+            }),
             ..HostSettings::default()
         }
     }
@@ -293,8 +528,9 @@ impl ConfigError {
     }
 }
 
-/// The raw values of the config file, as strings, each validated like a flag.
-#[derive(Debug, Default)]
+/// The raw values of the config file, as strings, each validated like a flag. No `Debug`: it
+/// holds secrets.
+#[derive(Default)]
 struct FileValues {
     nats_url: Option<String>,
     deployments: Option<Vec<String>>,
@@ -304,6 +540,20 @@ struct FileValues {
     log_format: Option<String>,
     connect_deadline: Option<String>,
     max_event_bytes: Option<String>,
+    max_active_leases: Option<String>,
+    max_tombstones: Option<String>,
+    max_held_progress: Option<String>,
+    max_publishers: Option<String>,
+    durable: Option<String>,
+    stream_replicas: Option<String>,
+    nats_user: Option<String>,
+    nats_password: Option<String>,
+    nats_token: Option<String>,
+    nats_nkey: Option<String>,
+    nats_creds: Option<String>,
+    nats_tls_ca: Option<String>,
+    nats_tls_cert: Option<String>,
+    nats_tls_key: Option<String>,
 }
 
 /// Resolves the settings: flags, then environment (both already in `args`, clap reads the
@@ -412,7 +662,237 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
             }
         };
     }
+    for (setting, cli, file, slot) in [
+        (
+            "max_active_leases",
+            &args.max_active_leases,
+            &file.max_active_leases,
+            &mut settings.max_active_leases,
+        ),
+        (
+            "max_tombstones",
+            &args.max_tombstones,
+            &file.max_tombstones,
+            &mut settings.max_tombstones,
+        ),
+        (
+            "max_held_progress",
+            &args.max_held_progress,
+            &file.max_held_progress,
+            &mut settings.max_held_progress,
+        ),
+        (
+            "max_publishers",
+            &args.max_publishers,
+            &file.max_publishers,
+            &mut settings.max_publishers,
+        ),
+    ] {
+        if let Some((value, origin)) = pick(cli, file) {
+            *slot = parse_limit(setting, value, origin, *slot)?;
+        }
+    }
+    if let Some((value, origin)) = pick(&args.durable, &file.durable) {
+        settings.durable = match value.trim().to_ascii_lowercase().as_str() {
+            "true" | "yes" | "on" | "1" => true,
+            "false" | "no" | "off" | "0" => false,
+            _ => {
+                return Err(ConfigError::Invalid {
+                    setting: "durable",
+                    value,
+                    origin,
+                    expected: "expected true or false".into(),
+                })
+            }
+        };
+    }
+    if let Some((value, origin)) = pick(&args.stream_replicas, &file.stream_replicas) {
+        settings.stream_replicas = match value.trim().parse::<usize>() {
+            Ok(n) if (1..=5).contains(&n) => n,
+            _ => {
+                return Err(ConfigError::Invalid {
+                    setting: "stream_replicas",
+                    value,
+                    origin,
+                    expected: "expected a whole number from 1 to 5 (JetStream's limit),                                at most the number of NATS servers in the cluster"
+                        .into(),
+                })
+            }
+        };
+    }
+    resolve_credentials(args, &file, &pick, &mut settings)?;
     Ok(settings)
+}
+
+type Pick<'a> = dyn Fn(&Option<String>, &Option<String>) -> Option<(String, ValueOrigin)> + 'a;
+
+/// The authentication and TLS settings. Secret values never enter an error.
+fn resolve_credentials(
+    args: &ServeArgs,
+    file: &FileValues,
+    pick: &Pick<'_>,
+    settings: &mut ServeSettings,
+) -> Result<(), ConfigError> {
+    let args = &*args.nats_credentials;
+    let secret = |setting: &'static str, value: Option<(String, ValueOrigin)>| match value {
+        Some((v, origin)) if v.is_empty() => Err(ConfigError::Invalid {
+            setting,
+            value: String::new(),
+            origin,
+            expected: "expected a non-empty value".into(),
+        }),
+        Some((v, origin)) => Ok(Some((v, origin))),
+        None => Ok(None),
+    };
+    let user = secret("nats_user", pick(&args.nats_user, &file.nats_user))?;
+    let password = secret(
+        "nats_password",
+        pick(&args.nats_password, &file.nats_password),
+    )?;
+    let token = secret("nats_token", pick(&args.nats_token, &file.nats_token))?;
+    let nkey = readable_file("nats_nkey", pick(&args.nats_nkey, &file.nats_nkey))?;
+    let creds = readable_file("nats_creds", pick(&args.nats_creds, &file.nats_creds))?;
+
+    let mut methods: Vec<(&'static str, NatsAuth, ValueOrigin)> = Vec::new();
+    match (user, password) {
+        (Some((user, origin)), Some((password, _))) => methods.push((
+            "nats_user",
+            NatsAuth::UserPassword { user, password },
+            origin,
+        )),
+        (Some((user, origin)), None) => {
+            return Err(ConfigError::Invalid {
+                setting: "nats_user",
+                value: user,
+                origin,
+                expected: "a user needs a password: give nats_password too".into(),
+            })
+        }
+        (None, Some((_, origin))) => {
+            return Err(ConfigError::Invalid {
+                setting: "nats_password",
+                value: REDACTED.into(),
+                origin,
+                expected: "a password needs a user: give nats_user too".into(),
+            })
+        }
+        (None, None) => {}
+    }
+    if let Some((token, origin)) = token {
+        methods.push(("nats_token", NatsAuth::Token(token), origin));
+    }
+    if let Some((path, origin)) = nkey {
+        methods.push(("nats_nkey", NatsAuth::NKeySeedFile(path), origin));
+    }
+    if let Some((path, origin)) = creds {
+        methods.push(("nats_creds", NatsAuth::CredentialsFile(path), origin));
+    }
+    if methods.len() > 1 {
+        let (setting, auth, origin) = methods.swap_remove(1);
+        let value = match auth {
+            NatsAuth::NKeySeedFile(p) | NatsAuth::CredentialsFile(p) => p.display().to_string(),
+            _ => REDACTED.into(),
+        };
+        return Err(ConfigError::Invalid {
+            setting,
+            value,
+            origin,
+            expected: format!(
+                "give only one way to authenticate (user and password, token, nkey or \
+                 creds); {} is given too",
+                methods[0].0
+            ),
+        });
+    }
+    if let Some((_, auth, _)) = methods.pop() {
+        settings.nats_auth = auth;
+    }
+
+    let ca = readable_file("nats_tls_ca", pick(&args.nats_tls_ca, &file.nats_tls_ca))?;
+    let cert = readable_file(
+        "nats_tls_cert",
+        pick(&args.nats_tls_cert, &file.nats_tls_cert),
+    )?;
+    let key = readable_file("nats_tls_key", pick(&args.nats_tls_key, &file.nats_tls_key))?;
+    let (cert_file, key_file) = match (cert, key) {
+        (Some((cert, _)), Some((key, _))) => (Some(cert), Some(key)),
+        (None, None) => (None, None),
+        (Some((path, origin)), None) => {
+            return Err(ConfigError::Invalid {
+                setting: "nats_tls_cert",
+                value: path.display().to_string(),
+                origin,
+                expected: "a client certificate needs its key: give nats_tls_key too".into(),
+            })
+        }
+        (None, Some((path, origin))) => {
+            return Err(ConfigError::Invalid {
+                setting: "nats_tls_key",
+                value: path.display().to_string(),
+                origin,
+                expected: "a client key needs its certificate: give nats_tls_cert too".into(),
+            })
+        }
+    };
+    let ca_file = ca.map(|(path, _)| path);
+    if ca_file.is_some() || cert_file.is_some() {
+        settings.nats_tls = Some(NatsTls {
+            ca_file,
+            cert_file,
+            key_file,
+        });
+    }
+    Ok(())
+}
+
+/// The largest accepted memory limit: any more is not a limit.
+pub const MAX_LIMIT: usize = 100_000_000;
+
+/// A memory limit: a whole number from 1 to [`MAX_LIMIT`].
+fn parse_limit(
+    setting: &'static str,
+    value: String,
+    origin: ValueOrigin,
+    default: usize,
+) -> Result<usize, ConfigError> {
+    match value.trim().replace('_', "").parse::<usize>() {
+        Ok(n) if (1..=MAX_LIMIT).contains(&n) => Ok(n),
+        _ => Err(ConfigError::Invalid {
+            setting,
+            value,
+            origin,
+            expected: format!(
+                "expected a whole number from 1 to {MAX_LIMIT} (default {default}); past it \
+                 new entries are refused or the oldest evicted, and counted"
+            ),
+        }),
+    }
+}
+
+/// A path setting naming a file that can be opened (not read: it may hold a secret).
+fn readable_file(
+    setting: &'static str,
+    value: Option<(String, ValueOrigin)>,
+) -> Result<Option<(PathBuf, ValueOrigin)>, ConfigError> {
+    let Some((value, origin)) = value else {
+        return Ok(None);
+    };
+    let path = PathBuf::from(value.trim());
+    match std::fs::File::open(&path) {
+        Ok(_) if path.is_file() => Ok(Some((path, origin))),
+        Ok(_) => Err(ConfigError::Invalid {
+            setting,
+            value,
+            origin,
+            expected: "expected a file, not a directory".into(),
+        }),
+        Err(err) => Err(ConfigError::Invalid {
+            setting,
+            value,
+            origin,
+            expected: format!("expected a readable file ({})", err.kind()),
+        }),
+    }
 }
 
 fn parse_nats_urls(value: &str, origin: ValueOrigin) -> Result<Vec<String>, ConfigError> {
@@ -548,6 +1028,18 @@ fn parse_file(path: &Path, text: &str) -> Result<FileValues, ConfigError> {
                 }),
             }
         };
+        // A secret must be a string; a wrong type is reported without its value.
+        let secret = |setting: &'static str, value: toml::Value| -> Result<String, ConfigError> {
+            match value {
+                toml::Value::String(s) => Ok(s),
+                other => Err(ConfigError::Invalid {
+                    setting,
+                    value: REDACTED.into(),
+                    origin: origin.clone(),
+                    expected: format!("expected a string, not {}", other.type_str()),
+                }),
+            }
+        };
         match key.as_str() {
             "nats_url" => {
                 values.nats_url = Some(match value {
@@ -581,6 +1073,29 @@ fn parse_file(path: &Path, text: &str) -> Result<FileValues, ConfigError> {
                 values.connect_deadline = Some(scalar("connect_deadline", value)?)
             }
             "max_event_bytes" => values.max_event_bytes = Some(scalar("max_event_bytes", value)?),
+            "max_active_leases" => {
+                values.max_active_leases = Some(scalar("max_active_leases", value)?)
+            }
+            "max_tombstones" => values.max_tombstones = Some(scalar("max_tombstones", value)?),
+            "max_held_progress" => {
+                values.max_held_progress = Some(scalar("max_held_progress", value)?)
+            }
+            "max_publishers" => values.max_publishers = Some(scalar("max_publishers", value)?),
+            "durable" => {
+                values.durable = Some(match value {
+                    toml::Value::Boolean(b) => b.to_string(),
+                    other => scalar("durable", other)?,
+                })
+            }
+            "stream_replicas" => values.stream_replicas = Some(scalar("stream_replicas", value)?),
+            "nats_user" => values.nats_user = Some(scalar("nats_user", value)?),
+            "nats_password" => values.nats_password = Some(secret("nats_password", value)?),
+            "nats_token" => values.nats_token = Some(secret("nats_token", value)?),
+            "nats_nkey" => values.nats_nkey = Some(scalar("nats_nkey", value)?),
+            "nats_creds" => values.nats_creds = Some(scalar("nats_creds", value)?),
+            "nats_tls_ca" => values.nats_tls_ca = Some(scalar("nats_tls_ca", value)?),
+            "nats_tls_cert" => values.nats_tls_cert = Some(scalar("nats_tls_cert", value)?),
+            "nats_tls_key" => values.nats_tls_key = Some(scalar("nats_tls_key", value)?),
             _ => {
                 return Err(ConfigError::UnknownKey {
                     path: path.to_owned(),
@@ -644,6 +1159,51 @@ mod tests {
 
     fn message(args: &ServeArgs) -> String {
         resolve(args).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn durable_mode_settings() {
+        let f = file("durable = true\nstream_replicas = 3\nlease_scan_interval = \"60s\"\n");
+        let args = ServeArgs {
+            config: Some(f.path().to_owned()),
+            ..ServeArgs::default()
+        };
+        let host = resolve(&args).unwrap().host_settings();
+        let stream = host.durable.expect("durable from the file");
+        assert_eq!(stream.replicas, 3);
+        assert!(
+            stream.max_age >= Duration::from_secs(240),
+            "two lease lifetimes"
+        );
+
+        // The flag wins over the file.
+        let off = ServeArgs {
+            durable: Some("false".into()),
+            ..args
+        };
+        assert!(resolve(&off).unwrap().host_settings().durable.is_none());
+        assert!(resolve(&ServeArgs::default())
+            .unwrap()
+            .host_settings()
+            .durable
+            .is_none());
+
+        let m = message(&ServeArgs {
+            durable: Some("maybe".into()),
+            ..ServeArgs::default()
+        });
+        assert!(
+            m.contains("durable = \"maybe\"") && m.contains("true or false"),
+            "{m}"
+        );
+        let m = message(&ServeArgs {
+            stream_replicas: Some("9".into()),
+            ..ServeArgs::default()
+        });
+        assert!(
+            m.contains("stream_replicas = \"9\"") && m.contains("1 to 5"),
+            "{m}"
+        );
     }
 
     #[test]
@@ -838,7 +1398,10 @@ mod tests {
             m.starts_with("unknown setting \"listen\" in config file ")
                 && m.ends_with(
                     "the accepted keys are nats_url, deployments, http_addr, subject_prefix, \
-                     lease_scan_interval, log_format, connect_deadline, max_event_bytes"
+                     lease_scan_interval, log_format, connect_deadline, max_event_bytes, \
+                     max_active_leases, max_tombstones, max_held_progress, max_publishers, \
+                     durable, stream_replicas, nats_user, nats_password, nats_token, nats_nkey, nats_creds, \
+                     nats_tls_ca, nats_tls_cert, nats_tls_key"
                 ),
             "{m}"
         );
@@ -901,6 +1464,199 @@ mod tests {
         assert_eq!(d(" 2m "), Some(Duration::from_secs(120)));
         for bad in ["", "s", "5x", "-5s", "5 m", ".5s", "5.s", "1e3s", "m5"] {
             assert_eq!(d(bad), None, "{bad:?}");
+        }
+    }
+
+    const SECRETS: [&str; 2] = ["hunter2-pass", "tok-3f9a-secret"];
+
+    fn assert_no_secret(text: &str) {
+        for secret in SECRETS {
+            assert!(!text.contains(secret), "a secret leaked: {text}");
+        }
+    }
+
+    #[test]
+    fn credentials_from_flags_and_file() {
+        let cli = Cli::try_parse_from([
+            "serve",
+            "--nats-user",
+            "router",
+            "--nats-password",
+            SECRETS[0],
+        ])
+        .unwrap();
+        assert_no_secret(&format!("{:?}", cli.serve));
+        let s = resolve(&cli.serve).unwrap();
+        assert_eq!(
+            s.nats_auth,
+            NatsAuth::UserPassword {
+                user: "router".into(),
+                password: SECRETS[0].into()
+            }
+        );
+        assert_eq!(s.nats_tls, None);
+        let config = s.nats_connect_config();
+        assert_eq!(config.auth, s.nats_auth);
+        assert_no_secret(&format!("{s:?} {config:?}"));
+        assert!(format!("{s:?}").contains("router"));
+
+        let seed = file("SUAEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLE\n");
+        let ca = file("-----BEGIN CERTIFICATE-----\n");
+        let cert = file("-----BEGIN CERTIFICATE-----\n");
+        let key = file("-----BEGIN PRIVATE KEY-----\n");
+        let conf = file(&format!(
+            "nats_nkey = {:?}\nnats_tls_ca = {:?}\nnats_tls_cert = {:?}\nnats_tls_key = {:?}\n",
+            seed.path(),
+            ca.path(),
+            cert.path(),
+            key.path()
+        ));
+        let s = resolve(&ServeArgs {
+            config: Some(conf.path().to_owned()),
+            ..ServeArgs::default()
+        })
+        .unwrap();
+        assert_eq!(s.nats_auth, NatsAuth::NKeySeedFile(seed.path().to_owned()));
+        assert_eq!(
+            s.nats_tls,
+            Some(NatsTls {
+                ca_file: Some(ca.path().to_owned()),
+                cert_file: Some(cert.path().to_owned()),
+                key_file: Some(key.path().to_owned()),
+            })
+        );
+        let config = s.nats_connect_config();
+        assert_eq!(config.tls, s.nats_tls);
+
+        // A flag beats the file: the token replaces nothing, it conflicts with the nkey.
+        let m = message(&ServeArgs {
+            config: Some(conf.path().to_owned()),
+            nats_credentials: Box::new(NatsCredentialArgs {
+                nats_token: Some(SECRETS[1].into()),
+                ..NatsCredentialArgs::default()
+            }),
+            ..ServeArgs::default()
+        });
+        assert!(m.contains("give only one way to authenticate"), "{m}");
+        assert_no_secret(&m);
+    }
+
+    #[test]
+    fn credential_errors_name_the_setting_never_the_secret() {
+        let args = |f: &dyn Fn(&mut ServeArgs)| {
+            let mut a = ServeArgs::default();
+            f(&mut a);
+            a
+        };
+        let cases: Vec<(ServeArgs, &str)> = vec![
+            (
+                args(&|a| a.nats_credentials.nats_password = Some(SECRETS[0].into())),
+                "invalid setting nats_password = \"<redacted>\": a password needs a user",
+            ),
+            (
+                args(&|a| a.nats_credentials.nats_user = Some("router".into())),
+                "invalid setting nats_user = \"router\": a user needs a password",
+            ),
+            (
+                args(&|a| {
+                    a.nats_credentials.nats_user = Some("router".into());
+                    a.nats_credentials.nats_password = Some(SECRETS[0].into());
+                    a.nats_credentials.nats_token = Some(SECRETS[1].into());
+                }),
+                "invalid setting nats_token = \"<redacted>\": give only one way",
+            ),
+            (
+                args(&|a| a.nats_credentials.nats_token = Some(String::new())),
+                "invalid setting nats_token = \"\": expected a non-empty value",
+            ),
+            (
+                args(&|a| a.nats_credentials.nats_creds = Some("/nonexistent/router.creds".into())),
+                "invalid setting nats_creds = \"/nonexistent/router.creds\": expected a readable file",
+            ),
+            (
+                args(&|a| a.nats_credentials.nats_tls_cert = Some("/nonexistent/cert.pem".into())),
+                "invalid setting nats_tls_cert = \"/nonexistent/cert.pem\": expected a readable",
+            ),
+        ];
+        for (a, start) in cases {
+            let err = resolve(&a).unwrap_err();
+            let text = format!("{err} {err:?} {a:?}");
+            assert!(err.to_string().starts_with(start), "{err}");
+            assert_no_secret(&text);
+        }
+
+        let cert = file("x");
+        let m = message(&args(&|a| {
+            a.nats_credentials.nats_tls_cert = Some(cert.path().display().to_string())
+        }));
+        assert!(m.contains("a client certificate needs its key"), "{m}");
+
+        // A secret of the wrong type in the file: not echoed either.
+        let f = file("nats_password = 123456789\n");
+        let m = message(&ServeArgs {
+            config: Some(f.path().to_owned()),
+            ..ServeArgs::default()
+        });
+        assert!(
+            m.starts_with("invalid setting nats_password = \"<redacted>\""),
+            "{m}"
+        );
+        assert!(!m.contains("123456789"), "{m}");
+    }
+
+    #[test]
+    fn secret_env_values_are_hidden_from_help() {
+        use clap::CommandFactory;
+        let cmd = Cli::command();
+        for id in ["nats_password", "nats_token"] {
+            let arg = cmd
+                .get_arguments()
+                .find(|a| a.get_id().as_str() == id)
+                .unwrap();
+            assert!(arg.is_hide_env_values_set(), "{id}");
+        }
+    }
+
+    #[test]
+    fn memory_limits() {
+        let s = resolve(&ServeArgs::default()).unwrap();
+        assert_eq!(s.max_active_leases, DEFAULT_MAX_ACTIVE_LEASES);
+        let apply = s.host_settings().apply;
+        assert_eq!(apply.max_tombstones, ApplyConfig::default().max_tombstones);
+
+        let f = file("max_tombstones = 10\nmax_publishers = \"20\"\nmax_active_leases = 5\n");
+        let cli = Cli::try_parse_from([
+            "serve",
+            "--config",
+            f.path().to_str().unwrap(),
+            "--max-held-progress",
+            "1_000",
+            "--max-publishers",
+            "30",
+        ])
+        .unwrap();
+        let s = resolve(&cli.serve).unwrap();
+        assert_eq!(s.max_active_leases, 5);
+        let apply = s.host_settings().apply;
+        assert_eq!(
+            (
+                apply.max_tombstones,
+                apply.max_held_progress,
+                apply.max_publishers
+            ),
+            (10, 1000, 30)
+        );
+        for bad in ["0", "-1", "many", "100000001"] {
+            let m = message(&ServeArgs {
+                max_tombstones: Some(bad.into()),
+                ..ServeArgs::default()
+            });
+            assert!(
+                m.starts_with(&format!(
+                    "invalid setting max_tombstones = {bad:?}: expected a whole number from 1"
+                )),
+                "{m}"
+            );
         }
     }
 }

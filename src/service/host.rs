@@ -57,6 +57,8 @@ pub struct HostSettings {
     pub task_stop_timeout: Duration,
     /// Durable mode: replay each deployment from this JetStream stream before following it.
     pub durable: Option<LeaseStreamConfig>,
+    /// Live leases per deployment; past it new admissions are refused and counted.
+    pub max_active_leases: usize,
 }
 
 impl Default for HostSettings {
@@ -67,6 +69,7 @@ impl Default for HostSettings {
             apply: ApplyConfig::default(),
             task_stop_timeout: DEFAULT_TASK_STOP_TIMEOUT,
             durable: None,
+            max_active_leases: LeaseConfig::default().max_active_leases,
         }
     }
 }
@@ -783,6 +786,7 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
         deployment: name.to_string(),
         lease: LeaseConfig {
             scan_interval: settings.lease_scan_interval,
+            max_active_leases: settings.max_active_leases,
             ..LeaseConfig::default()
         },
     };

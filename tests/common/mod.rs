@@ -36,6 +36,16 @@ pub async fn server() -> NatsServer {
         .expect("nats-server starts (is it on PATH?)")
 }
 
+/// A nats-server with JetStream, for durable mode.
+pub async fn js_server() -> NatsServer {
+    init_tracing();
+    NatsServerBuilder::new()
+        .jetstream(true)
+        .spawn()
+        .await
+        .expect("nats-server with JetStream starts")
+}
+
 pub async fn client(url: &str) -> NatsConnection {
     connect(&NatsConnectConfig::new([url]).with_connect_deadline(Duration::from_secs(10)))
         .await
