@@ -649,7 +649,9 @@ pub fn decode(bytes: &[u8], max_len: usize) -> Result<Envelope, DecodeEventError
         });
     }
     let mut raw = RawEnvelope::default();
-    let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+    // Reading from a `&[u8]` advances the slice, so what is left after the map is exactly
+    // the trailing bytes, however incomplete they are.
+    let mut de = rmp_serde::Deserializer::new(bytes);
     de.set_max_depth(MAX_NESTING_DEPTH);
     let seed = RawSeed {
         raw: &mut raw,
@@ -657,22 +659,10 @@ pub fn decode(bytes: &[u8], max_len: usize) -> Result<Envelope, DecodeEventError
     };
     match seed.deserialize(&mut de) {
         Ok(()) => {
-            let trailing = has_trailing_bytes(&mut de);
+            let trailing = !de.get_ref().is_empty();
             raw.validate(trailing)
         }
         Err(err) => Err(classify_failure(bytes, &err)),
-    }
-}
-
-/// Whether anything follows the envelope map: reading one more value must hit the end at once.
-fn has_trailing_bytes<'de>(
-    de: &mut rmp_serde::Deserializer<rmp_serde::decode::ReadRefReader<'de, [u8]>>,
-) -> bool {
-    match IgnoredAny::deserialize(de) {
-        Err(rmp_serde::decode::Error::InvalidMarkerRead(err)) => {
-            err.kind() != std::io::ErrorKind::UnexpectedEof
-        }
-        _ => true,
     }
 }
 
@@ -681,7 +671,7 @@ fn has_trailing_bytes<'de>(
 #[cold]
 fn classify_failure(bytes: &[u8], err: &rmp_serde::decode::Error) -> DecodeEventError {
     let mut probe = RawEnvelope::default();
-    let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+    let mut de = rmp_serde::Deserializer::new(bytes);
     de.set_max_depth(MAX_NESTING_DEPTH);
     let probed = RawSeed {
         raw: &mut probe,
@@ -694,7 +684,7 @@ fn classify_failure(bytes: &[u8], err: &rmp_serde::decode::Error) -> DecodeEvent
             found,
             supported: WIRE_VERSION,
         },
-        (Some(_), Some(WireKind::Unknown(kind))) if probed && !has_trailing_bytes(&mut de) => {
+        (Some(_), Some(WireKind::Unknown(kind))) if probed && de.get_ref().is_empty() => {
             DecodeEventError::UnknownKind { kind }
         }
         _ => DecodeEventError::Malformed(err.to_string()),
