@@ -123,8 +123,9 @@ async fn publisher_flood_stays_at_its_limit() {
         tracker.observe(publisher, 1);
         assert!(tracker.len() <= 100);
     }
-    assert_eq!(tracker.len(), 100);
-    assert_eq!(tracker.evicted(), (FLOOD - 100) as u64);
+    // Half of the least recently heard go at once when it is full.
+    assert!(tracker.len() > 50, "{}", tracker.len());
+    assert_eq!(tracker.evicted() + tracker.len() as u64, FLOOD as u64);
 
     // Through the applier: a flood of publisher ids (one event each) makes the router forget
     // the least recent publishers, so a re-sent event of the first one is no longer known as
