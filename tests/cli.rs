@@ -687,3 +687,97 @@ async fn durable_serve_replays_what_was_published_while_it_was_down() {
     );
     terminate(serve2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_credentials_fail_serve_and_publish_clearly_without_the_secret() {
+    common::init_tracing();
+    let conf =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/nats/permissions.conf");
+    let server = lease_router::nats_server::NatsServerBuilder::new()
+        .config_file(conf)
+        .spawn()
+        .await
+        .expect("nats-server with deploy/nats/permissions.conf");
+    let url = server.url();
+    let secret = "not-the-password-1234";
+    let checks: [&[&str]; 2] = [
+        &[
+            "serve",
+            "--nats-url",
+            &url,
+            "--http-addr",
+            "127.0.0.1:0",
+            "--deployment",
+            "auth",
+            "--nats-user",
+            "router",
+            "--nats-password",
+            secret,
+        ],
+        &[
+            "publish",
+            "--nats-url",
+            &url,
+            "--deployment",
+            "auth",
+            "--worker",
+            "1",
+            "--nats-user",
+            "worker-1",
+            "--nats-password",
+            secret,
+            "admitted",
+            "--request-id",
+            "r",
+        ],
+    ];
+    for args in checks {
+        let out = run(command(args), BOUND);
+        assert_eq!(out.code(), Some(1), "{args:?}\nstderr:\n{}", out.stderr);
+        assert!(
+            out.stderr.contains("authorization failed"),
+            "{}",
+            out.stderr
+        );
+        assert!(
+            !out.stderr.contains(secret),
+            "the secret leaked: {}",
+            out.stderr
+        );
+    }
+
+    // The right credentials: the worker publishes, the router sees it.
+    let (serve, addr) = serve(
+        &url,
+        &[
+            "--deployment",
+            "auth",
+            "--nats-user",
+            "router",
+            "--nats-password",
+            "router-example-secret",
+        ],
+    );
+    let ok = [
+        "publish",
+        "--nats-url",
+        &url,
+        "--deployment",
+        "auth",
+        "--worker",
+        "1",
+        "--nats-user",
+        "worker-1",
+        "--nats-password",
+        "worker-1-example-secret",
+        "admitted",
+        "--request-id",
+        "r",
+    ];
+    let out = run(command(&ok), BOUND);
+    assert_eq!(out.code(), Some(0), "stderr:\n{}", out.stderr);
+    eventually("the lease", BOUND, || {
+        (active_leases(addr, "auth") == Some(1)).then_some(())
+    });
+    terminate(serve);
+}

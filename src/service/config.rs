@@ -275,6 +275,22 @@ impl fmt::Debug for ServeArgs {
     }
 }
 
+impl NatsCredentialArgs {
+    /// Connection settings for `urls` (comma-separated) with these credentials: how
+    /// `publish` and `simulate` connect exactly as `serve` does.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the URL or credential setting that is wrong.
+    pub fn connect_config(&self, urls: &str) -> Result<NatsConnectConfig, ConfigError> {
+        let args = ServeArgs {
+            nats_url: Some(urls.to_owned()),
+            nats_credentials: Box::new(self.clone()),
+            ..ServeArgs::default()
+        };
+        Ok(resolve(&args)?.nats_connect_config())
+    }
+}
+
 /// The authentication and TLS flags of [`ServeArgs`]. `Debug` shows whether a password or
 /// token was given, never which.
 #[derive(Clone, Default, PartialEq, Eq, clap::Args)]

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use lease_router::connection::NatsConnectConfig;
 use lease_router::connection::{NatsConnection, DEFAULT_NATS_URL};
 use lease_router::nats_server::{NatsServer, NatsServerBuilder, StartNatsServerError};
 use lease_router::service::host::DeploymentMetrics;
@@ -186,7 +187,8 @@ async fn find_or_start_nats(
     url: &str,
     signals: &Signals,
 ) -> Result<(Option<NatsConnection>, Option<NatsServer>), CliError> {
-    match connect_or_cancel(url, PROBE_DEADLINE, "lease-router demo", &signals.first).await {
+    let probe = NatsConnectConfig::from_url_list(url).with_connect_deadline(PROBE_DEADLINE);
+    match connect_or_cancel(probe, "lease-router demo", &signals.first).await {
         Ok(Some(connection)) => {
             println!("using the NATS server at {}", connection.urls());
             return Ok((Some(connection), None));
@@ -212,13 +214,9 @@ async fn find_or_start_nats(
         _ = signals.first.cancelled() => return Ok((None, None)),
     };
     println!("started nats-server at {}", server.url());
-    let connection = connect_or_cancel(
-        &server.url(),
-        Duration::from_secs(10),
-        "lease-router demo",
-        &signals.first,
-    )
-    .await?;
+    let started =
+        NatsConnectConfig::new([server.url()]).with_connect_deadline(Duration::from_secs(10));
+    let connection = connect_or_cancel(started, "lease-router demo", &signals.first).await?;
     Ok((connection, Some(server)))
 }
 

@@ -142,17 +142,14 @@ pub fn rate_arg(value: &str) -> Result<f64, String> {
     }
 }
 
-/// Connects to the comma-separated `urls` within `deadline`, unless `cancel` fires first
+/// Connects with `config` (its URLs, credentials and deadline), unless `cancel` fires first
 /// (then `Ok(None)`).
 pub async fn connect_or_cancel(
-    urls: &str,
-    deadline: Duration,
+    config: NatsConnectConfig,
     name: &str,
     cancel: &CancellationToken,
 ) -> Result<Option<NatsConnection>, CliError> {
-    let config = NatsConnectConfig::from_url_list(urls)
-        .with_connect_deadline(deadline)
-        .with_name(name);
+    let config = config.with_name(name);
     tokio::select! {
         result = connect(&config) => Ok(Some(result?)),
         _ = cancel.cancelled() => Ok(None),

@@ -5,6 +5,7 @@ use std::time::Duration;
 use clap::{Args, Subcommand, ValueEnum};
 use lease_router::connection::DEFAULT_NATS_URL;
 use lease_router::publisher::{LeasePublisher, PublisherConfig};
+use lease_router::service::config::NatsCredentialArgs;
 use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
 use lease_router::wire::{
     Admitted, Completed, LeaseEvent, Outcome, ProgressStage, Progressed, WorkerReset,
@@ -41,6 +42,9 @@ pub struct PublishArgs {
     /// `serve --durable` router creates the stream).
     #[arg(long, env = "LEASE_ROUTER_DURABLE")]
     durable: bool,
+    /// Authentication and TLS to NATS, as for `serve`.
+    #[command(flatten)]
+    nats_credentials: Box<NatsCredentialArgs>,
     #[command(subcommand)]
     event: EventArgs,
 }
@@ -152,13 +156,13 @@ pub async fn run(args: PublishArgs, signals: &Signals) -> Result<(), CliError> {
     let event = args.event();
     let subjects = Subjects::new(args.subject_prefix.clone(), args.deployment.clone());
     let subject = subjects.worker_subject(args.worker);
-    let Some(connection) = connect_or_cancel(
-        &args.nats_url,
-        args.timeout,
-        "lease-router publish",
-        &signals.first,
-    )
-    .await?
+    let config = args
+        .nats_credentials
+        .connect_config(&args.nats_url)
+        .map_err(CliError::usage)?
+        .with_connect_deadline(args.timeout);
+    let Some(connection) =
+        connect_or_cancel(config, "lease-router publish", &signals.first).await?
     else {
         return Err(CliError::failed("interrupted before NATS answered"));
     };

@@ -101,10 +101,8 @@ pub async fn run(args: ServeArgs, signals: &Signals) -> Result<(), CliError> {
     init_logging(settings.log_format, "info");
     // Bind first: a taken port is reported before anything else happens.
     let listener = bind(settings.http_addr).await?;
-    let urls = settings.nats_urls.join(",");
     let Some(connection) = connect_or_cancel(
-        &urls,
-        settings.connect_deadline,
+        settings.nats_connect_config(),
         "lease-router serve",
         &signals.first,
     )

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use lease_router::connection::DEFAULT_NATS_URL;
+use lease_router::service::config::NatsCredentialArgs;
 use lease_router::simulate::{
     format_duration, run_simulation, SimulationConfig, SimulationProgress,
 };
@@ -109,6 +110,9 @@ pub struct SimulateArgs {
     /// router creates the stream).
     #[arg(long, env = "LEASE_ROUTER_DURABLE")]
     durable: bool,
+    /// Authentication and TLS to NATS, as for `serve`.
+    #[command(flatten)]
+    nats_credentials: Box<NatsCredentialArgs>,
     #[command(flatten)]
     traffic: TrafficArgs,
 }
@@ -119,13 +123,12 @@ pub async fn run(args: SimulateArgs, signals: &Signals) -> Result<(), CliError> 
     config.durable = args.durable;
     config.validate().map_err(CliError::usage)?;
     let subjects = Subjects::new(args.subject_prefix.clone(), args.deployment.clone());
-    let Some(connection) = connect_or_cancel(
-        &args.nats_url,
-        args.connect_deadline,
-        "lease-router simulate",
-        &signals.first,
-    )
-    .await?
+    let nats = args
+        .nats_credentials
+        .connect_config(&args.nats_url)
+        .map_err(CliError::usage)?
+        .with_connect_deadline(args.connect_deadline);
+    let Some(connection) = connect_or_cancel(nats, "lease-router simulate", &signals.first).await?
     else {
         return Ok(());
     };
