@@ -21,6 +21,7 @@
 //! | tombstones per deployment | `--max-tombstones` | `LEASE_ROUTER_MAX_TOMBSTONES` | `max_tombstones` | `100000` |
 //! | held progress per deployment | `--max-held-progress` | `LEASE_ROUTER_MAX_HELD_PROGRESS` | `max_held_progress` | `100000` |
 //! | tracked publishers per deployment | `--max-publishers` | `LEASE_ROUTER_MAX_PUBLISHERS` | `max_publishers` | `10000` |
+//! | messages buffered per subscription | `--subscription-capacity` | `LEASE_ROUTER_SUBSCRIPTION_CAPACITY` | `subscription_capacity` | `262144` |
 //! | durable mode (JetStream replay) | `--durable` | `LEASE_ROUTER_DURABLE` | `durable` | off |
 //! | lease stream replicas (durable) | `--stream-replicas` | `LEASE_ROUTER_STREAM_REPLICAS` | `stream_replicas` | `1` |
 //! | NATS user (with a password) | `--nats-user` | `NATS_USER` | `nats_user` | none |
@@ -83,7 +84,7 @@ pub const MIN_MAX_EVENT_BYTES: usize = 64;
 pub const MAX_MAX_EVENT_BYTES: usize = 64 * 1024 * 1024;
 
 /// The keys a config file may hold.
-pub const FILE_KEYS: [&str; 22] = [
+pub const FILE_KEYS: [&str; 23] = [
     "nats_url",
     "deployments",
     "http_addr",
@@ -96,6 +97,7 @@ pub const FILE_KEYS: [&str; 22] = [
     "max_tombstones",
     "max_held_progress",
     "max_publishers",
+    "subscription_capacity",
     "durable",
     "stream_replicas",
     "nats_user",
@@ -226,6 +228,16 @@ pub struct ServeArgs {
     )]
     pub max_publishers: Option<String>,
 
+    /// Messages a deployment's subscription buffers before the client drops them and counts a
+    /// slow-consumer event; bursts beyond what the ingress applies at once wait here
+    /// [default: 262144].
+    #[arg(
+        long = "subscription-capacity",
+        value_name = "N",
+        env = "LEASE_ROUTER_SUBSCRIPTION_CAPACITY"
+    )]
+    pub subscription_capacity: Option<String>,
+
     /// Durable mode: each deployment replays the JetStream lease stream (created or updated
     /// by the router) before following live events; `/readyz` is 503 until then
     /// [default: off; `--durable` alone means true].
@@ -268,6 +280,7 @@ impl fmt::Debug for ServeArgs {
             .field("max_tombstones", &self.max_tombstones)
             .field("max_held_progress", &self.max_held_progress)
             .field("max_publishers", &self.max_publishers)
+            .field("subscription_capacity", &self.subscription_capacity)
             .field("durable", &self.durable)
             .field("stream_replicas", &self.stream_replicas)
             .field("nats_credentials", &self.nats_credentials)
@@ -418,6 +431,8 @@ pub struct ServeSettings {
     pub max_tombstones: usize,
     pub max_held_progress: usize,
     pub max_publishers: usize,
+    /// Messages buffered per subscription.
+    pub subscription_capacity: usize,
     /// Durable mode on JetStream.
     pub durable: bool,
     /// Replicas of the lease stream (durable mode).
@@ -445,6 +460,7 @@ impl Default for ServeSettings {
             max_tombstones: ApplyConfig::default().max_tombstones,
             max_held_progress: ApplyConfig::default().max_held_progress,
             max_publishers: ApplyConfig::default().max_publishers,
+            subscription_capacity: DEFAULT_SUBSCRIPTION_CAPACITY,
             durable: false,
             stream_replicas: 1,
             nats_auth: NatsAuth::None,
@@ -460,6 +476,7 @@ impl ServeSettings {
         let config = NatsConnectConfig::new(self.nats_urls.iter().cloned())
             .with_connect_deadline(self.connect_deadline)
             .with_name("lease-router serve")
+            .with_subscription_capacity(self.subscription_capacity)
             .with_auth(self.nats_auth.clone());
         match &self.nats_tls {
             Some(tls) => config.with_tls(tls.clone()),
@@ -560,6 +577,7 @@ struct FileValues {
     max_tombstones: Option<String>,
     max_held_progress: Option<String>,
     max_publishers: Option<String>,
+    subscription_capacity: Option<String>,
     durable: Option<String>,
     stream_replicas: Option<String>,
     nats_user: Option<String>,
@@ -702,6 +720,12 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
             &args.max_publishers,
             &file.max_publishers,
             &mut settings.max_publishers,
+        ),
+        (
+            "subscription_capacity",
+            &args.subscription_capacity,
+            &file.subscription_capacity,
+            &mut settings.subscription_capacity,
         ),
     ] {
         if let Some((value, origin)) = pick(cli, file) {
@@ -863,6 +887,9 @@ fn resolve_credentials(
 
 /// The largest accepted memory limit: any more is not a limit.
 pub const MAX_LIMIT: usize = 100_000_000;
+
+/// Four times async-nats' default: a router takes bursts from many workers at once.
+pub const DEFAULT_SUBSCRIPTION_CAPACITY: usize = 262_144;
 
 /// A memory limit: a whole number from 1 to [`MAX_LIMIT`].
 fn parse_limit(
@@ -1097,6 +1124,9 @@ fn parse_file(path: &Path, text: &str) -> Result<FileValues, ConfigError> {
                 values.max_held_progress = Some(scalar("max_held_progress", value)?)
             }
             "max_publishers" => values.max_publishers = Some(scalar("max_publishers", value)?),
+            "subscription_capacity" => {
+                values.subscription_capacity = Some(scalar("subscription_capacity", value)?)
+            }
             "durable" => {
                 values.durable = Some(match value {
                     toml::Value::Boolean(b) => b.to_string(),
@@ -1416,7 +1446,7 @@ mod tests {
                     "the accepted keys are nats_url, deployments, http_addr, subject_prefix, \
                      lease_scan_interval, log_format, connect_deadline, max_event_bytes, \
                      max_active_leases, max_tombstones, max_held_progress, max_publishers, \
-                     durable, stream_replicas, nats_user, nats_password, nats_token, nats_nkey, nats_creds, \
+                     subscription_capacity, durable, stream_replicas, nats_user, nats_password, nats_token, nats_nkey, nats_creds, \
                      nats_tls_ca, nats_tls_cert, nats_tls_key"
                 ),
             "{m}"
