@@ -649,9 +649,7 @@ pub fn decode(bytes: &[u8], max_len: usize) -> Result<Envelope, DecodeEventError
         });
     }
     let mut raw = RawEnvelope::default();
-    // Reading from a `&[u8]` advances the slice, so what is left after the map is exactly
-    // the trailing bytes, however incomplete they are.
-    let mut de = rmp_serde::Deserializer::new(bytes);
+    let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
     de.set_max_depth(MAX_NESTING_DEPTH);
     let seed = RawSeed {
         raw: &mut raw,
@@ -659,11 +657,67 @@ pub fn decode(bytes: &[u8], max_len: usize) -> Result<Envelope, DecodeEventError
     };
     match seed.deserialize(&mut de) {
         Ok(()) => {
-            let trailing = !de.get_ref().is_empty();
+            // The borrowing reader cannot say where it stopped: measure the map instead, so
+            // that any byte after it, complete value or not, is refused.
+            let trailing = value_len(bytes, MAX_NESTING_DEPTH) != Some(bytes.len());
             raw.validate(trailing)
         }
         Err(err) => Err(classify_failure(bytes, &err)),
     }
+}
+
+/// The length in bytes of the one MessagePack value that starts `bytes`, or `None` if it is
+/// cut short, malformed or nested deeper than `depth`.
+fn value_len(bytes: &[u8], depth: usize) -> Option<usize> {
+    use rmp::Marker;
+    let big_endian = |n: usize| -> Option<usize> {
+        let field = bytes.get(1..1 + n)?;
+        Some(
+            field
+                .iter()
+                .fold(0usize, |acc, b| (acc << 8) | usize::from(*b)),
+        )
+    };
+    // (header bytes, payload bytes, nested values)
+    let (header, payload, nested) = match Marker::from_u8(*bytes.first()?) {
+        Marker::FixPos(_) | Marker::FixNeg(_) | Marker::Null | Marker::True | Marker::False => {
+            (1, 0, 0)
+        }
+        Marker::U8 | Marker::I8 => (1, 1, 0),
+        Marker::U16 | Marker::I16 => (1, 2, 0),
+        Marker::U32 | Marker::I32 | Marker::F32 => (1, 4, 0),
+        Marker::U64 | Marker::I64 | Marker::F64 => (1, 8, 0),
+        Marker::FixStr(n) => (1, usize::from(n), 0),
+        Marker::Str8 | Marker::Bin8 => (2, big_endian(1)?, 0),
+        Marker::Str16 | Marker::Bin16 => (3, big_endian(2)?, 0),
+        Marker::Str32 | Marker::Bin32 => (5, big_endian(4)?, 0),
+        Marker::FixArray(n) => (1, 0, usize::from(n)),
+        Marker::Array16 => (3, 0, big_endian(2)?),
+        Marker::Array32 => (5, 0, big_endian(4)?),
+        Marker::FixMap(n) => (1, 0, 2 * usize::from(n)),
+        Marker::Map16 => (3, 0, 2 * big_endian(2)?),
+        Marker::Map32 => (5, 0, 2 * big_endian(4)?),
+        Marker::FixExt1 => (2, 1, 0),
+        Marker::FixExt2 => (2, 2, 0),
+        Marker::FixExt4 => (2, 4, 0),
+        Marker::FixExt8 => (2, 8, 0),
+        Marker::FixExt16 => (2, 16, 0),
+        Marker::Ext8 => (3, big_endian(1)?, 0),
+        Marker::Ext16 => (4, big_endian(2)?, 0),
+        Marker::Ext32 => (6, big_endian(4)?, 0),
+        Marker::Reserved => return None,
+    };
+    let mut len = header + payload;
+    if len > bytes.len() {
+        return None;
+    }
+    if nested > 0 {
+        let depth = depth.checked_sub(1)?;
+        for _ in 0..nested {
+            len += value_len(bytes.get(len..)?, depth)?;
+        }
+    }
+    Some(len)
 }
 
 /// The decoder failed; a second, lenient pass that reads only `v` and `kind` tells whether a
@@ -1069,6 +1123,27 @@ impl<'de> Deserialize<'de> for Envelope {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn value_len_measures_exactly_one_value() {
+        let mut values = Vec::new();
+        rmp::encode::write_map_len(&mut values, 2).unwrap();
+        rmp::encode::write_str(&mut values, "a").unwrap();
+        rmp::encode::write_array_len(&mut values, 3).unwrap();
+        rmp::encode::write_u64(&mut values, u64::MAX).unwrap();
+        rmp::encode::write_bin(&mut values, &[0; 300]).unwrap();
+        rmp::encode::write_ext_meta(&mut values, 4, 7).unwrap();
+        values.extend_from_slice(&[1, 2, 3, 4]);
+        rmp::encode::write_str(&mut values, &"x".repeat(40)).unwrap();
+        rmp::encode::write_nil(&mut values).unwrap();
+        assert_eq!(value_len(&values, 16), Some(values.len()));
+        for cut in 0..values.len() {
+            assert_eq!(value_len(&values[..cut], 16), None, "cut at {cut}");
+        }
+        assert_eq!(value_len(&values, 1), None, "deeper than allowed");
+        values.push(0x01);
+        assert_eq!(value_len(&values, 16), Some(values.len() - 1));
+    }
     use super::*;
 
     fn admitted() -> Envelope {
