@@ -56,6 +56,32 @@ pub trait ReplicaRequestLeaseObserver: Send + Sync {
         worker: WorkerWithDpRank,
     ) -> Result<Option<SchedulerBookingDescriptor>, DeliverEventError>;
 
+    /// `progressed` for the live lease of `request_id` on `worker`, in one lookup; `None`
+    /// when there is none. The default resolves the booking, then renews it.
+    fn progressed_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Result<Option<ProgressOutcome>, DeliverEventError> {
+        match self.current_booking(request_id, worker)? {
+            Some(booking) => self.progressed(&booking).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// `completed` for the live lease of `request_id` on `worker`, in one lookup; `None`
+    /// when there is none.
+    fn completed_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Result<Option<CompleteOutcome>, DeliverEventError> {
+        match self.current_booking(request_id, worker)? {
+            Some(booking) => self.completed(&booking).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// Callbacks this observer dropped because the manager was gone.
     fn dropped_late(&self) -> u64 {
         0
@@ -127,6 +153,22 @@ impl ReplicaRequestLeaseObserver for WeakRequestLeaseObserver {
         worker: WorkerWithDpRank,
     ) -> Result<Option<SchedulerBookingDescriptor>, DeliverEventError> {
         self.with_manager(|m| m.current_booking(request_id, worker))
+    }
+
+    fn progressed_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Result<Option<ProgressOutcome>, DeliverEventError> {
+        self.with_manager(|m| m.touch_current(request_id, worker))
+    }
+
+    fn completed_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Result<Option<CompleteOutcome>, DeliverEventError> {
+        self.with_manager(|m| m.complete_current(request_id, worker))
     }
 
     fn dropped_late(&self) -> u64 {

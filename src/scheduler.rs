@@ -10,11 +10,11 @@
 //! manager holds a [`SchedulerBookingCleanup`], that is a sender, and a strong ring would keep
 //! the channel open for ever.
 
-use std::collections::HashMap;
 use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use hashbrown::HashMap;
 use parking_lot::Mutex;
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};

@@ -73,6 +73,8 @@ pub struct EventApplier {
     held_progress: ExpiringMap,
     warn_limit: LogRateLimiter,
     record_lag: bool,
+    /// The wall clock of the current batch, read once for all its events.
+    batch_clock_us: Option<u64>,
 }
 
 impl EventApplier {
@@ -91,8 +93,20 @@ impl EventApplier {
             held_progress: ExpiringMap::new(config.held_progress_ttl, config.max_held_progress),
             warn_limit: LogRateLimiter::new(Duration::from_secs(5)),
             record_lag: true,
+            batch_clock_us: None,
             config,
         }
+    }
+
+    /// Starts a batch of messages taken at once: their lag is measured against one reading
+    /// of the clock (reading it per event costs as much as a lease update).
+    pub fn begin_batch(&mut self) {
+        self.batch_clock_us = Some(wire::unix_micros_now());
+    }
+
+    /// Ends the batch: single events read the clock themselves again.
+    pub fn end_batch(&mut self) {
+        self.batch_clock_us = None;
     }
 
     /// Whether publish-to-apply lag is recorded: not while replaying old events.
@@ -188,7 +202,8 @@ impl EventApplier {
         if outcome == Applied::Applied {
             self.stats.applied(kind);
             if self.record_lag {
-                let lag = wire::unix_micros_now().saturating_sub(envelope.published_at_us);
+                let now = self.batch_clock_us.unwrap_or_else(wire::unix_micros_now);
+                let lag = now.saturating_sub(envelope.published_at_us);
                 self.stats.lag().observe_us(lag);
             }
         }
@@ -258,11 +273,9 @@ impl EventApplier {
 
     fn progressed(&mut self, e: Progressed) -> Result<Applied, DeliverEventError> {
         let worker = e.worker();
-        match self.observer.current_booking(&e.request_id, worker)? {
-            Some(booking) => Ok(match self.observer.progressed(&booking)? {
-                ProgressOutcome::Renewed | ProgressOutcome::Coalesced => Applied::Applied,
-                ProgressOutcome::Stale => Applied::Dropped(DropReason::Stale),
-            }),
+        match self.observer.progressed_current(&e.request_id, worker)? {
+            Some(ProgressOutcome::Renewed | ProgressOutcome::Coalesced) => Ok(Applied::Applied),
+            Some(ProgressOutcome::Stale) => Ok(Applied::Dropped(DropReason::Stale)),
             None => {
                 let request_id = RequestId::from(e.request_id);
                 if self.tombstones.contains(&request_id, worker) {
@@ -276,11 +289,9 @@ impl EventApplier {
 
     fn completed(&mut self, e: Completed) -> Result<Applied, DeliverEventError> {
         let worker = e.worker();
-        match self.observer.current_booking(&e.request_id, worker)? {
-            Some(booking) => Ok(match self.observer.completed(&booking)? {
-                CompleteOutcome::Released => Applied::Applied,
-                CompleteOutcome::Stale => Applied::Dropped(DropReason::Stale),
-            }),
+        match self.observer.completed_current(&e.request_id, worker)? {
+            Some(CompleteOutcome::Released) => Ok(Applied::Applied),
+            Some(CompleteOutcome::Stale) => Ok(Applied::Dropped(DropReason::Stale)),
             None => {
                 let request_id = RequestId::from(e.request_id);
                 self.held_progress.take(&request_id, worker);

@@ -128,6 +128,7 @@ async fn run(
             return Ok(());
         };
         // Apply what is already buffered too, without going back through select!.
+        applier.begin_batch();
         for _ in 0..BATCH {
             if applier.apply(&message.subject, &message.payload).is_err() {
                 info!("router is gone: the ingress stops");
@@ -139,6 +140,7 @@ async fn run(
                 None => break,
             }
         }
+        applier.end_batch();
     }
     drain(subscriber, &mut applier).await;
     Ok(())
@@ -147,6 +149,7 @@ async fn run(
 /// Unsubscribes and counts what was already on its way: applied while the router lives,
 /// late drops once it is gone.
 async fn drain(mut subscriber: async_nats::Subscriber, applier: &mut EventApplier) {
+    applier.end_batch();
     if let Err(error) = subscriber.drain().await {
         warn!(%error, "draining the subscription failed; buffered events are abandoned");
         return;

@@ -343,17 +343,41 @@ impl RequestLeaseManager {
 
     /// Renews the lease of `booking`, if that attempt is still live.
     pub fn touch_booking(&self, booking: &SchedulerBookingDescriptor) -> ProgressOutcome {
-        let stats = &self.inner.stats;
-        let shard = self.shard(&booking.request_id).read();
-        let outcome = match shard.get(&booking.request_id) {
-            Some(lease) if lease.attempt_id == booking.attempt_id => match lease.clock.touch() {
-                TouchOutcome::Renewed => ProgressOutcome::Renewed,
-                TouchOutcome::Coalesced => ProgressOutcome::Coalesced,
-                TouchOutcome::Claimed => ProgressOutcome::Stale,
-            },
-            _ => ProgressOutcome::Stale,
+        self.touch_where(&booking.request_id, |lease| {
+            lease.attempt_id == booking.attempt_id
+        })
+        .unwrap_or_else(|| self.count_touch(ProgressOutcome::Stale))
+    }
+
+    /// Renews the live lease of `request_id` if it runs on `worker`, in one lookup: how a
+    /// wire `progressed` (which carries no attempt id) is applied. `None` when there is no
+    /// such lease, so the caller can hold the event for an admission still on its way.
+    pub fn touch_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Option<ProgressOutcome> {
+        self.touch_where(request_id, |lease| lease.worker == worker)
+    }
+
+    fn touch_where(
+        &self,
+        request_id: &str,
+        matches: impl Fn(&Lease) -> bool,
+    ) -> Option<ProgressOutcome> {
+        let shard = self.shard(request_id).read();
+        let lease = shard.get(request_id).filter(|lease| matches(lease))?;
+        let outcome = match lease.clock.touch() {
+            TouchOutcome::Renewed => ProgressOutcome::Renewed,
+            TouchOutcome::Coalesced => ProgressOutcome::Coalesced,
+            TouchOutcome::Claimed => ProgressOutcome::Stale,
         };
         drop(shard);
+        Some(self.count_touch(outcome))
+    }
+
+    fn count_touch(&self, outcome: ProgressOutcome) -> ProgressOutcome {
+        let stats = &self.inner.stats;
         bump(match outcome {
             ProgressOutcome::Renewed => &stats.renewed,
             ProgressOutcome::Coalesced => &stats.coalesced,
@@ -364,24 +388,50 @@ impl RequestLeaseManager {
 
     /// Ends the lease of `booking` and releases its booking, if that attempt is still live.
     pub fn complete_remote(&self, booking: &SchedulerBookingDescriptor) -> CompleteOutcome {
-        let stats = &self.inner.stats;
-        let mut shard = self.shard(&booking.request_id).write();
-        let released = match shard.entry_ref(&booking.request_id) {
-            hashbrown::hash_map::EntryRef::Occupied(entry)
-                if entry.get().attempt_id == booking.attempt_id =>
-            {
-                let lease = entry.remove();
-                self.inner.active.fetch_sub(1, Ordering::Relaxed);
-                lease.clock.claim() && {
-                    if let Some(scheduler) = self.inner.scheduler.get() {
-                        scheduler.release(booking.clone(), ReleaseReason::Completed);
-                    }
-                    true
-                }
-            }
-            _ => false,
+        self.complete_where(&booking.request_id, |lease| {
+            lease.attempt_id == booking.attempt_id
+        })
+        .unwrap_or_else(|| self.count_completion(false))
+    }
+
+    /// Ends the live lease of `request_id` if it runs on `worker`, in one lookup: how a wire
+    /// `completed` is applied. `None` when there is no such lease, so the caller can keep a
+    /// tombstone against an admission still on its way.
+    pub fn complete_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Option<CompleteOutcome> {
+        self.complete_where(request_id, |lease| lease.worker == worker)
+    }
+
+    fn complete_where(
+        &self,
+        request_id: &str,
+        matches: impl Fn(&Lease) -> bool,
+    ) -> Option<CompleteOutcome> {
+        let mut shard = self.shard(request_id).write();
+        let hashbrown::hash_map::EntryRef::Occupied(entry) = shard.entry_ref(request_id) else {
+            return None;
         };
+        if !matches(entry.get()) {
+            return None;
+        }
+        let (key, lease) = entry.remove_entry();
+        self.inner.active.fetch_sub(1, Ordering::Relaxed);
+        let released = lease.clock.claim();
+        if released {
+            if let Some(scheduler) = self.inner.scheduler.get() {
+                // Queued under the shard lock: after this booking's own `book`.
+                scheduler.release(lease.booking(&key), ReleaseReason::Completed);
+            }
+        }
         drop(shard);
+        Some(self.count_completion(released))
+    }
+
+    fn count_completion(&self, released: bool) -> CompleteOutcome {
+        let stats = &self.inner.stats;
         if released {
             bump(&stats.completed);
             CompleteOutcome::Released
