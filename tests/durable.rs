@@ -391,6 +391,7 @@ async fn publish_through_failover(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_failover_durable_ends_with_exact_leases() {
+    init_tracing();
     let mut cluster = NatsCluster::start(3, true)
         .await
         .expect("three-node cluster");
@@ -411,12 +412,14 @@ async fn cluster_failover_durable_ends_with_exact_leases() {
     let stats = h.stats.clone();
     assert!(
         eventually(Duration::from_secs(90), || async {
-            stats.snapshot().applied_total() >= total
+            stats.snapshot().received >= total
         })
         .await,
         "{:?}",
         stats.snapshot()
     );
+    // Re-sent events may land after newer ones (a completion before its admission): the
+    // tombstones sort that out, so judge by the leases, not by the applied count.
     let s = stats.snapshot();
     assert_eq!(s.received, total, "each event delivered once: {s:?}");
     assert_eq!(s.dropped(DropReason::Duplicate), 0, "{s:?}");
@@ -425,6 +428,7 @@ async fn cluster_failover_durable_ends_with_exact_leases() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_failover_core_counts_gap_and_converges_after_expiry() {
+    init_tracing();
     let mut cluster = NatsCluster::start(3, false)
         .await
         .expect("three-node cluster");

@@ -170,6 +170,11 @@ fn deliver_policy(from: ReplayFrom, last_applied: u64) -> consumer::DeliverPolic
 }
 
 type Messages = consumer::pull::Ordered;
+type OrderedConsumer = consumer::Consumer<consumer::pull::OrderedConfig>;
+
+/// How long the ingress may hear nothing before it asks the server whether its consumer
+/// still works: after a failover the client's ordered consumer can take a minute to notice.
+const IDLE_CHECK: Duration = Duration::from_secs(2);
 
 struct Follower {
     stream: jetstream::stream::Stream,
@@ -178,9 +183,12 @@ struct Follower {
 }
 
 impl Follower {
-    /// Opens an ordered consumer from after `last_applied`; returns it with the number of
-    /// messages pending for it at creation.
-    async fn open(&mut self, last_applied: u64) -> Result<(Messages, u64), TaskError> {
+    /// Opens an ordered consumer from after `last_applied`; returns its messages, the
+    /// consumer (for health checks) and the number of messages pending at creation.
+    async fn open(
+        &mut self,
+        last_applied: u64,
+    ) -> Result<(Messages, OrderedConsumer, u64), TaskError> {
         let config = consumer::pull::OrderedConfig {
             filter_subject: self.filter.clone(),
             deliver_policy: deliver_policy(self.replay_from, last_applied),
@@ -192,7 +200,7 @@ impl Follower {
             .await
             .map(|i| i.num_pending)
             .unwrap_or(u64::MAX);
-        Ok((consumer.messages().await?, pending))
+        Ok((consumer.clone().messages().await?, consumer, pending))
     }
 }
 
@@ -216,7 +224,7 @@ impl IngressStart for JetStreamIngress {
             filter: filter.clone(),
             replay_from: self.replay_from,
         };
-        let (messages, pending) =
+        let (messages, consumer, pending) =
             follower
                 .open(0)
                 .await
@@ -242,7 +250,7 @@ impl IngressStart for JetStreamIngress {
         let span = tracing::info_span!("durable_ingress", deployment = %ctx.deployment);
         let handle = ctx
             .tracker
-            .spawn(run.run(messages, ctx.cancel).instrument(span));
+            .spawn(run.run(messages, consumer, ctx.cancel).instrument(span));
         Ok(vec![RouterTask {
             name: "durable-ingress",
             handle,
@@ -263,31 +271,46 @@ impl Run {
     async fn run(
         mut self,
         mut messages: Messages,
+        mut consumer: OrderedConsumer,
         cancel: CancellationToken,
     ) -> Result<(), TaskError> {
         let warn_limit = LogRateLimiter::new(Duration::from_secs(5));
+        let mut idle_check = tokio::time::interval(IDLE_CHECK);
+        idle_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut heard = true;
         loop {
             let next = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Ok(()),
-                next = messages.next() => next,
+                next = messages.next() => Next::Message(next),
+                _ = idle_check.tick() => Next::Quiet,
             };
             let error: TaskError = match next {
-                Some(Ok(message)) => {
+                Next::Message(Some(Ok(message))) => {
+                    heard = true;
                     if !self.apply(&message) {
                         info!("router is gone: the durable ingress stops");
                         return Ok(());
                     }
                     continue;
                 }
-                Some(Err(e)) => Box::new(e),
-                None => "the consumer's message stream ended".into(),
+                Next::Message(Some(Err(e))) => Box::new(e),
+                Next::Message(None) => "the consumer's message stream ended".into(),
+                Next::Quiet => {
+                    if std::mem::replace(&mut heard, false) {
+                        continue;
+                    }
+                    match stalled(&mut consumer).await {
+                        Some(why) => why,
+                        None => continue,
+                    }
+                }
             };
             if warn_limit.check().is_some() {
                 warn!(%error, last = self.catch_up.last_stream_sequence(), "replay consumer lost; recreating");
             }
             match self.reopen(&cancel).await {
-                Some(m) => messages = m,
+                Some((m, c)) => (messages, consumer) = (m, c),
                 None => return Ok(()),
             }
         }
@@ -321,7 +344,7 @@ impl Run {
 
     /// Recreates the consumer after the last applied sequence, with backoff, until it
     /// works or the router is cancelled.
-    async fn reopen(&mut self, cancel: &CancellationToken) -> Option<Messages> {
+    async fn reopen(&mut self, cancel: &CancellationToken) -> Option<(Messages, OrderedConsumer)> {
         let mut backoff = self.retry.backoff();
         loop {
             let delay = backoff.next_delay().unwrap_or(Duration::from_secs(5));
@@ -331,17 +354,43 @@ impl Run {
             }
             let last = self.catch_up.last_stream_sequence();
             match self.follower.open(last).await {
-                Ok((messages, _)) => {
+                Ok((messages, consumer, _)) => {
                     self.catch_up
                         .consumer_recreations
                         .fetch_add(1, Ordering::Relaxed);
                     info!(from = last + 1, "replay consumer recreated");
-                    return Some(messages);
+                    return Some((messages, consumer));
                 }
                 Err(error) => {
                     warn!(%error, ?delay, "recreating the replay consumer failed; retrying");
                 }
             }
         }
+    }
+}
+
+/// What woke the ingress. Lives on the stack for one iteration; boxing the message to even
+/// out the variants would cost an allocation per event.
+#[allow(clippy::large_enum_variant)]
+enum Next {
+    Message(Option<Result<jetstream::Message, consumer::pull::OrderedError>>),
+    /// A check interval passed.
+    Quiet,
+}
+
+/// After a quiet check interval: why the consumer looks stuck (the server no longer knows
+/// it, or it has messages it does not deliver), or `None` if it is merely idle.
+async fn stalled(consumer: &mut OrderedConsumer) -> Option<TaskError> {
+    match tokio::time::timeout(IDLE_CHECK, consumer.info()).await {
+        Ok(Ok(info)) if info.num_pending == 0 => None,
+        Ok(Ok(info)) => Some(
+            format!(
+                "{} messages pending but none delivered for {IDLE_CHECK:?}",
+                info.num_pending
+            )
+            .into(),
+        ),
+        Ok(Err(e)) => Some(Box::new(e)),
+        Err(_) => Some(format!("consumer info did not answer within {IDLE_CHECK:?}").into()),
     }
 }
