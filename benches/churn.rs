@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use lease_router::ingress::{ApplyConfig, NatsIngress};
-use lease_router::nats_server::NatsServerBuilder;
 use lease_router::router::{Router, RouterConfig};
 use lease_router::stats::IngressStats;
 use lease_router::subject::Subjects;
@@ -114,10 +113,8 @@ async fn bench() {
     let cycles = env_u64("CHURN_CYCLES", 1000).max(11);
     let rate = env_u64("CHURN_RATE", 20_000) as f64;
     println!("machine: {}", common::machine());
-    let server = NatsServerBuilder::new()
-        .spawn()
-        .await
-        .expect("nats-server starts");
+    let nats_server = common::bench_server().await;
+    let server = &nats_server.server;
     let url = server.url();
     let subjects = subjects(DEPLOYMENT);
     // One connection for every router, as a service host has.
@@ -151,6 +148,14 @@ async fn bench() {
             router.shutdown().await.expect("router shuts down cleanly");
         } else {
             drop(router);
+        }
+        if cycle % 250 == 0 {
+            // The trend, unsettled (removed routers may still be winding down).
+            println!(
+                "cycle {cycle}: rss {:.2} MiB, live router tasks {}",
+                rss_bytes() as f64 / 1048576.0,
+                tracker.len()
+            );
         }
         if cycle == 10 {
             let (rss, tasks, alive) = settle(&tracker).await;

@@ -10,7 +10,7 @@
 //! taken the last event, and alternate over a few rounds; the medians are compared. The last
 //! line is `ingest_ratio=<b/a>`.
 //!
-//! Environment: `INGEST_EVENTS` (default 600000), `INGEST_ROUNDS` (default 3),
+//! Environment: `INGEST_EVENTS` (default 600000), `INGEST_ROUNDS` (default 5),
 //! `INGEST_BREAKDOWN_ONLY` (set: only the in-process breakdown, e.g. under callgrind).
 
 mod common;
@@ -20,9 +20,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use lease_router::connection::NatsConnection;
 use lease_router::ingress::{ApplyConfig, EventApplier, NatsIngress};
 use lease_router::lease::{LeaseConfig, RequestLeaseManager};
-use lease_router::nats_server::NatsServerBuilder;
 use lease_router::router::{Router, RouterConfig};
 use lease_router::scheduler::spawn_scheduler;
 use lease_router::stats::IngressStats;
@@ -30,14 +30,32 @@ use lease_router::types::{RequestId, SchedulerBookingDescriptor};
 use lease_router::wire::{self, LeaseEvent, DEFAULT_MAX_EVENT_BYTES};
 use tokio_util::task::TaskTracker;
 
-use common::{cpu_time, encoded_stream, nats, subjects, wait_until, Encoded, LifecycleShape};
+use common::{cpu_time, encoded_stream, nats, subjects, wait_for_count, Encoded, LifecycleShape};
 
 const PUBLISHERS: u64 = 8;
 const WORKERS: u64 = 64;
 const DEPLOYMENT: &str = "ingest";
 /// Messages a subscription may buffer: the whole burst, so nothing is dropped as slow.
 const CAPACITY: usize = 1 << 21;
-const BOUND: Duration = Duration::from_secs(120);
+/// A consumer that takes nothing for this long has seen everything it will get.
+const STALL: Duration = Duration::from_secs(3);
+
+/// A note on events that never reached the consumer (core NATS drops for slow consumers),
+/// with what the subscribing client saw.
+fn lost(total: u64, got: u64, conn: &NatsConnection) -> String {
+    if got >= total {
+        return String::new();
+    }
+    let client = conn.client().statistics();
+    format!(
+        ", LOST {} events (subscribing client: {} messages in, {} connects, {} slow-consumer \
+         events)",
+        total - got,
+        client.in_messages.load(Ordering::Relaxed),
+        client.connects.load(Ordering::Relaxed),
+        conn.stats().slow_consumer_events()
+    )
+}
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -112,24 +130,25 @@ async fn raw(
     let (cpu0, server0) = (cpu_time(None), cpu_time(server_pid));
     let start = Instant::now();
     let publishing = publish_all(clients, streams);
-    let done = async { wait_until(BOUND, || received.load(Ordering::Relaxed) >= total).await };
-    let ((), end) = tokio::join!(publishing, done);
+    let done = wait_for_count(total, STALL, || received.load(Ordering::Relaxed));
+    let ((), (end, got)) = tokio::join!(publishing, done);
     let (cpu, server_cpu) = (cpu_time(None) - cpu0, cpu_time(server_pid) - server0);
-    let end = end.unwrap_or_else(|| {
-        panic!(
-            "raw subscriber got {} of {total} events",
-            received.load(Ordering::Relaxed)
-        )
-    });
-    assert_eq!(conn.stats().slow_consumer_events(), 0);
+    let mut note = lost(total, got, &conn);
+    if got < total {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        note.push_str(&format!(
+            "; {} more within 5 s",
+            received.load(Ordering::Relaxed) - got
+        ));
+    }
     drop(conn);
     consumer.abort();
     Run {
-        events: total,
+        events: got,
         elapsed: end - start,
         cpu,
         server_cpu,
-        note: String::new(),
+        note,
     }
 }
 
@@ -155,28 +174,39 @@ async fn router(
     let (cpu0, server0) = (cpu_time(None), cpu_time(server_pid));
     let start = Instant::now();
     let publishing = publish_all(clients, streams);
-    let done = async { wait_until(BOUND, || stats.snapshot().received >= total).await };
-    let ((), end) = tokio::join!(publishing, done);
+    let done = wait_for_count(total, STALL, || stats.snapshot().received);
+    let ((), (end, got)) = tokio::join!(publishing, done);
     let (cpu, server_cpu) = (cpu_time(None) - cpu0, cpu_time(server_pid) - server0);
     let s = stats.snapshot();
-    let end = end.unwrap_or_else(|| panic!("router got {} of {total} events", s.received));
-    // Everything was applied, not dropped, and the scheduler agrees with the manager.
-    assert_eq!(conn.stats().slow_consumer_events(), 0);
-    assert_eq!(s.applied_total(), total, "{s:?}");
+    let mut note = lost(total, got, &conn);
+    if got < total {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let later = stats.snapshot();
+        note.push_str(&format!(
+            "; {} more within 5 s; the router counted {} sequence gaps",
+            later.received - got,
+            later.gaps
+        ));
+    }
+    if got == total {
+        // Everything was applied, nothing dropped.
+        assert_eq!(s.applied_total(), total, "{s:?}");
+    }
     let loads = router.scheduler().loads().await.unwrap();
     let booked: u64 = loads.iter().map(|(_, l)| l.active_bookings).sum();
     assert_eq!(booked, router.manager().active_leases() as u64);
     let wakeups = router.scheduler().stats().wakeups;
     router.shutdown().await.expect("router shuts down");
+    note.push_str(&format!(
+        ", scheduler woke {wakeups} times ({:.1} events per wake-up)",
+        got as f64 / wakeups.max(1) as f64
+    ));
     Run {
-        events: total,
+        events: got,
         elapsed: end - start,
         cpu,
         server_cpu,
-        note: format!(
-            ", scheduler woke {wakeups} times ({:.1} events per wake-up)",
-            total as f64 / wakeups.max(1) as f64
-        ),
+        note,
     }
 }
 
@@ -236,14 +266,10 @@ fn breakdown(streams: &[Vec<Encoded>]) {
                     manager.register_remote(booking, load);
                 }
                 LeaseEvent::Progressed(p) => {
-                    if let Some(b) = manager.current_booking(&p.request_id, p.worker()) {
-                        manager.touch_booking(&b);
-                    }
+                    manager.touch_current(&p.request_id, p.worker());
                 }
                 LeaseEvent::Completed(c) => {
-                    if let Some(b) = manager.current_booking(&c.request_id, c.worker()) {
-                        manager.complete_remote(&b);
-                    }
+                    manager.complete_current(&c.request_id, c.worker());
                 }
                 LeaseEvent::WorkerReset(_) => {}
             }
@@ -261,8 +287,13 @@ fn breakdown(streams: &[Vec<Encoded>]) {
             ApplyConfig::default(),
         );
         let start = Instant::now();
-        for e in &interleaved {
-            applier.apply(&e.subject, &e.payload).unwrap();
+        // In batches of up to 256 messages, as the NATS ingress takes them.
+        for batch in interleaved.chunks(256) {
+            applier.begin_batch();
+            for e in batch {
+                applier.apply(&e.subject, &e.payload).unwrap();
+            }
+            applier.end_batch();
         }
         let apply = start.elapsed();
         let start = Instant::now();
@@ -291,14 +322,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 async fn bench() {
     let events = env_u64("INGEST_EVENTS", 600_000);
-    let rounds = env_u64("INGEST_ROUNDS", 3).max(1);
+    let rounds = env_u64("INGEST_ROUNDS", 5).max(1);
     println!("machine: {}", common::machine());
-    let server = NatsServerBuilder::new()
-        .spawn()
-        .await
-        .expect("nats-server starts");
-    let url = server.url();
-    let server_pid = server.pid();
     let subjects = subjects(DEPLOYMENT);
     let shape = LifecycleShape::default();
     // ~4.9 events per request (1 + 3 + 0.9).
@@ -324,22 +349,46 @@ async fn bench() {
         return;
     }
     let streams = Arc::new(streams);
-    let mut clients = Vec::new();
-    for _ in 0..PUBLISHERS {
-        clients.push(nats(&url, None).await.client().clone());
-    }
 
     let (mut raw_rates, mut router_rates) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         // Alternate which goes first, so neither always gets the warmer machine.
         for phase in 0..2 {
             let router_phase = (phase + round) % 2 == 1;
+            // A fresh server and fresh publisher connections for every run: with one server for
+            // all runs, nats-server 2.9 was seen to deliver a few thousand events of a later run
+            // to nobody (counted in its in_msgs, missing from out_msgs, no slow consumer).
+            let nats_server = common::bench_server().await;
+            let server = &nats_server.server;
+            let url = server.url();
+            let server_pid = server.pid();
+            let mut clients = Vec::new();
+            for _ in 0..PUBLISHERS {
+                clients.push(nats(&url, None).await.client().clone());
+            }
             let run = if router_phase {
                 router(&url, server_pid, &clients, &streams).await
             } else {
                 raw(&url, server_pid, &clients, &streams).await
             };
             let name = if router_phase { "router" } else { "raw" };
+            if run.note.contains("LOST") {
+                // What the server says about it.
+                if let Ok(varz) = server.monitor_json("/varz").await {
+                    println!(
+                        "nats-server /varz: in_msgs {}, out_msgs {}, slow_consumers {}",
+                        varz["in_msgs"], varz["out_msgs"], varz["slow_consumers"]
+                    );
+                }
+                let log = server.log_tail(1000);
+                for line in log
+                    .lines()
+                    .filter(|l| !l.contains("[INF]") || l.contains("Slow"))
+                    .take(5)
+                {
+                    println!("nats-server log: {line}");
+                }
+            }
             println!(
                 "round {round} {name:>6}: {} events in {:.3} s = {:.0} events/s; CPU per event: \
                  this process {:.2} us, nats-server {:.2} us{}",
@@ -355,6 +404,8 @@ async fn bench() {
             } else {
                 raw_rates.push(run.rate());
             }
+            drop(clients);
+            drop(nats_server);
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }

@@ -1,5 +1,5 @@
 //! Publish-to-applied latency at 50,000 events/s on loopback, idle and while reaper scans over
-//! 1,000,000 leases run back to back (`cargo bench --bench latency`).
+//! 1,000,000 leases run (`cargo bench --bench latency`).
 //!
 //! Each event's envelope carries its send time (`ts`, unix µs, taken just before `publish`).
 //! The router's ingress is given an observer wrapper that notes the time each event's
@@ -9,7 +9,14 @@
 //! latency at 1 µs resolution. The router's lag histogram (buckets 100 µs, 250 µs, 500 µs,
 //! 1 ms, 2.5 ms, ...) is printed next to it as a cross-check.
 //!
-//! Environment: `LATENCY_SECS` (seconds per phase, default 8), `LATENCY_RATE` (default 50000).
+//! In the second phase a million extra leases are held and a full reaper scan over them starts
+//! every `LATENCY_SCAN_PERIOD_MS` (default 500; the production interval is 300 s). Besides
+//! the whole phase, the events in flight while a scan ran are reported on their own
+//! (`during_scan`), with the length of every shard step of the scans (the time it holds one
+//! shard's lock and its runtime thread).
+//!
+//! Environment: `LATENCY_SECS` (seconds per phase, default 8), `LATENCY_RATE` (default 50000),
+//! `LATENCY_SCAN_PERIOD_MS` (default 500).
 
 mod common;
 
@@ -21,7 +28,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use lease_router::ingress::{ApplyConfig, NatsIngress, StartIngressError};
 use lease_router::lease::{AdmitOutcome, CompleteOutcome, ProgressOutcome, RequestLeaseManager};
-use lease_router::nats_server::NatsServerBuilder;
 use lease_router::observer::{DeliverEventError, ReplicaRequestLeaseObserver};
 use lease_router::router::{IngressContext, IngressStart, Router, RouterConfig, RouterTask};
 use lease_router::stats::{IngressStats, LagSnapshot};
@@ -65,7 +71,9 @@ impl ApplyLog {
     }
 }
 
-/// Forwards to the router's weak observer and notes when each event was applied.
+/// Forwards to the router's weak observer and notes when each event was applied. Every
+/// method the ingress uses is forwarded as is (so the router's own fast paths run), the
+/// applying ones noting the time they returned.
 struct TimingObserver {
     inner: Arc<dyn ReplicaRequestLeaseObserver>,
     log: Arc<ApplyLog>,
@@ -98,6 +106,30 @@ impl ReplicaRequestLeaseObserver for TimingObserver {
     ) -> Result<CompleteOutcome, DeliverEventError> {
         let outcome = self.inner.completed(booking);
         self.log.note(&booking.request_id);
+        outcome
+    }
+
+    fn progressed_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Result<Option<ProgressOutcome>, DeliverEventError> {
+        let outcome = self.inner.progressed_current(request_id, worker);
+        if matches!(outcome, Ok(Some(_))) {
+            self.log.note(&RequestId::from(request_id));
+        }
+        outcome
+    }
+
+    fn completed_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Result<Option<CompleteOutcome>, DeliverEventError> {
+        let outcome = self.inner.completed_current(request_id, worker);
+        if matches!(outcome, Ok(Some(_))) {
+            self.log.note(&RequestId::from(request_id));
+        }
         outcome
     }
 
@@ -187,8 +219,8 @@ async fn paced_publisher(
 }
 
 struct Phase {
-    latencies: Vec<u64>,
-    unmatched_requests: usize,
+    /// `(send µs, latency µs)` of every matched event.
+    samples: Vec<(u64, u64)>,
     lag: LagSnapshot,
 }
 
@@ -272,88 +304,123 @@ async fn phase(
     for (rid, t) in &applied {
         by_request.entry(rid.as_str()).or_default().push(*t);
     }
-    let mut latencies = Vec::with_capacity(total);
+    let mut samples = Vec::with_capacity(total);
     let mut unmatched_requests = 0;
     for (rid, sent) in &sends {
         match by_request.get(rid.as_str()) {
-            Some(done) if done.len() == sent.len() => {
-                latencies.extend(sent.iter().zip(done).map(|(s, d)| d.saturating_sub(*s)))
-            }
+            Some(done) if done.len() == sent.len() => samples.extend(
+                sent.iter()
+                    .zip(done)
+                    .map(|(s, d)| (*s, d.saturating_sub(*s))),
+            ),
             _ => unmatched_requests += 1,
         }
     }
-    latencies.sort_unstable();
     println!(
         "{name}: sent {total} events at {rate:.0}/s for {:?}, applied {}, matched {} \
          ({unmatched_requests} requests with missing or extra applications left out)",
         duration,
         applied.len(),
-        latencies.len()
+        samples.len()
     );
-    Phase {
-        latencies,
-        unmatched_requests,
-        lag,
-    }
+    Phase { samples, lag }
 }
 
-fn report(name: &str, p: &Phase) {
-    let l = &p.latencies;
-    let us = |q| percentile(l, q);
+/// Prints the percentiles of the events `keep` selects; `lag` is the router's histogram for
+/// the whole phase, when it covers the same events.
+fn report(
+    name: &str,
+    samples: &[(u64, u64)],
+    keep: impl Fn(u64, u64) -> bool,
+    lag: Option<&LagSnapshot>,
+) {
+    let mut l: Vec<u64> = samples
+        .iter()
+        .filter(|(sent, latency)| keep(*sent, *latency))
+        .map(|(_, latency)| *latency)
+        .collect();
+    l.sort_unstable();
+    let us = |q| percentile(&l, q);
+    let histogram = lag.map_or(String::new(), |lag| {
+        format!(
+            " (router lag histogram: p50 {}, p99 {}, p99.9 {})",
+            bucket_quantile(lag, 0.5),
+            bucket_quantile(lag, 0.99),
+            bucket_quantile(lag, 0.999),
+        )
+    });
     println!(
-        "{name}: publish-to-applied p50 {} us, p99 {} us, p99.9 {} us, max {} us \
-         (router lag histogram: p50 {}, p99 {}, p99.9 {})",
+        "{name}: {} events, publish-to-applied p50 {} us, p99 {} us, p99.9 {} us, max {} \
+         us{histogram}",
+        l.len(),
         us(0.5),
         us(0.99),
         us(0.999),
         l.last().copied().unwrap_or(0),
-        bucket_quantile(&p.lag, 0.5),
-        bucket_quantile(&p.lag, 0.99),
-        bucket_quantile(&p.lag, 0.999),
     );
     println!("latency_{name}_p50_us={}", us(0.5));
     println!("latency_{name}_p99_us={}", us(0.99));
     println!("latency_{name}_p999_us={}", us(0.999));
-    let _ = p.unmatched_requests;
 }
 
-/// Scans back to back until `stop`, re-touching every prefilled lease between scans so that
-/// none expires and every scan walks the full million.
+struct ScanLoop {
+    scans: u64,
+    scanning: Duration,
+    /// Every shard step of every scan.
+    steps: Vec<Duration>,
+    touching: Duration,
+    /// `(start, end)` of every scan, unix µs.
+    windows: Vec<(u64, u64)>,
+}
+
+/// Scans once per `period` until `stop`, re-touching every prefilled lease between scans (in
+/// chunks, standing in for their `progressed` traffic) so that none expires and every scan
+/// walks the full million.
 async fn scan_loop(
     manager: RequestLeaseManager,
-    prefilled: Arc<Vec<SchedulerBookingDescriptor>>,
+    prefilled: Vec<SchedulerBookingDescriptor>,
+    period: Duration,
     stop: Arc<AtomicBool>,
-) -> (u64, Duration, Vec<Duration>, Duration) {
-    let (mut scans, mut scanning, mut steps, mut touching) =
-        (0u64, Duration::ZERO, Vec::new(), Duration::ZERO);
+) -> ScanLoop {
+    let mut out = ScanLoop {
+        scans: 0,
+        scanning: Duration::ZERO,
+        steps: Vec::new(),
+        touching: Duration::ZERO,
+        windows: Vec::new(),
+    };
+    let mut ticker = tokio::time::interval(period);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !stop.load(Ordering::Relaxed) {
+        ticker.tick().await;
         let start = Instant::now();
+        let start_us = wire::unix_micros_now();
         let mut timed = PollTimer::new(manager.scan());
         (&mut timed).await;
-        scanning += start.elapsed();
-        steps.extend_from_slice(&timed.steps);
-        scans += 1;
+        out.windows.push((start_us, wire::unix_micros_now()));
+        out.scanning += start.elapsed();
+        out.steps.extend_from_slice(&timed.steps);
+        out.scans += 1;
         let start = Instant::now();
-        for chunk in prefilled.chunks(1024) {
+        for chunk in prefilled.chunks(512) {
             for bk in chunk {
                 manager.touch_booking(bk);
             }
             tokio::task::yield_now().await;
         }
-        touching += start.elapsed();
+        out.touching += start.elapsed();
     }
-    (scans, scanning, steps, touching)
+    out
 }
 
 async fn bench() {
     let secs = env_u64("LATENCY_SECS", 8);
     let rate = env_u64("LATENCY_RATE", 50_000) as f64;
     let duration = Duration::from_secs(secs);
+    let scan_period = Duration::from_millis(env_u64("LATENCY_SCAN_PERIOD_MS", 500));
     println!("machine: {}", common::machine());
-    let server = NatsServerBuilder::new()
-        .spawn()
-        .await
-        .expect("nats-server starts");
+    let nats_server = common::bench_server().await;
+    let server = &nats_server.server;
     let url = server.url();
     let subjects = subjects(DEPLOYMENT);
     let conn = nats(&url, Some(1 << 20)).await;
@@ -405,15 +472,32 @@ async fn bench() {
         router.manager().active_leases(),
         start.elapsed().as_secs_f64()
     );
+    // Touched again between scans in the order the shards hold them (much faster than in
+    // insertion order), so the scans take a larger part of the phase.
+    drop(prefilled);
+    let in_table_order: Vec<SchedulerBookingDescriptor> = router
+        .manager()
+        .leases(usize::MAX)
+        .into_iter()
+        .map(|record| record.booking)
+        .filter(|booking| booking.worker.worker_id.0 >= 10_000)
+        .collect();
     let stop = Arc::new(AtomicBool::new(false));
     let scanner = tokio::spawn(scan_loop(
         router.manager().clone(),
-        Arc::new(prefilled),
+        in_table_order,
+        scan_period,
         stop.clone(),
     ));
     let scanning = phase("scan", &clients, &subjects, &stats, &log, 2, rate, duration).await;
     stop.store(true, Ordering::Relaxed);
-    let (scans, scan_time, steps, touch_time) = scanner.await.unwrap();
+    let ScanLoop {
+        scans,
+        scanning: scan_time,
+        steps,
+        touching: touch_time,
+        windows,
+    } = scanner.await.unwrap();
     let mut steps: Vec<u64> = steps.iter().map(|d| d.as_micros() as u64).collect();
     steps.sort_unstable();
     println!(
@@ -438,8 +522,21 @@ async fn bench() {
         s.applied_total(),
         s.dropped.iter().filter(|(_, n)| *n > 0).collect::<Vec<_>>()
     );
-    report("idle", &idle);
-    report("scan", &scanning);
+    report("idle", &idle.samples, |_, _| true, Some(&idle.lag));
+    report("scan", &scanning.samples, |_, _| true, Some(&scanning.lag));
+    // The events in flight while a scan ran: sent before it ended, applied after it started.
+    let during = |sent: u64, latency: u64| {
+        let applied = sent + latency;
+        let i = windows.partition_point(|(_, end)| *end < sent);
+        windows.get(i).is_some_and(|(start, _)| *start <= applied)
+    };
+    let busy: u64 = windows.iter().map(|(a, b)| b - a).sum();
+    println!(
+        "scans ran {:.1} s in all, {:.0}% of the scan phase",
+        busy as f64 / 1e6,
+        busy as f64 / 1e4 / (duration.as_secs_f64() + 0.05)
+    );
+    report("during_scan", &scanning.samples, during, None);
     drop(router);
 }
 

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use async_nats::Subject;
 use bytes::Bytes;
 use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
+use lease_router::nats_server::{NatsServer, NatsServerBuilder};
 use lease_router::subject::{DeploymentName, Subjects};
 use lease_router::wire::{
     self, Admitted, Completed, Envelope, LeaseEvent, Outcome, ProgressStage, Progressed,
@@ -113,6 +114,34 @@ pub async fn nats(url: &str, capacity: Option<usize>) -> NatsConnection {
     connect(&config)
         .await
         .expect("connects to the bench nats-server")
+}
+
+/// A private nats-server for one bench, and its configuration file.
+pub struct BenchServer {
+    pub server: NatsServer,
+    _config: tempfile::NamedTempFile,
+}
+
+/// Starts a private nats-server on a free port. A consumer may fall far behind a flood of
+/// publishers in the throughput benches: the server is allowed to buffer 1 GiB for it (the
+/// default is 64 MiB, past which core NATS drops messages for a slow consumer).
+pub async fn bench_server() -> BenchServer {
+    let mut config = tempfile::NamedTempFile::new().expect("temporary file");
+    std::io::Write::write_all(
+        &mut config,
+        b"max_pending: 1073741824\nwrite_deadline: \"60s\"\n",
+    )
+    .expect("writes the nats-server configuration");
+    let server = NatsServerBuilder::new()
+        .config_file(config.path())
+        .monitor_port(0)
+        .spawn()
+        .await
+        .expect("nats-server starts (is it on PATH?)");
+    BenchServer {
+        server,
+        _config: config,
+    }
 }
 
 /// One event of a pre-built stream: where it goes and its encoded bytes.
@@ -351,4 +380,25 @@ pub fn cpu_time(pid: Option<u32>) -> Duration {
         .get(11..13)
         .map_or(0, |f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum());
     Duration::from_millis(ticks * 10)
+}
+
+/// Waits until `count()` reaches `total`, or stops growing for `stall`; returns when the last
+/// count was first seen and that count. Checks every millisecond.
+pub async fn wait_for_count(
+    total: u64,
+    stall: Duration,
+    mut count: impl FnMut() -> u64,
+) -> (Instant, u64) {
+    let mut last = (Instant::now(), count());
+    loop {
+        let now = Instant::now();
+        let n = count();
+        if n != last.1 {
+            last = (now, n);
+        }
+        if n >= total || now - last.0 >= stall {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }
