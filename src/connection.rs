@@ -594,6 +594,20 @@ impl ConnectionStats {
         *self.last_error.lock() = Some(err);
     }
 
+    /// Counts an error event, keeps it as the last error and logs it, rate-limited.
+    fn record_error(&self, counter: &AtomicU64, err: &impl std::fmt::Display, what: &str) {
+        counter.fetch_add(1, Ordering::AcqRel);
+        self.set_error(err.to_string());
+        if let Some(suppressed) = self.error_log.check() {
+            tracing::warn!(
+                server = %self.server_url().unwrap_or_default(),
+                error = %err,
+                suppressed,
+                "{what}"
+            );
+        }
+    }
+
     /// Applies one client event: counters, state, rate-limited log lines.
     fn on_event(&self, event: &Event) {
         match event {
@@ -640,29 +654,13 @@ impl ConnectionStats {
                 }
             }
             Event::ServerError(err) => {
-                self.server_errors.fetch_add(1, Ordering::AcqRel);
-                self.set_error(err.to_string());
-                if let Some(suppressed) = self.error_log.check() {
-                    tracing::warn!(
-                        server = %self.server_url().unwrap_or_default(),
-                        error = %err,
-                        suppressed,
-                        "NATS server error"
-                    );
-                }
+                self.record_error(&self.server_errors, err, "NATS server error")
             }
-            Event::ClientError(err) => {
-                self.client_errors.fetch_add(1, Ordering::AcqRel);
-                self.set_error(err.to_string());
-                if let Some(suppressed) = self.error_log.check() {
-                    tracing::warn!(
-                        server = %self.server_url().unwrap_or_default(),
-                        error = %err,
-                        suppressed,
-                        "NATS client error (a reconnect attempt failed?)"
-                    );
-                }
-            }
+            Event::ClientError(err) => self.record_error(
+                &self.client_errors,
+                err,
+                "NATS client error (a reconnect attempt failed?)",
+            ),
         }
         self.changed.notify_waiters();
     }

@@ -395,7 +395,7 @@ async fn router_torn_down_while_publishers_send_counts_late_events() {
             while !stop.is_cancelled() {
                 p.send(admitted(&format!("r{i}"), i % 4, 1)).await;
                 i += 1;
-                if i % 64 == 0 {
+                if i.is_multiple_of(64) {
                     tokio::task::yield_now().await;
                 }
             }
