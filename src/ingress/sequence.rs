@@ -1,12 +1,16 @@
 //! Per-publisher sequence tracking: duplicates, gaps and publisher restarts.
 //!
-//! Each publisher numbers its events from 1. A sliding window of the last 128 sequence
-//! numbers tells a duplicate (seen in the window) from a late arrival that fills a hole.
+//! Each publisher numbers its events from 1. A sliding window of the last 4,096 sequence
+//! numbers (a ring of bits, 512 bytes per publisher) tells a duplicate (seen in the window)
+//! from a late arrival that fills a hole: wide enough for a durable publisher's retries,
+//! which land behind up to a window of outstanding acknowledgements, and for a stream that
+//! stored a retried event twice during a failover.
 //! A restarted publisher has a new id, so it starts a new window.
 
 use hashbrown::HashMap;
 
-const WINDOW: u64 = 128;
+const WINDOW: u64 = 4096;
+const WORDS: usize = (WINDOW / 64) as usize;
 
 /// What one `(publisher, sequence)` means.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -24,8 +28,8 @@ pub enum SequenceVerdict {
 #[derive(Debug)]
 struct PublisherWindow {
     highest: u64,
-    /// Bit `i` set: `highest - i` was seen.
-    seen: u128,
+    /// Bit `s % WINDOW` set: sequence `s` (within `WINDOW` of `highest`) was seen.
+    seen: Box<[u64; WORDS]>,
     last_used: u64,
 }
 
@@ -77,14 +81,8 @@ impl SequenceTracker {
             self.evict_older_half();
         }
         // A publisher first heard mid-stream is not a gap: this router joined late.
-        self.publishers.insert(
-            publisher,
-            PublisherWindow {
-                highest: sequence,
-                seen: 1,
-                last_used: clock,
-            },
-        );
+        self.publishers
+            .insert(publisher, PublisherWindow::starting_at(sequence, clock));
         SequenceVerdict::Fresh { missing: 0 }
     }
 
@@ -102,27 +100,54 @@ impl SequenceTracker {
 }
 
 impl PublisherWindow {
+    fn starting_at(sequence: u64, clock: u64) -> Self {
+        let mut window = Self {
+            highest: sequence,
+            seen: Box::new([0; WORDS]),
+            last_used: clock,
+        };
+        window.set(sequence);
+        window
+    }
+
+    fn slot(sequence: u64) -> (usize, u64) {
+        let bit = sequence % WINDOW;
+        ((bit / 64) as usize, 1 << (bit % 64))
+    }
+
+    fn set(&mut self, sequence: u64) {
+        let (word, mask) = Self::slot(sequence);
+        self.seen[word] |= mask;
+    }
+
+    fn is_set(&self, sequence: u64) -> bool {
+        let (word, mask) = Self::slot(sequence);
+        self.seen[word] & mask != 0
+    }
+
     fn observe(&mut self, sequence: u64) -> SequenceVerdict {
         if sequence > self.highest {
             let shift = sequence - self.highest;
-            self.seen = if shift >= WINDOW {
-                0
+            if shift >= WINDOW {
+                self.seen.fill(0);
             } else {
-                self.seen << shift
-            } | 1;
-            let missing = shift - 1;
+                // The numbers skipped over reuse slots of ones that fell out of the window.
+                for skipped in self.highest + 1..sequence {
+                    let (word, mask) = Self::slot(skipped);
+                    self.seen[word] &= !mask;
+                }
+            }
+            self.set(sequence);
             self.highest = sequence;
-            return SequenceVerdict::Fresh { missing };
+            return SequenceVerdict::Fresh { missing: shift - 1 };
         }
-        let behind = self.highest - sequence;
-        if behind >= WINDOW {
+        if self.highest - sequence >= WINDOW {
             return SequenceVerdict::TooOld;
         }
-        let bit = 1u128 << behind;
-        if self.seen & bit != 0 {
+        if self.is_set(sequence) {
             SequenceVerdict::Duplicate
         } else {
-            self.seen |= bit;
+            self.set(sequence);
             SequenceVerdict::Late
         }
     }
@@ -144,7 +169,16 @@ mod tests {
         assert_eq!(t.observe(1, 4), Duplicate);
         assert_eq!(t.observe(1, 1), Duplicate);
         assert_eq!(t.observe(1, 1000), Fresh { missing: 994 });
-        assert_eq!(t.observe(1, 5), TooOld);
+        assert_eq!(t.observe(1, 5), Duplicate, "still inside the window");
+        assert_eq!(t.observe(1, 999), Late);
+        assert_eq!(t.observe(1, 20_000), Fresh { missing: 18_999 });
+        assert_eq!(t.observe(1, 1000), TooOld);
+        assert_eq!(
+            t.observe(1, 20_000 - 4095),
+            Late,
+            "the oldest slot still in the window"
+        );
+        assert_eq!(t.observe(1, 20_000 - 4096), TooOld);
         // Another publisher (a restart) has its own numbering.
         assert_eq!(t.observe(2, 1), Fresh { missing: 0 });
         assert_eq!(t.observe(2, 2), Fresh { missing: 0 });
