@@ -240,19 +240,33 @@ async fn raw_replay_rate(client: &async_nats::Client, deployment: &str, expected
     n as f64 / started.elapsed().as_secs_f64()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn late_replica_catches_up_on_100k_live_leases() {
-    const LEASES: usize = 100_000;
+/// A JetStream server whose lease stream already holds `n` admissions for `deployment`
+/// (published while no router ran); returns it, a connection and the live request ids.
+async fn stream_with_live_leases(
+    deployment: &str,
+    n: usize,
+) -> (
+    lease_router::nats_server::NatsServer,
+    NatsConnection,
+    HashSet<String>,
+) {
     let server = js_server().await;
     let conn = client(&server.url()).await;
     ensure_stream(&jetstream::new(conn.client().clone()), &stream_config(1))
         .await
         .unwrap();
-    // Published while no router runs.
-    let (events, live) = lifecycle_events("catchup", LEASES, 0);
-    JsPublisher::new(conn.client().clone(), "catchup", 1)
+    let (events, live) = lifecycle_events(deployment, n, 0);
+    JsPublisher::new(conn.client().clone(), deployment, 1)
         .publish_all(events)
         .await;
+    (server, conn, live)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_replica_catches_up_on_100k_live_leases() {
+    const LEASES: usize = 100_000;
+    // Published while no router runs.
+    let (_server, conn, live) = stream_with_live_leases("catchup", LEASES).await;
 
     let raw_rate = raw_replay_rate(conn.client(), "catchup", LEASES as u64).await;
     let started = Instant::now();
@@ -585,15 +599,7 @@ async fn hosted_durable_deployment_is_not_ready_until_caught_up() {
     use lease_router::service::host::{DeploymentHost, HostSettings};
     use lease_router::subject::DeploymentName;
     const EVENTS: usize = 60_000;
-    let server = js_server().await;
-    let conn = client(&server.url()).await;
-    ensure_stream(&jetstream::new(conn.client().clone()), &stream_config(1))
-        .await
-        .unwrap();
-    let (events, live) = lifecycle_events("hosted", EVENTS, 0);
-    JsPublisher::new(conn.client().clone(), "hosted", 1)
-        .publish_all(events)
-        .await;
+    let (_server, conn, live) = stream_with_live_leases("hosted", EVENTS).await;
 
     let settings = HostSettings {
         lease_scan_interval: NO_EXPIRY,
