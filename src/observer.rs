@@ -5,13 +5,21 @@
 //! callback upgrades a `Weak` of the manager and forwards, or reports
 //! [`DeliverEventError::ManagerGone`] once the router has been torn down, so a late event is
 //! dropped and counted instead of reviving anything.
+//!
+//! For a burst of messages the ingress asks for one [`LeaseBatch`] instead
+//! ([`ReplicaRequestLeaseObserver::lease_batch`]): one upgrade for up to a few hundred events
+//! applied back to back, without an `.await` in between, and the manager is let go again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Weak;
 
 use crate::lease::manager::RequestLeaseManagerInner;
-use crate::lease::{AdmitOutcome, CompleteOutcome, ProgressOutcome, RequestLeaseManager};
-use crate::types::{DpRank, RequestLoad, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank};
+use crate::lease::{
+    AdmitOutcome, CompleteOutcome, LeaseBatch, ProgressOutcome, RequestLeaseManager,
+};
+use crate::types::{
+    DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
+};
 
 /// The event could not be delivered.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, thiserror::Error)]
@@ -56,6 +64,22 @@ pub trait ReplicaRequestLeaseObserver: Send + Sync {
         worker: WorkerWithDpRank,
     ) -> Result<Option<SchedulerBookingDescriptor>, DeliverEventError>;
 
+    /// `admitted` as a wire event gives it (no attempt id): a live lease of `request_id` on
+    /// `worker` is renewed, anything else becomes a new attempt. The default resolves the
+    /// booking, then admits it.
+    fn admitted_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        load: RequestLoad,
+    ) -> Result<AdmitOutcome, DeliverEventError> {
+        let booking = match self.current_booking(request_id, worker)? {
+            Some(live) => live,
+            None => SchedulerBookingDescriptor::new(RequestId::from(request_id), worker),
+        };
+        self.admitted(booking, load)
+    }
+
     /// `progressed` for the live lease of `request_id` on `worker`, in one lookup; `None`
     /// when there is none. The default resolves the booking, then renews it.
     fn progressed_current(
@@ -85,6 +109,13 @@ pub trait ReplicaRequestLeaseObserver: Send + Sync {
     /// Callbacks this observer dropped because the manager was gone.
     fn dropped_late(&self) -> u64 {
         0
+    }
+
+    /// A [`LeaseBatch`] on the live manager, for a burst of `*_current` events applied in
+    /// one go; `None` (the default, and once the manager is gone) means one call per event,
+    /// which is also how a gone manager is reported and counted.
+    fn lease_batch(&self) -> Option<LeaseBatch> {
+        None
     }
 }
 
@@ -155,6 +186,15 @@ impl ReplicaRequestLeaseObserver for WeakRequestLeaseObserver {
         self.with_manager(|m| m.current_booking(request_id, worker))
     }
 
+    fn admitted_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        load: RequestLoad,
+    ) -> Result<AdmitOutcome, DeliverEventError> {
+        self.with_manager(|m| m.admit_current(request_id, worker, load))
+    }
+
     fn progressed_current(
         &self,
         request_id: &str,
@@ -173,6 +213,12 @@ impl ReplicaRequestLeaseObserver for WeakRequestLeaseObserver {
 
     fn dropped_late(&self) -> u64 {
         self.dropped_late.load(Ordering::Relaxed)
+    }
+
+    fn lease_batch(&self) -> Option<LeaseBatch> {
+        self.manager
+            .upgrade()
+            .map(|inner| RequestLeaseManager::from_inner(inner).batch())
     }
 }
 

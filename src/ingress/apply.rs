@@ -13,11 +13,11 @@ use tracing::{debug, warn};
 use super::reorder::{ExpiringMap, InsertOutcome};
 use super::sequence::{SequenceTracker, SequenceVerdict};
 use crate::connection::LogRateLimiter;
-use crate::lease::{AdmitOutcome, CompleteOutcome, ProgressOutcome};
+use crate::lease::{AdmitOutcome, CompleteOutcome, LeaseBatch, ProgressOutcome};
 use crate::observer::{DeliverEventError, ReplicaRequestLeaseObserver};
-use crate::stats::{DropReason, IngressStats};
+use crate::stats::{DropReason, IngressStats, PendingCounts};
 use crate::subject::Subjects;
-use crate::types::{DpRank, RequestId, SchedulerBookingDescriptor, WorkerId};
+use crate::types::{DpRank, RequestId, RequestLoad, WorkerId, WorkerWithDpRank};
 use crate::wire::{self, Admitted, Completed, LeaseEvent, Progressed, WorkerReset};
 
 /// Limits of the ingress's own memory and checks.
@@ -73,8 +73,18 @@ pub struct EventApplier {
     held_progress: ExpiringMap,
     warn_limit: LogRateLimiter,
     record_lag: bool,
-    /// The wall clock of the current batch, read once for all its events.
-    batch_clock_us: Option<u64>,
+    /// The current batch, if one is open: see [`EventApplier::begin_batch`].
+    batch: Option<Batch>,
+    /// Per-event counts not yet added to `stats`.
+    counts: PendingCounts,
+}
+
+/// What a batch of messages shares.
+struct Batch {
+    /// The wall clock, read once for all its events.
+    clock_us: u64,
+    /// The manager, upgraded once; `None` when the observer takes one call per event.
+    leases: Option<LeaseBatch>,
 }
 
 impl EventApplier {
@@ -93,20 +103,32 @@ impl EventApplier {
             held_progress: ExpiringMap::new(config.held_progress_ttl, config.max_held_progress),
             warn_limit: LogRateLimiter::new(Duration::from_secs(5)),
             record_lag: true,
-            batch_clock_us: None,
+            batch: None,
+            counts: PendingCounts::default(),
             config,
         }
     }
 
-    /// Starts a batch of messages taken at once: their lag is measured against one reading
-    /// of the clock (reading it per event costs as much as a lease update).
+    /// Starts a batch of messages taken at once. Their lag is measured against one reading
+    /// of the clock, their counts are added to the stats at the end, and they go to one
+    /// [`LeaseBatch`] if the observer offers one: per event, a clock read, a few atomic
+    /// increments, a `Weak` upgrade and a scheduler hand-over each cost about as much as the
+    /// lease update itself. Apply the batch without awaiting in between: it holds the
+    /// manager until [`EventApplier::end_batch`].
     pub fn begin_batch(&mut self) {
-        self.batch_clock_us = Some(wire::unix_micros_now());
+        self.end_batch();
+        self.batch = Some(Batch {
+            clock_us: wire::unix_micros_now(),
+            leases: self.observer.lease_batch(),
+        });
     }
 
-    /// Ends the batch: single events read the clock themselves again.
+    /// Ends the batch: hands its scheduler operations and counts over and lets the manager
+    /// go. Single events read the clock and count for themselves again.
     pub fn end_batch(&mut self) {
-        self.batch_clock_us = None;
+        // The lease batch first: a reader that sees the counts sees the leases' effects.
+        self.batch = None;
+        self.counts.flush(&self.stats);
     }
 
     /// Whether publish-to-apply lag is recorded: not while replaying old events.
@@ -129,12 +151,15 @@ impl EventApplier {
     /// [`DeliverEventError::ManagerGone`] once the router is torn down: the event is counted
     /// as a late drop, and the caller should stop.
     pub fn apply(&mut self, subject: &str, payload: &[u8]) -> Result<Applied, DeliverEventError> {
-        self.stats.received();
+        self.counts.received();
         let outcome = self.apply_inner(subject, payload);
         match outcome {
             Ok(Applied::Dropped(reason)) => self.stats.dropped(reason),
             Err(DeliverEventError::ManagerGone) => self.stats.dropped(DropReason::Late),
             Ok(_) => {}
+        }
+        if self.batch.is_none() {
+            self.counts.flush(&self.stats);
         }
         outcome
     }
@@ -200,11 +225,14 @@ impl EventApplier {
             LeaseEvent::WorkerReset(e) => self.worker_reset(e)?,
         };
         if outcome == Applied::Applied {
-            self.stats.applied(kind);
+            self.counts.applied(kind);
             if self.record_lag {
-                let now = self.batch_clock_us.unwrap_or_else(wire::unix_micros_now);
-                let lag = now.saturating_sub(envelope.published_at_us);
-                self.stats.lag().observe_us(lag);
+                let now = match &self.batch {
+                    Some(batch) => batch.clock_us,
+                    None => wire::unix_micros_now(),
+                };
+                self.counts
+                    .lag_us(now.saturating_sub(envelope.published_at_us));
             }
         }
         Ok(outcome)
@@ -216,12 +244,7 @@ impl EventApplier {
         }
     }
 
-    fn hold(
-        &mut self,
-        map: Hold,
-        request_id: RequestId,
-        e: crate::types::WorkerWithDpRank,
-    ) -> Applied {
+    fn hold(&mut self, map: Hold, request_id: RequestId, e: WorkerWithDpRank) -> Applied {
         let map = match map {
             Hold::Tombstone => &mut self.tombstones,
             Hold::Progress => &mut self.held_progress,
@@ -240,47 +263,81 @@ impl EventApplier {
         }
     }
 
+    /// The open lease batch, if any.
+    fn leases(&mut self) -> Option<&mut LeaseBatch> {
+        self.batch.as_mut().and_then(|batch| batch.leases.as_mut())
+    }
+
+    fn admit_current(
+        &mut self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        load: RequestLoad,
+    ) -> Result<AdmitOutcome, DeliverEventError> {
+        match self.leases() {
+            Some(leases) => Ok(leases.admit_current(request_id, worker, load)),
+            None => self.observer.admitted_current(request_id, worker, load),
+        }
+    }
+
+    fn progress_current(
+        &mut self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Result<Option<ProgressOutcome>, DeliverEventError> {
+        match self.leases() {
+            Some(leases) => Ok(leases.touch_current(request_id, worker)),
+            None => self.observer.progressed_current(request_id, worker),
+        }
+    }
+
+    fn complete_current(
+        &mut self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Result<Option<CompleteOutcome>, DeliverEventError> {
+        match self.leases() {
+            Some(leases) => Ok(leases.complete_current(request_id, worker)),
+            None => self.observer.completed_current(request_id, worker),
+        }
+    }
+
     fn admitted(&mut self, e: Admitted) -> Result<Applied, DeliverEventError> {
         let worker = e.worker();
         let load = e.load();
-        let request_id = RequestId::from(e.request_id);
-        if self.tombstones.take(&request_id, worker) {
-            debug!(request_id = %request_id, worker = %worker, "ignored an admission that arrived after its completion");
-            self.held_progress.take(&request_id, worker);
+        let request_id = e.request_id.as_str();
+        if self.tombstones.take(request_id, worker) {
+            debug!(request_id, worker = %worker, "ignored an admission that arrived after its completion");
+            self.held_progress.take(request_id, worker);
             return Ok(Applied::Dropped(DropReason::Stale));
         }
         // A re-sent admission of a live lease renews it; otherwise this is a new attempt.
-        let booking = match self.observer.current_booking(&request_id, worker)? {
-            Some(live) => live,
-            None => SchedulerBookingDescriptor::new(request_id, worker),
-        };
-        let outcome = self.observer.admitted(booking.clone(), load)?;
-        match outcome {
+        match self.admit_current(request_id, worker, load)? {
             AdmitOutcome::NotWired => return Ok(Applied::Dropped(DropReason::Stale)),
             AdmitOutcome::Full => {
                 // Refused by the manager's max_active_leases (counted there as refused_full);
                 // progress held for it would wait for nothing.
-                self.held_progress.take(&booking.request_id, worker);
+                self.held_progress.take(request_id, worker);
                 return Ok(Applied::Dropped(DropReason::Overflow));
             }
             AdmitOutcome::Registered | AdmitOutcome::Duplicate | AdmitOutcome::Superseded => {}
         }
-        if self.held_progress.take(&booking.request_id, worker) {
-            self.observer.progressed(&booking)?;
+        if self.held_progress.take(request_id, worker) {
+            self.progress_current(request_id, worker)?;
         }
         Ok(Applied::Applied)
     }
 
     fn progressed(&mut self, e: Progressed) -> Result<Applied, DeliverEventError> {
         let worker = e.worker();
-        match self.observer.progressed_current(&e.request_id, worker)? {
+        match self.progress_current(&e.request_id, worker)? {
             Some(ProgressOutcome::Renewed | ProgressOutcome::Coalesced) => Ok(Applied::Applied),
             Some(ProgressOutcome::Stale) => Ok(Applied::Dropped(DropReason::Stale)),
             None => {
-                let request_id = RequestId::from(e.request_id);
-                if self.tombstones.contains(&request_id, worker) {
+                if self.tombstones.contains(&e.request_id, worker) {
                     Ok(Applied::Dropped(DropReason::Stale))
                 } else {
+                    let request_id = RequestId::from(e.request_id);
                     Ok(self.hold(Hold::Progress, request_id, worker))
                 }
             }
@@ -289,12 +346,12 @@ impl EventApplier {
 
     fn completed(&mut self, e: Completed) -> Result<Applied, DeliverEventError> {
         let worker = e.worker();
-        match self.observer.completed_current(&e.request_id, worker)? {
+        match self.complete_current(&e.request_id, worker)? {
             Some(CompleteOutcome::Released) => Ok(Applied::Applied),
             Some(CompleteOutcome::Stale) => Ok(Applied::Dropped(DropReason::Stale)),
             None => {
+                self.held_progress.take(&e.request_id, worker);
                 let request_id = RequestId::from(e.request_id);
-                self.held_progress.take(&request_id, worker);
                 Ok(self.hold(Hold::Tombstone, request_id, worker))
             }
         }

@@ -68,7 +68,11 @@ impl ExpiringMap {
     }
 
     /// Takes the live entry of `request_id` if it names `worker`.
-    pub fn take(&mut self, request_id: &RequestId, worker: WorkerWithDpRank) -> bool {
+    pub fn take(&mut self, request_id: &str, worker: WorkerWithDpRank) -> bool {
+        if self.entries.is_empty() {
+            // The common case, on every admission: no clock read.
+            return false;
+        }
         self.expire(Instant::now());
         match self.entries.get(request_id) {
             Some((w, _)) if *w == worker => {
@@ -80,7 +84,7 @@ impl ExpiringMap {
     }
 
     /// Whether a live entry for `request_id` on `worker` exists.
-    pub fn contains(&self, request_id: &RequestId, worker: WorkerWithDpRank) -> bool {
+    pub fn contains(&self, request_id: &str, worker: WorkerWithDpRank) -> bool {
         self.entries
             .get(request_id)
             .is_some_and(|(w, expires)| *w == worker && *expires > Instant::now())
@@ -134,11 +138,11 @@ mod tests {
         m.insert("a".into(), w(1));
         tokio::time::advance(Duration::from_secs(5)).await;
         m.insert("b".into(), w(1));
-        assert!(m.contains(&"a".into(), w(1)));
-        assert!(!m.contains(&"a".into(), w(2)), "another worker's request");
+        assert!(m.contains("a", w(1)));
+        assert!(!m.contains("a", w(2)), "another worker's request");
         tokio::time::advance(Duration::from_secs(6)).await;
-        assert!(!m.take(&"a".into(), w(1)), "expired");
-        assert!(m.take(&"b".into(), w(1)));
+        assert!(!m.take("a", w(1)), "expired");
+        assert!(m.take("b", w(1)));
         assert!(m.is_empty());
     }
 
@@ -153,7 +157,7 @@ mod tests {
         }
         assert_eq!(m.insert("r3".into(), w(1)), InsertOutcome::EvictedOldest);
         assert_eq!(m.len(), 3);
-        assert!(!m.contains(&"r0".into(), w(1)));
-        assert!(m.contains(&"r3".into(), w(1)));
+        assert!(!m.contains("r0", w(1)));
+        assert!(m.contains("r3", w(1)));
     }
 }

@@ -4,8 +4,12 @@
 //! Leases live in a fixed number of shards, each a hash map behind its own lock, so that a
 //! reaper scan over a million leases never holds up ingest for more than one shard's worth
 //! of work, and touches only take a shard's read lock. Every claim happens under the shard's
-//! write lock together with the removal and the scheduler release, so a booking is released
-//! exactly once and its release is queued after its booking.
+//! write lock together with the removal, so a booking is released exactly once. A lease
+//! keeps its booking's weight, and the release gives that weight back: the scheduler keeps
+//! only per-worker sums, so the lease table is the one per-booking record.
+//!
+//! Scheduler operations and counters are gathered per call, or per [`LeaseBatch`] of events,
+//! and handed over after the shard lock is released.
 //!
 //! # Events before `set_scheduler`
 //! A manager that has no scheduler yet refuses admissions ([`AdmitOutcome::NotWired`]) and
@@ -14,12 +18,12 @@
 //! refusal means a library user fed events to an unwired manager.
 
 use std::hash::BuildHasher;
+use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use hashbrown::hash_map::Entry;
-use hashbrown::{DefaultHashBuilder, HashMap};
+use hashbrown::{hash_table, DefaultHashBuilder, HashTable};
 use parking_lot::RwLock;
 use serde::Serialize;
 use tokio::task::JoinHandle;
@@ -29,7 +33,7 @@ use tracing::{debug, Instrument};
 
 use super::clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
 use crate::observer::{ReplicaRequestLeaseObserver, WeakRequestLeaseObserver};
-use crate::scheduler::{ReleaseReason, SchedulerBookingCleanup};
+use crate::scheduler::{BookingWeight, Op, ReleaseReason, SchedulerBookingCleanup};
 use crate::types::{
     AttemptId, DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId,
     WorkerWithDpRank,
@@ -116,22 +120,39 @@ pub enum SetSchedulerError {
     AlreadySet,
 }
 
+/// What a manager counts, one slot each in [`LeaseStatsCounters`] and in a batch's
+/// pending counts.
+#[derive(Clone, Copy, Debug)]
+enum Counter {
+    Registered,
+    DuplicateAdmits,
+    Superseded,
+    Renewed,
+    Coalesced,
+    StaleProgress,
+    Completed,
+    StaleCompletions,
+    Expired,
+    ResetReleased,
+    RefusedUnwired,
+    RefusedFull,
+    Scans,
+}
+
+const COUNTERS: usize = Counter::Scans as usize + 1;
+
 /// Counters of a manager, for dashboards and tests.
 #[derive(Debug, Default)]
-pub struct LeaseStatsCounters {
-    registered: AtomicU64,
-    duplicate_admits: AtomicU64,
-    superseded: AtomicU64,
-    renewed: AtomicU64,
-    coalesced: AtomicU64,
-    stale_progress: AtomicU64,
-    completed: AtomicU64,
-    stale_completions: AtomicU64,
-    expired: AtomicU64,
-    reset_released: AtomicU64,
-    refused_unwired: AtomicU64,
-    refused_full: AtomicU64,
-    scans: AtomicU64,
+pub struct LeaseStatsCounters([AtomicU64; COUNTERS]);
+
+impl LeaseStatsCounters {
+    fn add(&self, counter: Counter, n: u64) {
+        self.0[counter as usize].fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn get(&self, counter: Counter) -> u64 {
+        self.0[counter as usize].load(Ordering::Relaxed)
+    }
 }
 
 /// A point-in-time copy of a manager's counters.
@@ -154,15 +175,14 @@ pub struct LeaseStats {
     pub scans: u64,
 }
 
-fn bump(counter: &AtomicU64) {
-    counter.fetch_add(1, Ordering::Relaxed);
-}
-
-/// One live lease. The request id is the map key.
+/// One live lease. The request id is the other half of its table entry.
 #[derive(Debug)]
 struct Lease {
     attempt_id: AttemptId,
     worker: WorkerWithDpRank,
+    /// What the booking added to its worker's load, given back by its release: the
+    /// scheduler keeps no per-booking record of its own.
+    weight: BookingWeight,
     clock: LeaseClock,
     /// Seconds since the manager started; four bytes instead of an `Instant`'s sixteen.
     admitted_at: u32,
@@ -176,6 +196,10 @@ impl Lease {
             attempt_id: self.attempt_id,
         }
     }
+
+    fn release(&self, reason: ReleaseReason) -> Op {
+        Op::Release(self.worker, self.weight, reason)
+    }
 }
 
 /// A lease as the API shows it.
@@ -186,12 +210,42 @@ pub struct LeaseRecord {
     pub age: Duration,
 }
 
-type Shard = RwLock<HashMap<RequestId, Lease>>;
+/// A shard's table: entries are found by the hash that also picked the shard, so an event
+/// hashes its request id once.
+type Table = HashTable<(RequestId, Lease)>;
+type Shard = RwLock<Table>;
+
+/// Scheduler operations and counts gathered by one or more calls, handed over at once.
+#[derive(Default)]
+struct Pending {
+    ops: Vec<Op>,
+    counts: [u64; COUNTERS],
+    now_secs: Option<u32>,
+}
+
+impl Pending {
+    fn count(&mut self, counter: Counter) {
+        self.counts[counter as usize] += 1;
+    }
+
+    fn flush(&mut self, inner: &RequestLeaseManagerInner) {
+        for (slot, n) in self.counts.iter_mut().enumerate() {
+            if *n > 0 {
+                inner.stats.0[slot].fetch_add(mem::take(n), Ordering::Relaxed);
+            }
+        }
+        match inner.scheduler.get() {
+            Some(scheduler) => scheduler.submit(&mut self.ops),
+            // Nothing is booked without a scheduler, so there is nothing to release.
+            None => self.ops.clear(),
+        }
+    }
+}
 
 pub(crate) struct RequestLeaseManagerInner {
     deployment: Arc<str>,
     shards: Box<[Shard]>,
-    shard_hasher: DefaultHashBuilder,
+    hasher: DefaultHashBuilder,
     scheduler: OnceLock<SchedulerBookingCleanup>,
     stats: LeaseStatsCounters,
     epoch: Instant,
@@ -203,16 +257,170 @@ pub(crate) struct RequestLeaseManagerInner {
 }
 
 impl RequestLeaseManagerInner {
-    /// `retain` on one shard's map, keeping the live-lease count in step.
-    fn retain_counted(
-        &self,
-        map: &mut HashMap<RequestId, Lease>,
-        keep: impl FnMut(&RequestId, &mut Lease) -> bool,
-    ) {
-        let before = map.len();
-        map.retain(keep);
-        let removed = before - map.len();
+    fn hash(&self, request_id: &str) -> u64 {
+        self.hasher.hash_one(request_id)
+    }
+
+    fn shard(&self, hash: u64) -> &Shard {
+        // Bits the table inside the shard does not use: it takes the low bits for the
+        // bucket and the top seven for its control bytes.
+        let index = (hash >> 32) as usize & (self.shards.len() - 1);
+        &self.shards[index]
+    }
+
+    fn now_secs(&self, pending: &mut Pending) -> u32 {
+        *pending.now_secs.get_or_insert_with(|| {
+            u32::try_from(self.epoch.elapsed().as_secs()).unwrap_or(u32::MAX)
+        })
+    }
+
+    /// `retain` on one shard's table, keeping the live-lease count in step.
+    fn retain_counted(&self, table: &mut Table, mut keep: impl FnMut(&RequestId, &Lease) -> bool) {
+        let before = table.len();
+        table.retain(|(request_id, lease)| keep(request_id, lease));
+        let removed = before - table.len();
         self.active.fetch_sub(removed as u64, Ordering::Relaxed);
+    }
+
+    /// Finds or creates the lease of `request_id` under one shard lock and one hash: `same`
+    /// says whether a live lease is this very booking (then the admission is a touch),
+    /// `fresh` makes the key and attempt of a new lease.
+    fn admit(
+        &self,
+        pending: &mut Pending,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        weight: BookingWeight,
+        same: impl FnOnce(&Lease) -> bool,
+        fresh: impl FnOnce() -> (RequestId, AttemptId),
+    ) -> AdmitOutcome {
+        if self.scheduler.get().is_none() {
+            pending.count(Counter::RefusedUnwired);
+            return AdmitOutcome::NotWired;
+        }
+        let admitted_at = self.now_secs(pending);
+        let hash = self.hash(request_id);
+        let mut table = self.shard(hash).write();
+        let entry = table.entry(
+            hash,
+            |(key, _)| &**key == request_id,
+            |(key, _)| self.hash(key),
+        );
+        match entry {
+            hash_table::Entry::Occupied(mut entry) => {
+                let (key, lease) = entry.get_mut();
+                if same(lease) {
+                    lease.clock.touch();
+                    pending.count(Counter::DuplicateAdmits);
+                    return AdmitOutcome::Duplicate;
+                }
+                let (_, attempt_id) = fresh();
+                let old = mem::replace(
+                    lease,
+                    Lease {
+                        attempt_id,
+                        worker,
+                        weight,
+                        clock: LeaseClock::touched(),
+                        admitted_at,
+                    },
+                );
+                if old.clock.claim() {
+                    pending.ops.push(old.release(ReleaseReason::Superseded));
+                }
+                debug!(request_id = %key, worker = %worker, "a new attempt superseded a live lease");
+                pending.ops.push(Op::Book(worker, weight));
+                pending.count(Counter::Superseded);
+                AdmitOutcome::Superseded
+            }
+            hash_table::Entry::Vacant(entry) => {
+                // Counted across shards without their locks: approximate by the number of
+                // concurrent admitters, which is enough to bound memory.
+                if self.active.load(Ordering::Relaxed) >= self.max_active_leases {
+                    pending.count(Counter::RefusedFull);
+                    return AdmitOutcome::Full;
+                }
+                let (key, attempt_id) = fresh();
+                entry.insert((
+                    key,
+                    Lease {
+                        attempt_id,
+                        worker,
+                        weight,
+                        clock: LeaseClock::touched(),
+                        admitted_at,
+                    },
+                ));
+                self.active.fetch_add(1, Ordering::Relaxed);
+                pending.ops.push(Op::Book(worker, weight));
+                pending.count(Counter::Registered);
+                AdmitOutcome::Registered
+            }
+        }
+    }
+
+    /// Renews the lease of `request_id` if `matches` it. `None` when there is no such lease.
+    fn touch(
+        &self,
+        pending: &mut Pending,
+        request_id: &str,
+        matches: impl FnOnce(&Lease) -> bool,
+    ) -> Option<ProgressOutcome> {
+        let hash = self.hash(request_id);
+        let table = self.shard(hash).read();
+        let (_, lease) = table
+            .find(hash, |(key, _)| &**key == request_id)
+            .filter(|(_, lease)| matches(lease))?;
+        let outcome = match lease.clock.touch() {
+            TouchOutcome::Renewed => ProgressOutcome::Renewed,
+            TouchOutcome::Coalesced => ProgressOutcome::Coalesced,
+            TouchOutcome::Claimed => ProgressOutcome::Stale,
+        };
+        drop(table);
+        Some(count_touch(pending, outcome))
+    }
+
+    /// Ends the lease of `request_id` if `matches` it, releasing its booking. `None` when
+    /// there is no such lease.
+    fn complete(
+        &self,
+        pending: &mut Pending,
+        request_id: &str,
+        matches: impl FnOnce(&Lease) -> bool,
+    ) -> Option<CompleteOutcome> {
+        let hash = self.hash(request_id);
+        let mut table = self.shard(hash).write();
+        let entry = table
+            .find_entry(hash, |(key, _)| &**key == request_id)
+            .ok()
+            .filter(|entry| matches(&entry.get().1))?;
+        let ((_, lease), _) = entry.remove();
+        drop(table);
+        self.active.fetch_sub(1, Ordering::Relaxed);
+        let released = lease.clock.claim();
+        if released {
+            pending.ops.push(lease.release(ReleaseReason::Completed));
+        }
+        Some(count_completion(pending, released))
+    }
+}
+
+fn count_touch(pending: &mut Pending, outcome: ProgressOutcome) -> ProgressOutcome {
+    pending.count(match outcome {
+        ProgressOutcome::Renewed => Counter::Renewed,
+        ProgressOutcome::Coalesced => Counter::Coalesced,
+        ProgressOutcome::Stale => Counter::StaleProgress,
+    });
+    outcome
+}
+
+fn count_completion(pending: &mut Pending, released: bool) -> CompleteOutcome {
+    if released {
+        pending.count(Counter::Completed);
+        CompleteOutcome::Released
+    } else {
+        pending.count(Counter::StaleCompletions);
+        CompleteOutcome::Stale
     }
 }
 
@@ -235,14 +443,69 @@ impl WeakRequestLeaseManager {
     }
 }
 
+/// A run of events applied to one manager: its scheduler operations and counters are
+/// handed over once, when the batch is dropped, instead of once per event (a lock and a
+/// cache line the scheduler keeps taking back). Holds the manager for its length, so keep
+/// it short; the ingress keeps one for at most one burst of messages, never across an
+/// `.await`.
+pub struct LeaseBatch {
+    manager: RequestLeaseManager,
+    pending: Pending,
+}
+
+impl LeaseBatch {
+    /// [`RequestLeaseManager::admit_current`] within the batch.
+    pub fn admit_current(
+        &mut self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        load: RequestLoad,
+    ) -> AdmitOutcome {
+        self.manager
+            .admit_current_in(&mut self.pending, request_id, worker, load)
+    }
+
+    /// [`RequestLeaseManager::touch_current`] within the batch.
+    pub fn touch_current(
+        &mut self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Option<ProgressOutcome> {
+        self.manager
+            .inner
+            .touch(&mut self.pending, request_id, |l| l.worker == worker)
+    }
+
+    /// [`RequestLeaseManager::complete_current`] within the batch.
+    pub fn complete_current(
+        &mut self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Option<CompleteOutcome> {
+        self.manager
+            .inner
+            .complete(&mut self.pending, request_id, |l| l.worker == worker)
+    }
+
+    pub fn manager(&self) -> &RequestLeaseManager {
+        &self.manager
+    }
+}
+
+impl Drop for LeaseBatch {
+    fn drop(&mut self) {
+        self.pending.flush(&self.manager.inner);
+    }
+}
+
 impl RequestLeaseManager {
     pub fn new(deployment: &str, config: LeaseConfig) -> Self {
         let shards = config.shards.max(1).next_power_of_two();
         Self {
             inner: Arc::new(RequestLeaseManagerInner {
                 deployment: Arc::from(deployment),
-                shards: (0..shards).map(|_| RwLock::new(HashMap::new())).collect(),
-                shard_hasher: DefaultHashBuilder::default(),
+                shards: (0..shards).map(|_| RwLock::new(HashTable::new())).collect(),
+                hasher: DefaultHashBuilder::default(),
                 scheduler: OnceLock::new(),
                 stats: LeaseStatsCounters::default(),
                 epoch: Instant::now(),
@@ -282,15 +545,20 @@ impl RequestLeaseManager {
             .map_err(|_| SetSchedulerError::AlreadySet)
     }
 
-    fn shard(&self, request_id: &str) -> &Shard {
-        let hash = self.inner.shard_hasher.hash_one(request_id);
-        // The high bits: the map inside the shard uses the low ones.
-        let index = (hash >> 32) as usize & (self.inner.shards.len() - 1);
-        &self.inner.shards[index]
+    /// Starts a batch (see [`LeaseBatch`]).
+    pub fn batch(&self) -> LeaseBatch {
+        LeaseBatch {
+            manager: self.clone(),
+            pending: Pending::default(),
+        }
     }
 
-    fn now_secs(&self) -> u32 {
-        u32::try_from(self.inner.epoch.elapsed().as_secs()).unwrap_or(u32::MAX)
+    /// Runs one call with its own pending operations, handed over before it returns.
+    fn single<T>(&self, call: impl FnOnce(&RequestLeaseManagerInner, &mut Pending) -> T) -> T {
+        let mut pending = Pending::default();
+        let result = call(&self.inner, &mut pending);
+        pending.flush(&self.inner);
+        result
     }
 
     /// Records a booking admitted by a worker (ours or another replica's) and counts it in
@@ -301,57 +569,61 @@ impl RequestLeaseManager {
         booking: SchedulerBookingDescriptor,
         load: RequestLoad,
     ) -> AdmitOutcome {
-        let stats = &self.inner.stats;
-        let Some(scheduler) = self.inner.scheduler.get() else {
-            bump(&stats.refused_unwired);
-            return AdmitOutcome::NotWired;
-        };
-        let lease = Lease {
-            attempt_id: booking.attempt_id,
-            worker: booking.worker,
-            clock: LeaseClock::touched(),
-            admitted_at: self.now_secs(),
-        };
-        let mut shard = self.shard(&booking.request_id).write();
-        // Bookings and releases are queued while the shard lock is held, so the scheduler
-        // sees them in the order the leases changed.
-        match shard.entry(booking.request_id.clone()) {
-            Entry::Occupied(mut entry) => {
-                if entry.get().attempt_id == booking.attempt_id {
-                    entry.get().clock.touch();
-                    bump(&stats.duplicate_admits);
-                    return AdmitOutcome::Duplicate;
-                }
-                let old = entry.insert(lease);
-                if old.clock.claim() {
-                    scheduler.release(old.booking(&booking.request_id), ReleaseReason::Superseded);
-                }
-                scheduler.book(booking, load);
-                bump(&stats.superseded);
-                AdmitOutcome::Superseded
-            }
-            Entry::Vacant(entry) => {
-                // Counted across shards without their locks: approximate by the number of
-                // concurrent admitters, which is enough to bound memory.
-                if self.inner.active.load(Ordering::Relaxed) >= self.inner.max_active_leases {
-                    bump(&stats.refused_full);
-                    return AdmitOutcome::Full;
-                }
-                entry.insert(lease);
-                self.inner.active.fetch_add(1, Ordering::Relaxed);
-                scheduler.book(booking, load);
-                bump(&stats.registered);
-                AdmitOutcome::Registered
-            }
-        }
+        let SchedulerBookingDescriptor {
+            request_id,
+            worker,
+            attempt_id,
+        } = booking;
+        self.single(|inner, pending| {
+            inner.admit(
+                pending,
+                &request_id.clone(),
+                worker,
+                load.into(),
+                |lease| lease.attempt_id == attempt_id,
+                || (request_id, attempt_id),
+            )
+        })
+    }
+
+    /// Admits `request_id` on `worker` in one lookup, as a wire `admitted` (which carries
+    /// no attempt id) is applied: a live lease of the request on that worker is renewed (a
+    /// re-sent admission), anything else becomes a new attempt.
+    pub fn admit_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        load: RequestLoad,
+    ) -> AdmitOutcome {
+        self.single(|_, pending| self.admit_current_in(pending, request_id, worker, load))
+    }
+
+    fn admit_current_in(
+        &self,
+        pending: &mut Pending,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        load: RequestLoad,
+    ) -> AdmitOutcome {
+        self.inner.admit(
+            pending,
+            request_id,
+            worker,
+            load.into(),
+            |lease| lease.worker == worker,
+            || (RequestId::from(request_id), AttemptId::mint()),
+        )
     }
 
     /// Renews the lease of `booking`, if that attempt is still live.
     pub fn touch_booking(&self, booking: &SchedulerBookingDescriptor) -> ProgressOutcome {
-        self.touch_where(&booking.request_id, |lease| {
-            lease.attempt_id == booking.attempt_id
+        self.single(|inner, pending| {
+            inner
+                .touch(pending, &booking.request_id, |lease| {
+                    lease.attempt_id == booking.attempt_id
+                })
+                .unwrap_or_else(|| count_touch(pending, ProgressOutcome::Stale))
         })
-        .unwrap_or_else(|| self.count_touch(ProgressOutcome::Stale))
     }
 
     /// Renews the live lease of `request_id` if it runs on `worker`, in one lookup: how a
@@ -362,41 +634,19 @@ impl RequestLeaseManager {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<ProgressOutcome> {
-        self.touch_where(request_id, |lease| lease.worker == worker)
+        self.single(|inner, pending| inner.touch(pending, request_id, |l| l.worker == worker))
     }
 
-    fn touch_where(
-        &self,
-        request_id: &str,
-        matches: impl Fn(&Lease) -> bool,
-    ) -> Option<ProgressOutcome> {
-        let shard = self.shard(request_id).read();
-        let lease = shard.get(request_id).filter(|lease| matches(lease))?;
-        let outcome = match lease.clock.touch() {
-            TouchOutcome::Renewed => ProgressOutcome::Renewed,
-            TouchOutcome::Coalesced => ProgressOutcome::Coalesced,
-            TouchOutcome::Claimed => ProgressOutcome::Stale,
-        };
-        drop(shard);
-        Some(self.count_touch(outcome))
-    }
-
-    fn count_touch(&self, outcome: ProgressOutcome) -> ProgressOutcome {
-        let stats = &self.inner.stats;
-        bump(match outcome {
-            ProgressOutcome::Renewed => &stats.renewed,
-            ProgressOutcome::Coalesced => &stats.coalesced,
-            ProgressOutcome::Stale => &stats.stale_progress,
-        });
-        outcome
-    }
-
-    /// Ends the lease of `booking` and releases its booking, if that attempt is still live.
+    /// Ends the lease of `booking` and releases its booking, if that attempt is still live;
+    /// an unknown, finished or superseded attempt is a counted no-op.
     pub fn complete_remote(&self, booking: &SchedulerBookingDescriptor) -> CompleteOutcome {
-        self.complete_where(&booking.request_id, |lease| {
-            lease.attempt_id == booking.attempt_id
+        self.single(|inner, pending| {
+            inner
+                .complete(pending, &booking.request_id, |lease| {
+                    lease.attempt_id == booking.attempt_id
+                })
+                .unwrap_or_else(|| count_completion(pending, false))
         })
-        .unwrap_or_else(|| self.count_completion(false))
     }
 
     /// Ends the live lease of `request_id` if it runs on `worker`, in one lookup: how a wire
@@ -407,43 +657,7 @@ impl RequestLeaseManager {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<CompleteOutcome> {
-        self.complete_where(request_id, |lease| lease.worker == worker)
-    }
-
-    fn complete_where(
-        &self,
-        request_id: &str,
-        matches: impl Fn(&Lease) -> bool,
-    ) -> Option<CompleteOutcome> {
-        let mut shard = self.shard(request_id).write();
-        let hashbrown::hash_map::EntryRef::Occupied(entry) = shard.entry_ref(request_id) else {
-            return None;
-        };
-        if !matches(entry.get()) {
-            return None;
-        }
-        let (key, lease) = entry.remove_entry();
-        self.inner.active.fetch_sub(1, Ordering::Relaxed);
-        let released = lease.clock.claim();
-        if released {
-            if let Some(scheduler) = self.inner.scheduler.get() {
-                // Queued under the shard lock: after this booking's own `book`.
-                scheduler.release(lease.booking(&key), ReleaseReason::Completed);
-            }
-        }
-        drop(shard);
-        Some(self.count_completion(released))
-    }
-
-    fn count_completion(&self, released: bool) -> CompleteOutcome {
-        let stats = &self.inner.stats;
-        if released {
-            bump(&stats.completed);
-            CompleteOutcome::Released
-        } else {
-            bump(&stats.stale_completions);
-            CompleteOutcome::Stale
-        }
+        self.single(|inner, pending| inner.complete(pending, request_id, |l| l.worker == worker))
     }
 
     /// Drops every lease of a worker that restarted or left (all its ranks when `dp_rank` is
@@ -452,28 +666,22 @@ impl RequestLeaseManager {
         let matches = |w: &WorkerWithDpRank| {
             w.worker_id == worker_id && dp_rank.is_none_or(|rank| w.dp_rank == rank)
         };
-        let scheduler = self.inner.scheduler.get();
         let mut dropped = 0;
         for shard in self.inner.shards.iter() {
-            self.inner
-                .retain_counted(&mut shard.write(), |request_id, lease| {
+            self.single(|inner, pending| {
+                inner.retain_counted(&mut shard.write(), |_, lease| {
                     if !matches(&lease.worker) {
                         return true;
                     }
                     if lease.clock.claim() {
                         dropped += 1;
-                        if let Some(scheduler) = scheduler {
-                            scheduler
-                                .release(lease.booking(request_id), ReleaseReason::WorkerReset);
-                        }
+                        pending.count(Counter::ResetReleased);
+                        pending.ops.push(lease.release(ReleaseReason::WorkerReset));
                     }
                     false
                 });
+            });
         }
-        self.inner
-            .stats
-            .reset_released
-            .fetch_add(dropped as u64, Ordering::Relaxed);
         debug!(deployment = %self.inner.deployment, worker = %worker_id, dropped, "worker reset");
         dropped
     }
@@ -485,21 +693,29 @@ impl RequestLeaseManager {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<SchedulerBookingDescriptor> {
-        let shard = self.shard(request_id).read();
-        shard
-            .get_key_value(request_id)
-            .filter(|(_, lease)| lease.worker == worker)
-            .map(|(key, lease)| lease.booking(key))
+        self.find(request_id, |key, lease| {
+            (lease.worker == worker).then(|| lease.booking(key))
+        })
+        .flatten()
+    }
+
+    /// Runs `f` on the live lease of `request_id` under its shard's read lock.
+    fn find<T>(&self, request_id: &str, f: impl FnOnce(&RequestId, &Lease) -> T) -> Option<T> {
+        let hash = self.inner.hash(request_id);
+        let table = self.inner.shard(hash).read();
+        table
+            .find(hash, |(key, _)| &**key == request_id)
+            .map(|(key, lease)| f(key, lease))
     }
 
     /// The lease of `request_id`, if it is live.
     pub fn lease(&self, request_id: &RequestId) -> Option<LeaseRecord> {
-        let shard = self.shard(request_id).read();
-        shard.get(request_id).map(|l| self.record(request_id, l))
+        self.find(request_id, |key, lease| self.record(key, lease))
     }
 
     fn record(&self, request_id: &RequestId, lease: &Lease) -> LeaseRecord {
-        let age = self.now_secs().saturating_sub(lease.admitted_at);
+        let now = self.inner.now_secs(&mut Pending::default());
+        let age = now.saturating_sub(lease.admitted_at);
         LeaseRecord {
             booking: lease.booking(request_id),
             state: lease.clock.state(),
@@ -528,50 +744,44 @@ impl RequestLeaseManager {
 
     pub fn stats(&self) -> LeaseStats {
         let c = &self.inner.stats;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         LeaseStats {
             active: self.active_leases() as u64,
-            registered: get(&c.registered),
-            duplicate_admits: get(&c.duplicate_admits),
-            superseded: get(&c.superseded),
-            renewed: get(&c.renewed),
-            coalesced: get(&c.coalesced),
-            stale_progress: get(&c.stale_progress),
-            completed: get(&c.completed),
-            stale_completions: get(&c.stale_completions),
-            expired: get(&c.expired),
-            reset_released: get(&c.reset_released),
-            refused_unwired: get(&c.refused_unwired),
-            refused_full: get(&c.refused_full),
-            scans: get(&c.scans),
+            registered: c.get(Counter::Registered),
+            duplicate_admits: c.get(Counter::DuplicateAdmits),
+            superseded: c.get(Counter::Superseded),
+            renewed: c.get(Counter::Renewed),
+            coalesced: c.get(Counter::Coalesced),
+            stale_progress: c.get(Counter::StaleProgress),
+            completed: c.get(Counter::Completed),
+            stale_completions: c.get(Counter::StaleCompletions),
+            expired: c.get(Counter::Expired),
+            reset_released: c.get(Counter::ResetReleased),
+            refused_unwired: c.get(Counter::RefusedUnwired),
+            refused_full: c.get(Counter::RefusedFull),
+            scans: c.get(Counter::Scans),
         }
     }
 
-    /// One reaper pass over one shard; returns how many leases expired.
+    /// One reaper pass over one shard; returns how many leases expired. Counted as the
+    /// shard is done, not at the end of the scan: a scan is spread out.
     fn scan_shard(&self, index: usize) -> usize {
-        let scheduler = self.inner.scheduler.get();
         let mut expired = 0;
-        let inner = &self.inner;
-        inner.retain_counted(
-            &mut inner.shards[index].write(),
-            |request_id, lease| match lease.clock.reap() {
-                ReapOutcome::SecondChance => true,
-                ReapOutcome::Expired => {
-                    expired += 1;
-                    debug!(request_id = %request_id, worker = %lease.worker, "lease expired");
-                    if let Some(scheduler) = scheduler {
-                        scheduler.release(lease.booking(request_id), ReleaseReason::Expired);
+        self.single(|inner, pending| {
+            inner.retain_counted(
+                &mut inner.shards[index].write(),
+                |request_id, lease| match lease.clock.reap() {
+                    ReapOutcome::SecondChance => true,
+                    ReapOutcome::Expired => {
+                        expired += 1;
+                        debug!(request_id = %request_id, worker = %lease.worker, "lease expired");
+                        pending.count(Counter::Expired);
+                        pending.ops.push(lease.release(ReleaseReason::Expired));
+                        false
                     }
-                    false
-                }
-                ReapOutcome::AlreadyClaimed => false,
-            },
-        );
-        // Counted as the shard is done, not at the end of the scan: a scan is spread out.
-        inner
-            .stats
-            .expired
-            .fetch_add(expired as u64, Ordering::Relaxed);
+                    ReapOutcome::AlreadyClaimed => false,
+                },
+            );
+        });
         expired
     }
 
@@ -583,7 +793,7 @@ impl RequestLeaseManager {
             expired += self.scan_shard(index);
             tokio::time::sleep(SCAN_STEP_PAUSE).await;
         }
-        bump(&self.inner.stats.scans);
+        self.inner.stats.add(Counter::Scans, 1);
         expired
     }
 
@@ -633,7 +843,7 @@ async fn reaper(
             }
         }
         if let Some(inner) = weak.upgrade() {
-            bump(&inner.stats.scans);
+            inner.stats.add(Counter::Scans, 1);
         }
         if expired > 0 {
             debug!(expired, "reaper scan expired leases");

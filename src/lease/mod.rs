@@ -8,6 +8,6 @@ pub mod manager;
 
 pub use clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
 pub use manager::{
-    AdmitOutcome, CompleteOutcome, LeaseConfig, LeaseRecord, LeaseStats, ProgressOutcome,
-    RequestLeaseManager, SetSchedulerError, WeakRequestLeaseManager,
+    AdmitOutcome, CompleteOutcome, LeaseBatch, LeaseConfig, LeaseRecord, LeaseStats,
+    ProgressOutcome, RequestLeaseManager, SetSchedulerError, WeakRequestLeaseManager,
 };

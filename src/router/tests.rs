@@ -463,3 +463,73 @@ async fn shutdown_waits_for_tasks_and_returns_their_errors() {
     assert_eq!(err.failures[0].task, "ingress");
     assert!(err.to_string().contains("drain failed"), "{err}");
 }
+
+#[tokio::test]
+async fn a_lease_batch_hands_over_at_its_end_and_holds_the_manager_only_while_it_lives() {
+    let tracked = tracked_router(RouterConfig::new("batch")).await;
+    let router = &tracked.router;
+    let worker = WorkerWithDpRank::new(3, 0);
+    let mut batch = router.observer().lease_batch().expect("the manager lives");
+    assert_eq!(
+        batch.admit_current("b-1", worker, RequestLoad::new(5, Some(2))),
+        AdmitOutcome::Registered
+    );
+    assert_eq!(
+        batch.admit_current("b-1", worker, RequestLoad::new(5, Some(2))),
+        AdmitOutcome::Duplicate,
+        "a re-sent admission on the same worker renews the lease"
+    );
+    assert_eq!(
+        batch.touch_current("b-1", worker),
+        Some(ProgressOutcome::Coalesced)
+    );
+    assert_eq!(
+        batch.admit_current("b-2", worker, RequestLoad::new(1, None)),
+        AdmitOutcome::Registered
+    );
+    assert_eq!(
+        batch.complete_current("b-2", worker),
+        Some(CompleteOutcome::Released)
+    );
+    assert_eq!(batch.complete_current("b-2", worker), None);
+    // The leases changed at once; counters and the scheduler wait for the batch's end.
+    assert!(router.manager().lease(&RequestId::from("b-1")).is_some());
+    assert_eq!(router.manager().stats().registered, 0);
+    assert_eq!(
+        router.scheduler().load(worker).await.unwrap(),
+        WorkerLoad::default()
+    );
+    drop(batch);
+    let stats = router.manager().stats();
+    assert_eq!(
+        (
+            stats.registered,
+            stats.duplicate_admits,
+            stats.coalesced,
+            stats.completed
+        ),
+        (2, 1, 1, 1)
+    );
+    assert_eq!(
+        router.scheduler().load(worker).await.unwrap(),
+        load(1, 5, 2)
+    );
+
+    // A batch still open when the router goes keeps the manager only until it ends.
+    let observer = router.observer();
+    let batch = observer.lease_batch().expect("the manager lives");
+    let TrackedRouter {
+        router,
+        manager,
+        tracker,
+    } = tracked;
+    drop(router);
+    assert!(manager.upgrade().is_some(), "held by the open batch");
+    drop(batch);
+    assert!(manager.upgrade().is_none());
+    assert!(
+        observer.lease_batch().is_none(),
+        "no batch on a gone manager"
+    );
+    assert!(tasks_end_within(&tracker, BOUND).await);
+}

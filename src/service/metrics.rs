@@ -425,7 +425,7 @@ mod tests {
 
     use super::*;
     use crate::service::host::DeploymentMetrics;
-    use crate::stats::{DropReason, IngressStats};
+    use crate::stats::{DropReason, IngressStats, PendingCounts};
     use crate::wire::EventKind;
 
     #[derive(Debug)]
@@ -439,12 +439,14 @@ mod tests {
 
     fn sample() -> HostMetricsSnapshot {
         let live = Arc::new(IngressStats::new());
+        let mut counts = PendingCounts::default();
         for _ in 0..5 {
-            live.received();
+            counts.received();
         }
-        live.applied(EventKind::Admitted);
-        live.applied(EventKind::Admitted);
-        live.applied(EventKind::Completed);
+        counts.applied(EventKind::Admitted);
+        counts.applied(EventKind::Admitted);
+        counts.applied(EventKind::Completed);
+        counts.flush(&live);
         live.dropped(DropReason::Duplicate);
         live.gaps(3);
         live.reorder_held();
@@ -453,7 +455,8 @@ mod tests {
         live.lag().observe_us(700); // 0.001 bucket
         live.lag().observe_us(60_000_000); // +Inf
         let removed = Arc::new(IngressStats::new());
-        removed.received();
+        counts.received();
+        counts.flush(&removed);
         removed.dropped(DropReason::Late);
         HostMetricsSnapshot {
             deployments: vec![
