@@ -26,7 +26,6 @@ use lease_router::lease::{LeaseConfig, RequestLeaseManager};
 use lease_router::router::{Router, RouterConfig};
 use lease_router::scheduler::spawn_scheduler;
 use lease_router::stats::IngressStats;
-use lease_router::types::{RequestId, SchedulerBookingDescriptor};
 use lease_router::wire::{self, LeaseEvent, DEFAULT_MAX_EVENT_BYTES};
 use tokio_util::task::TaskTracker;
 
@@ -250,28 +249,25 @@ fn breakdown(streams: &[Vec<Encoded>]) {
         };
 
         // The lease manager's own calls, made directly (no observer, no ingress checks): what
-        // the applier asks of it per event.
+        // the applier asks of it per event, in the same batches.
         let (manager, scheduler) = fresh();
         let start = Instant::now();
-        for e in &interleaved {
-            let envelope = wire::decode(&e.payload, DEFAULT_MAX_EVENT_BYTES).unwrap();
-            match envelope.event {
-                LeaseEvent::Admitted(a) => {
-                    let worker = a.worker();
-                    let load = a.load();
-                    let rid = RequestId::from(a.request_id);
-                    let booking = manager
-                        .current_booking(&rid, worker)
-                        .unwrap_or_else(|| SchedulerBookingDescriptor::new(rid, worker));
-                    manager.register_remote(booking, load);
+        for chunk in interleaved.chunks(256) {
+            let mut batch = manager.batch();
+            for e in chunk {
+                let envelope = wire::decode(&e.payload, DEFAULT_MAX_EVENT_BYTES).unwrap();
+                match envelope.event {
+                    LeaseEvent::Admitted(a) => {
+                        batch.admit_current(&a.request_id, a.worker(), a.load());
+                    }
+                    LeaseEvent::Progressed(p) => {
+                        batch.touch_current(&p.request_id, p.worker());
+                    }
+                    LeaseEvent::Completed(c) => {
+                        batch.complete_current(&c.request_id, c.worker());
+                    }
+                    LeaseEvent::WorkerReset(_) => {}
                 }
-                LeaseEvent::Progressed(p) => {
-                    manager.touch_current(&p.request_id, p.worker());
-                }
-                LeaseEvent::Completed(c) => {
-                    manager.complete_current(&c.request_id, c.worker());
-                }
-                LeaseEvent::WorkerReset(_) => {}
             }
         }
         let direct = start.elapsed();

@@ -3,8 +3,9 @@
 //!
 //! Request ids are 36-character UUID-like strings. The ids are made first and kept in a
 //! vector (whose own 16 bytes per id are subtracted), so the figure splits into the ids and the
-//! two structures; a second scheduler, booked through `schedule`, splits the structures into
-//! scheduler and manager. The main figure is `bytes_per_lease` (ids included).
+//! structures. The scheduler keeps only per-worker sums (each lease carries its booking's
+//! weight), so the structures are the lease manager's shard tables. The main figure is
+//! `bytes_per_lease` (ids included).
 
 mod common;
 
@@ -70,34 +71,8 @@ async fn bench() {
     assert_eq!(manager.active_leases() as u64, LEASES);
     let rss2 = rss_bytes() as i64;
 
-    // The scheduler alone: a second scheduler with no manager, booked through `schedule`.
-    let (alone, _alone_task) = spawn_scheduler("memory-alone", None, &tracker);
-    // It learns a worker only from a booking; a throwaway manager provides one.
-    let teacher = RequestLeaseManager::new(
-        "teacher",
-        LeaseConfig {
-            max_active_leases: 4_000_000,
-            ..LeaseConfig::default()
-        },
-    );
-    teacher.set_scheduler(alone.cleanup()).unwrap();
-    teacher.register_remote(
-        SchedulerBookingDescriptor::new(RequestId::from("seed"), WorkerWithDpRank::new(0, 0)),
-        RequestLoad::new(1, None),
-    );
-    alone.loads().await.unwrap();
-    let rss3 = rss_bytes() as i64;
-    for id in &ids {
-        alone
-            .schedule(id.clone(), RequestLoad::new(512, Some(128)))
-            .await
-            .unwrap();
-    }
-    let rss4 = rss_bytes() as i64;
-
     let ids_only = rss1 - rss0 - ids_vec_bytes;
     let structures = rss2 - rss1;
-    let scheduler_only = rss4 - rss3;
     let total = ids_only + structures;
     println!(
         "registered {LEASES} leases in {:.2} s (manager + scheduler)",
@@ -111,14 +86,13 @@ async fn bench() {
     );
     println!(
         "per lease: request id (Arc<str>, 36 chars) {:.1} B, manager + scheduler structures \
-         {:.1} B (scheduler alone ~{:.1} B, so manager ~{:.1} B)",
+         {:.1} B (the scheduler keeps sums for {} workers, no per-booking record)",
         per_lease(ids_only),
         per_lease(structures),
-        per_lease(scheduler_only),
-        per_lease(structures - scheduler_only)
+        loads.len()
     );
     println!("bytes_per_lease={:.0}", per_lease(total));
-    drop((ids, manager, teacher));
+    drop((ids, manager));
 }
 
 fn main() {
