@@ -8,9 +8,10 @@
 //! and counts them as stale ([`crate::lease::LeaseStats::stale_completions`]).
 //!
 //! Bookings and releases arrive through an inbox (a vector behind a short lock) rather than
-//! one channel message each: the first operation into an empty inbox sends a single wake-up,
-//! and the actor applies the whole burst at once. The ingress hands over a whole batch of
-//! events' operations with one lock. The sums are signed, so operations commute: a release
+//! one channel message each. Every query applies the inbox before it is answered, so the
+//! actor is woken only when [`WAKE_AT`] operations are waiting (to bound the inbox), and
+//! applies them all at once. The ingress hands over a whole batch of events' operations with
+//! one lock. The sums are signed, so operations commute: a release
 //! that overtakes its booking (the reaper's, ahead of an ingress batch still being applied)
 //! only makes a sum briefly low, never wrong once both have arrived. Queries go over the same
 //! channel, after the actor has applied everything queued before them.
@@ -189,6 +190,12 @@ pub(crate) enum Op {
     Release(WorkerWithDpRank, BookingWeight, ReleaseReason),
 }
 
+/// Operations that may wait in the inbox before the actor is woken to apply them. Every
+/// query applies the inbox first, so waiting changes no answer; it only spares the runtime a
+/// wake-up (a thread unpark, often) per burst of events, and bounds the inbox (32 bytes an
+/// operation).
+const WAKE_AT: usize = 1024;
+
 enum Command {
     /// Apply what is in the inbox.
     Drain,
@@ -221,16 +228,18 @@ impl Mailbox {
             return;
         }
         let mut inbox = self.inbox.ops.lock();
-        let was_empty = inbox.is_empty();
-        if was_empty {
+        let before = inbox.len();
+        if before == 0 {
             // Hand the whole vector over instead of copying it; the caller gets the
             // actor's empty one back.
             mem::swap(&mut *inbox, ops);
-            // Sent under the lock so that a wake-up is never behind a query that should see
-            // these operations. A closed channel means the actor is gone: nothing to release.
-            let _ = self.tx.send(Command::Drain);
         } else {
             inbox.append(ops);
+        }
+        if before < WAKE_AT && inbox.len() >= WAKE_AT {
+            // Sent under the lock, so a wake-up is never behind a query that should see
+            // these operations. A closed channel means the actor is gone: nothing to do.
+            let _ = self.tx.send(Command::Drain);
         }
     }
 
@@ -534,6 +543,34 @@ mod tests {
         assert!(loads.iter().all(|(_, l)| l.active_bookings == 0));
         assert_eq!(handle.stats().wakeups - before, 1);
         assert_eq!(handle.stats().released_completed, 1000);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_few_operations_wait_for_a_query_and_many_wake_the_actor() {
+        let tracker = TaskTracker::new();
+        let (handle, _task) = spawn_scheduler("t", None, &tracker);
+        let cleanup = handle.cleanup();
+        let w = weight(1, None);
+        submit(&cleanup, &[Op::Book(worker(1), w); 10]);
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(handle.stats().wakeups, 0, "nothing woke the actor yet");
+        assert_eq!(handle.load(worker(1)).await.unwrap().active_bookings, 10);
+        assert_eq!(
+            handle.stats().wakeups,
+            1,
+            "the query applied the inbox first"
+        );
+
+        submit(&cleanup, &vec![Op::Book(worker(1), w); WAKE_AT]);
+        tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            while handle.stats().booked < 10 + WAKE_AT as u64 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("a full inbox wakes the actor without a query");
     }
 
     #[tokio::test]
