@@ -9,7 +9,7 @@
 //!
 //! Bookings and releases arrive through an inbox (a vector behind a short lock) rather than
 //! one channel message each. Every query applies the inbox before it is answered, so the
-//! actor is woken only when [`WAKE_AT`] operations are waiting (to bound the inbox), and
+//! actor is woken only when `WAKE_AT` operations are waiting (to bound the inbox), and
 //! applies them all at once. The ingress hands over a whole batch of events' operations with
 //! one lock. The sums are signed, so operations commute: a release
 //! that overtakes its booking (the reaper's, ahead of an ingress batch still being applied)
