@@ -1,19 +1,18 @@
 //! Resident memory per active lease at 1,000,000 leases, lease manager and scheduler together
 //! (`cargo bench --bench memory`).
 //!
-//! Request ids are 36-character UUID-like strings. The ids are made first and kept in a
-//! vector (whose own 16 bytes per id are subtracted), so the figure splits into the ids and the
-//! structures. The scheduler keeps only per-worker sums (each lease carries its booking's
-//! weight), so the structures are the lease manager's shard tables. The main figure is
-//! `bytes_per_lease` (ids included).
+//! Request ids are 36-character UUID-like strings, admitted in batches of 256 as the ingress
+//! does. The lease tables keep such ids inline and the scheduler keeps only per-worker sums
+//! (each lease carries its booking's weight), so the growth of resident memory is the lease
+//! manager's shard tables, ids included: `bytes_per_lease`.
 
 mod common;
 
 use std::time::Instant;
 
-use lease_router::lease::{LeaseConfig, RequestLeaseManager};
+use lease_router::lease::{LeaseConfig, RequestLeaseManager, INLINE_KEY_BYTES};
 use lease_router::scheduler::spawn_scheduler;
-use lease_router::types::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
+use lease_router::types::{RequestLoad, WorkerWithDpRank};
 use tokio_util::task::TaskTracker;
 
 use common::{rss_bytes, uuid_like};
@@ -44,24 +43,23 @@ async fn bench() {
     scheduler.loads().await.unwrap();
 
     let rss0 = rss_bytes() as i64;
-    let ids: Vec<RequestId> = (0..LEASES)
-        .map(|i| RequestId::from(uuid_like(9, i)))
-        .collect();
-    let ids_vec_bytes = (ids.capacity() * std::mem::size_of::<RequestId>()) as i64;
-    let rss1 = rss_bytes() as i64;
-
     let start = Instant::now();
-    for (i, id) in ids.iter().enumerate() {
-        let i = i as u64;
-        let booking =
-            SchedulerBookingDescriptor::new(id.clone(), WorkerWithDpRank::new(i % WORKERS, 0));
-        manager.register_remote(
-            booking,
-            RequestLoad::new(256 + (i % 4096) as u32, Some(64 + (i % 512) as u32)),
-        );
-        if i % BATCH == BATCH - 1 {
-            tokio::task::yield_now().await;
+    let mut id = String::new();
+    for first in (0..LEASES).step_by(BATCH as usize) {
+        // As the ingress applies a burst of messages: one batch, ids borrowed from decoded
+        // events that are dropped afterwards.
+        let mut batch = manager.batch();
+        for i in first..(first + BATCH).min(LEASES) {
+            id.clear();
+            id.push_str(&uuid_like(9, i));
+            batch.admit_current(
+                &id,
+                WorkerWithDpRank::new(i % WORKERS, 0),
+                RequestLoad::new(256 + (i % 4096) as u32, Some(64 + (i % 512) as u32)),
+            );
         }
+        drop(batch);
+        tokio::task::yield_now().await;
     }
     // The scheduler has applied every booking once it answers a query.
     let loads = scheduler.loads().await.unwrap();
@@ -69,30 +67,24 @@ async fn bench() {
     let booked: u64 = loads.iter().map(|(_, l)| l.active_bookings).sum();
     assert_eq!(booked, LEASES);
     assert_eq!(manager.active_leases() as u64, LEASES);
-    let rss2 = rss_bytes() as i64;
-
-    let ids_only = rss1 - rss0 - ids_vec_bytes;
-    let structures = rss2 - rss1;
-    let total = ids_only + structures;
+    let rss1 = rss_bytes() as i64;
     println!(
         "registered {LEASES} leases in {:.2} s (manager + scheduler)",
         registered.as_secs_f64()
     );
     println!(
-        "rss: baseline {:.1} MiB, after ids {:.1} MiB, after leases {:.1} MiB",
+        "rss: baseline {:.1} MiB, after leases {:.1} MiB",
         rss0 as f64 / 1048576.0,
         rss1 as f64 / 1048576.0,
-        rss2 as f64 / 1048576.0
     );
     println!(
-        "per lease: request id (Arc<str>, 36 chars) {:.1} B, manager + scheduler structures \
-         {:.1} B (the scheduler keeps sums for {} workers, no per-booking record)",
-        per_lease(ids_only),
-        per_lease(structures),
+        "per lease: request ids of {} bytes are kept inline (up to {INLINE_KEY_BYTES}); the \
+         scheduler keeps sums for {} workers, no per-booking record",
+        uuid_like(9, 0).len(),
         loads.len()
     );
-    println!("bytes_per_lease={:.0}", per_lease(total));
-    drop((ids, manager));
+    println!("bytes_per_lease={:.0}", per_lease(rss1 - rss0));
+    drop(manager);
 }
 
 fn main() {

@@ -17,7 +17,6 @@
 //! release. [`crate::router::Router`] wires the scheduler before it starts any ingress, so a
 //! refusal means a library user fed events to an unwired manager.
 
-use std::hash::BuildHasher;
 use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
@@ -32,6 +31,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, Instrument};
 
 use super::clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
+use super::key::{hash_id, LeaseKey};
 use crate::observer::{ReplicaRequestLeaseObserver, WeakRequestLeaseObserver};
 use crate::scheduler::{BookingWeight, Op, ReleaseReason, SchedulerBookingCleanup};
 use crate::types::{
@@ -189,9 +189,9 @@ struct Lease {
 }
 
 impl Lease {
-    fn booking(&self, request_id: &RequestId) -> SchedulerBookingDescriptor {
+    fn booking(&self, key: &LeaseKey) -> SchedulerBookingDescriptor {
         SchedulerBookingDescriptor {
-            request_id: request_id.clone(),
+            request_id: RequestId::from(key.as_str()),
             worker: self.worker,
             attempt_id: self.attempt_id,
         }
@@ -212,7 +212,7 @@ pub struct LeaseRecord {
 
 /// A shard's table: entries are found by the hash that also picked the shard, so an event
 /// hashes its request id once.
-type Table = HashTable<(RequestId, Lease)>;
+type Table = HashTable<(LeaseKey, Lease)>;
 type Shard = RwLock<Table>;
 
 /// Scheduler operations and counts gathered by one or more calls, handed over at once.
@@ -258,7 +258,7 @@ pub(crate) struct RequestLeaseManagerInner {
 
 impl RequestLeaseManagerInner {
     fn hash(&self, request_id: &str) -> u64 {
-        self.hasher.hash_one(request_id)
+        hash_id(&self.hasher, request_id.as_bytes())
     }
 
     fn shard(&self, hash: u64) -> &Shard {
@@ -275,7 +275,7 @@ impl RequestLeaseManagerInner {
     }
 
     /// `retain` on one shard's table, keeping the live-lease count in step.
-    fn retain_counted(&self, table: &mut Table, mut keep: impl FnMut(&RequestId, &Lease) -> bool) {
+    fn retain_counted(&self, table: &mut Table, mut keep: impl FnMut(&LeaseKey, &Lease) -> bool) {
         let before = table.len();
         table.retain(|(request_id, lease)| keep(request_id, lease));
         let removed = before - table.len();
@@ -292,7 +292,7 @@ impl RequestLeaseManagerInner {
         worker: WorkerWithDpRank,
         weight: BookingWeight,
         same: impl FnOnce(&Lease) -> bool,
-        fresh: impl FnOnce() -> (RequestId, AttemptId),
+        fresh: impl FnOnce() -> (LeaseKey, AttemptId),
     ) -> AdmitOutcome {
         if self.scheduler.get().is_none() {
             pending.count(Counter::RefusedUnwired);
@@ -303,8 +303,8 @@ impl RequestLeaseManagerInner {
         let mut table = self.shard(hash).write();
         let entry = table.entry(
             hash,
-            |(key, _)| &**key == request_id,
-            |(key, _)| self.hash(key),
+            |(key, _)| key.is(request_id),
+            |(key, _)| hash_id(&self.hasher, key.as_bytes()),
         );
         match entry {
             hash_table::Entry::Occupied(mut entry) => {
@@ -369,7 +369,7 @@ impl RequestLeaseManagerInner {
         let hash = self.hash(request_id);
         let table = self.shard(hash).read();
         let (_, lease) = table
-            .find(hash, |(key, _)| &**key == request_id)
+            .find(hash, |(key, _)| key.is(request_id))
             .filter(|(_, lease)| matches(lease))?;
         let outcome = match lease.clock.touch() {
             TouchOutcome::Renewed => ProgressOutcome::Renewed,
@@ -391,7 +391,7 @@ impl RequestLeaseManagerInner {
         let hash = self.hash(request_id);
         let mut table = self.shard(hash).write();
         let entry = table
-            .find_entry(hash, |(key, _)| &**key == request_id)
+            .find_entry(hash, |(key, _)| key.is(request_id))
             .ok()
             .filter(|entry| matches(&entry.get().1))?;
         let ((_, lease), _) = entry.remove();
@@ -577,11 +577,11 @@ impl RequestLeaseManager {
         self.single(|inner, pending| {
             inner.admit(
                 pending,
-                &request_id.clone(),
+                &request_id,
                 worker,
                 load.into(),
                 |lease| lease.attempt_id == attempt_id,
-                || (request_id, attempt_id),
+                || (LeaseKey::new(&request_id), attempt_id),
             )
         })
     }
@@ -611,7 +611,7 @@ impl RequestLeaseManager {
             worker,
             load.into(),
             |lease| lease.worker == worker,
-            || (RequestId::from(request_id), AttemptId::mint()),
+            || (LeaseKey::new(request_id), AttemptId::mint()),
         )
     }
 
@@ -700,11 +700,11 @@ impl RequestLeaseManager {
     }
 
     /// Runs `f` on the live lease of `request_id` under its shard's read lock.
-    fn find<T>(&self, request_id: &str, f: impl FnOnce(&RequestId, &Lease) -> T) -> Option<T> {
+    fn find<T>(&self, request_id: &str, f: impl FnOnce(&LeaseKey, &Lease) -> T) -> Option<T> {
         let hash = self.inner.hash(request_id);
         let table = self.inner.shard(hash).read();
         table
-            .find(hash, |(key, _)| &**key == request_id)
+            .find(hash, |(key, _)| key.is(request_id))
             .map(|(key, lease)| f(key, lease))
     }
 
@@ -713,11 +713,11 @@ impl RequestLeaseManager {
         self.find(request_id, |key, lease| self.record(key, lease))
     }
 
-    fn record(&self, request_id: &RequestId, lease: &Lease) -> LeaseRecord {
+    fn record(&self, key: &LeaseKey, lease: &Lease) -> LeaseRecord {
         let now = self.inner.now_secs(&mut Pending::default());
         let age = now.saturating_sub(lease.admitted_at);
         LeaseRecord {
-            booking: lease.booking(request_id),
+            booking: lease.booking(key),
             state: lease.clock.state(),
             age: Duration::from_secs(u64::from(age)),
         }

@@ -1,0 +1,113 @@
+//! A request id as a lease table keeps it.
+//!
+//! Ids of up to [`INLINE_KEY_BYTES`] bytes (a UUID is 36) live inside the table entry: a
+//! lookup compares them without reading another cache line, an admission allocates nothing
+//! and a completion frees nothing, and a lease costs no separate allocation. Longer ids go to
+//! the heap. Keys compare and hash as their bytes, the same way a `&str` lookup does.
+
+use std::fmt;
+use std::hash::{BuildHasher, Hash, Hasher};
+
+/// The longest id kept inline: the entry's key takes 48 bytes either way.
+pub const INLINE_KEY_BYTES: usize = 46;
+
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) enum LeaseKey {
+    Inline {
+        len: u8,
+        bytes: [u8; INLINE_KEY_BYTES],
+    },
+    Heap(Box<str>),
+}
+
+impl LeaseKey {
+    pub(crate) fn new(id: &str) -> Self {
+        let len = id.len();
+        if len > INLINE_KEY_BYTES {
+            return Self::Heap(id.into());
+        }
+        let mut bytes = [0; INLINE_KEY_BYTES];
+        bytes[..len].copy_from_slice(id.as_bytes());
+        Self::Inline {
+            len: len as u8,
+            bytes,
+        }
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        match self {
+            Self::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            Self::Heap(id) => id.as_bytes(),
+        }
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        match self {
+            // Copied from a `&str` whole, so always UTF-8; checked here rather than trusted,
+            // off the hot path (lookups compare bytes).
+            Self::Inline { .. } => {
+                std::str::from_utf8(self.as_bytes()).expect("a lease key is copied from a str")
+            }
+            Self::Heap(id) => id,
+        }
+    }
+
+    /// Whether this is the key of `id`.
+    pub(crate) fn is(&self, id: &str) -> bool {
+        self.as_bytes() == id.as_bytes()
+    }
+}
+
+/// The hash a lease table files `id` under; the same for a key and its `&str`.
+pub(crate) fn hash_id(hasher: &impl BuildHasher, id: &[u8]) -> u64 {
+    let mut state = hasher.build_hasher();
+    id.hash(&mut state);
+    state.finish()
+}
+
+impl fmt::Display for LeaseKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl fmt::Debug for LeaseKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_ids_are_inline_long_ones_on_the_heap_and_both_read_back() {
+        let uuid = "0f8fad5b-d9cb-469f-a165-70867728950e";
+        let long = "x".repeat(INLINE_KEY_BYTES + 1);
+        let edge = "é".repeat(INLINE_KEY_BYTES / 2);
+        for id in [uuid, "", edge.as_str(), long.as_str()] {
+            let key = LeaseKey::new(id);
+            assert_eq!(key.as_str(), id);
+            assert!(key.is(id));
+            assert!(!key.is(&format!("{id}!")));
+            assert_eq!(
+                matches!(key, LeaseKey::Inline { .. }),
+                id.len() <= INLINE_KEY_BYTES
+            );
+        }
+        assert_eq!(std::mem::size_of::<LeaseKey>(), 48);
+    }
+
+    #[test]
+    fn a_key_hashes_as_its_str() {
+        let hasher = hashbrown::DefaultHashBuilder::default();
+        for id in ["a", "0f8fad5b-d9cb-469f-a165-70867728950e"] {
+            let key = LeaseKey::new(id);
+            assert_eq!(
+                hash_id(&hasher, key.as_bytes()),
+                hash_id(&hasher, id.as_bytes())
+            );
+        }
+    }
+}
