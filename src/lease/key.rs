@@ -6,7 +6,7 @@
 //! the heap. Keys compare and hash as their bytes, the same way a `&str` lookup does.
 
 use std::fmt;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 
 /// The longest id kept inline: the entry's key takes 48 bytes either way.
 pub const INLINE_KEY_BYTES: usize = 46;
@@ -60,9 +60,7 @@ impl LeaseKey {
 
 /// The hash a lease table files `id` under; the same for a key and its `&str`.
 pub(crate) fn hash_id(hasher: &impl BuildHasher, id: &[u8]) -> u64 {
-    let mut state = hasher.build_hasher();
-    id.hash(&mut state);
-    state.finish()
+    hasher.hash_one(id)
 }
 
 impl fmt::Display for LeaseKey {
