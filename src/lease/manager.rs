@@ -3,8 +3,10 @@
 //!
 //! Leases live in a fixed number of shards, each a hash map behind its own lock, so that a
 //! reaper scan over a million leases never holds up ingest for more than one shard's worth
-//! of work, and touches only take a shard's read lock. Every claim happens under the shard's
-//! write lock together with the removal, so a booking is released exactly once. A lease
+//! of work, and touches only take a shard's read lock. A booking is released by whoever
+//! claims its lease's clock (an atomic swap), so exactly once: completions, supersessions and
+//! resets claim under the shard's write lock as they remove the lease; the reaper claims
+//! under the read lock and removes what it claimed afterwards. A lease
 //! keeps its booking's weight, and the release gives that weight back: the scheduler keeps
 //! only per-worker sums, so the lease table is the one per-booking record.
 //!
@@ -309,8 +311,9 @@ impl RequestLeaseManagerInner {
         match entry {
             hash_table::Entry::Occupied(mut entry) => {
                 let (key, lease) = entry.get_mut();
-                if same(lease) {
-                    lease.clock.touch();
+                // A lease the reaper has claimed but not removed yet is dead: replaced below
+                // like a vacant slot (the reaper releases its booking).
+                if same(lease) && lease.clock.touch() != TouchOutcome::Claimed {
                     pending.count(Counter::DuplicateAdmits);
                     return AdmitOutcome::Duplicate;
                 }
@@ -325,13 +328,16 @@ impl RequestLeaseManagerInner {
                         admitted_at,
                     },
                 );
+                pending.ops.push(Op::Book(worker, weight));
                 if old.clock.claim() {
                     pending.ops.push(old.release(ReleaseReason::Superseded));
+                    debug!(request_id = %key, worker = %worker, "a new attempt superseded a live lease");
+                    pending.count(Counter::Superseded);
+                    AdmitOutcome::Superseded
+                } else {
+                    pending.count(Counter::Registered);
+                    AdmitOutcome::Registered
                 }
-                debug!(request_id = %key, worker = %worker, "a new attempt superseded a live lease");
-                pending.ops.push(Op::Book(worker, weight));
-                pending.count(Counter::Superseded);
-                AdmitOutcome::Superseded
             }
             hash_table::Entry::Vacant(entry) => {
                 // Counted across shards without their locks: approximate by the number of
@@ -357,6 +363,30 @@ impl RequestLeaseManagerInner {
                 AdmitOutcome::Registered
             }
         }
+    }
+
+    /// The reaper's pass over one shard under its read lock: TOUCHED leases get their
+    /// second chance, QUIET ones are claimed, and their releases queued. Returns how many
+    /// it claimed; they stay in the table until [`Self::remove_claimed`].
+    fn claim_expired(&self, index: usize, pending: &mut Pending) -> usize {
+        let table = self.shards[index].read();
+        let mut expired = 0;
+        for (key, lease) in table.iter() {
+            if lease.clock.reap() == ReapOutcome::Expired {
+                expired += 1;
+                debug!(request_id = %key, worker = %lease.worker, "lease expired");
+                pending.count(Counter::Expired);
+                pending.ops.push(lease.release(ReleaseReason::Expired));
+            }
+        }
+        expired
+    }
+
+    /// Removes the claimed leases of one shard.
+    fn remove_claimed(&self, index: usize) {
+        self.retain_counted(&mut self.shards[index].write(), |_, lease| {
+            lease.clock.state() != LeaseState::Claimed
+        });
     }
 
     /// Renews the lease of `request_id` if `matches` it. `None` when there is no such lease.
@@ -764,24 +794,16 @@ impl RequestLeaseManager {
 
     /// One reaper pass over one shard; returns how many leases expired. Counted as the
     /// shard is done, not at the end of the scan: a scan is spread out.
+    ///
+    /// Second chances and expiries are atomic steps of each lease's clock, so they are taken
+    /// under the shard's read lock: lookups and renewals (most events) never wait for a scan.
+    /// The write lock is taken afterwards, and only when something expired, to remove the
+    /// claimed leases; until then a claimed lease is dead to every event (see `admit`).
     fn scan_shard(&self, index: usize) -> usize {
-        let mut expired = 0;
-        self.single(|inner, pending| {
-            inner.retain_counted(
-                &mut inner.shards[index].write(),
-                |request_id, lease| match lease.clock.reap() {
-                    ReapOutcome::SecondChance => true,
-                    ReapOutcome::Expired => {
-                        expired += 1;
-                        debug!(request_id = %request_id, worker = %lease.worker, "lease expired");
-                        pending.count(Counter::Expired);
-                        pending.ops.push(lease.release(ReleaseReason::Expired));
-                        false
-                    }
-                    ReapOutcome::AlreadyClaimed => false,
-                },
-            );
-        });
+        let expired = self.single(|inner, pending| inner.claim_expired(index, pending));
+        if expired > 0 {
+            self.inner.remove_claimed(index);
+        }
         expired
     }
 
@@ -850,4 +872,61 @@ async fn reaper(
         }
     }
     debug!("reaper stopped");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::{spawn_scheduler, WorkerLoad};
+
+    #[tokio::test]
+    async fn a_lease_expired_but_not_yet_removed_is_dead_to_every_event() {
+        let tracker = TaskTracker::new();
+        let manager = RequestLeaseManager::new("t", LeaseConfig::default());
+        let (scheduler, _task) = spawn_scheduler("t", None, &tracker);
+        manager.set_scheduler(scheduler.cleanup()).unwrap();
+        let worker = WorkerWithDpRank::new(1, 0);
+        let load = RequestLoad::new(10, Some(1));
+        manager.admit_current("r", worker, load);
+        let index = (manager.inner.hash("r") >> 32) as usize & (manager.inner.shards.len() - 1);
+        // Two read-lock passes: a second chance, then the claim; nothing removed yet.
+        for expected in [0, 1] {
+            let claimed = manager.single(|inner, pending| inner.claim_expired(index, pending));
+            assert_eq!(claimed, expected);
+        }
+        assert_eq!(manager.active_leases(), 1, "claimed, still in the table");
+        assert_eq!(
+            manager.touch_current("r", worker),
+            Some(ProgressOutcome::Stale)
+        );
+        // A new admission of the same request on the same worker is a new lease, not a
+        // duplicate of the dead one; the reaper's claim released the old booking.
+        assert_eq!(
+            manager.admit_current("r", worker, load),
+            AdmitOutcome::Registered
+        );
+        manager.inner.remove_claimed(index);
+        let lease = manager
+            .lease(&RequestId::from("r"))
+            .expect("the new lease lives");
+        assert_eq!(lease.state, LeaseState::Touched);
+        assert_eq!(
+            scheduler.load(worker).await.unwrap(),
+            WorkerLoad {
+                active_bookings: 1,
+                prompt_tokens: 10,
+                expected_output_tokens: 1
+            }
+        );
+        let stats = manager.stats();
+        assert_eq!(
+            (stats.registered, stats.expired, stats.superseded),
+            (2, 1, 0)
+        );
+        assert_eq!(
+            manager.complete_current("r", worker),
+            Some(CompleteOutcome::Released)
+        );
+        assert_eq!(scheduler.load(worker).await.unwrap(), WorkerLoad::default());
+    }
 }
