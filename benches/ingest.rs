@@ -10,7 +10,7 @@
 //! taken the last event, and alternate over a few rounds; the medians are compared. The last
 //! line is `ingest_ratio=<b/a>`.
 //!
-//! Environment: `INGEST_EVENTS` (default 600000), `INGEST_ROUNDS` (default 5),
+//! Environment: `INGEST_EVENTS` (default 600000), `INGEST_ROUNDS` (default 7),
 //! `INGEST_BREAKDOWN_ONLY` (set: only the in-process breakdown, e.g. under callgrind).
 
 mod common;
@@ -318,7 +318,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 async fn bench() {
     let events = env_u64("INGEST_EVENTS", 600_000);
-    let rounds = env_u64("INGEST_ROUNDS", 5).max(1);
+    let rounds = env_u64("INGEST_ROUNDS", 7).max(1);
     println!("machine: {}", common::machine());
     let subjects = subjects(DEPLOYMENT);
     let shape = LifecycleShape::default();
