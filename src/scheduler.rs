@@ -194,7 +194,7 @@ pub(crate) enum Op {
 /// query applies the inbox first, so waiting changes no answer; it only spares the runtime a
 /// wake-up (a thread unpark, often) per burst of events, and bounds the inbox (32 bytes an
 /// operation).
-const WAKE_AT: usize = 1024;
+const WAKE_AT: usize = 256;
 
 enum Command {
     /// Apply what is in the inbox.

@@ -5,6 +5,7 @@
 //! matched to the attempt it is about and handed to the observer. Out-of-order events are
 //! held or tombstoned in bounded, short-lived maps (see [`super::reorder`]).
 
+use std::mem;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use super::sequence::{SequenceTracker, SequenceVerdict};
 use crate::connection::LogRateLimiter;
 use crate::lease::{AdmitOutcome, CompleteOutcome, LeaseBatch, ProgressOutcome};
 use crate::observer::{DeliverEventError, ReplicaRequestLeaseObserver};
+use crate::scheduler::Op;
 use crate::stats::{DropReason, IngressStats, PendingCounts};
 use crate::subject::Subjects;
 use crate::types::{DpRank, RequestId, RequestLoad, WorkerId, WorkerWithDpRank};
@@ -77,6 +79,8 @@ pub struct EventApplier {
     batch: Option<Batch>,
     /// Per-event counts not yet added to `stats`.
     counts: PendingCounts,
+    /// The scheduler operations buffer handed from one lease batch to the next.
+    spare_ops: Vec<Op>,
 }
 
 /// What a batch of messages shares.
@@ -105,6 +109,7 @@ impl EventApplier {
             record_lag: true,
             batch: None,
             counts: PendingCounts::default(),
+            spare_ops: Vec::new(),
             config,
         }
     }
@@ -117,9 +122,13 @@ impl EventApplier {
     /// manager until [`EventApplier::end_batch`].
     pub fn begin_batch(&mut self) {
         self.end_batch();
+        let mut leases = self.observer.lease_batch();
+        if let Some(leases) = &mut leases {
+            leases.use_buffer(mem::take(&mut self.spare_ops));
+        }
         self.batch = Some(Batch {
             clock_us: wire::unix_micros_now(),
-            leases: self.observer.lease_batch(),
+            leases,
         });
     }
 
@@ -127,7 +136,9 @@ impl EventApplier {
     /// go. Single events read the clock and count for themselves again.
     pub fn end_batch(&mut self) {
         // The lease batch first: a reader that sees the counts sees the leases' effects.
-        self.batch = None;
+        if let Some(leases) = self.batch.take().and_then(|batch| batch.leases) {
+            self.spare_ops = leases.finish();
+        }
         self.counts.flush(&self.stats);
     }
 

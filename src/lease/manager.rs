@@ -520,6 +520,22 @@ impl LeaseBatch {
     pub fn manager(&self) -> &RequestLeaseManager {
         &self.manager
     }
+
+    /// Gathers this batch's scheduler operations in `buffer` (emptied first): a caller that
+    /// opens batch after batch hands the same allocation round instead of growing a new
+    /// vector each time.
+    pub(crate) fn use_buffer(&mut self, mut buffer: Vec<Op>) {
+        buffer.clear();
+        buffer.append(&mut self.pending.ops);
+        self.pending.ops = buffer;
+    }
+
+    /// Ends the batch (as dropping it does) and returns its empty operations buffer, for
+    /// [`LeaseBatch::use_buffer`] next time.
+    pub(crate) fn finish(mut self) -> Vec<Op> {
+        self.pending.flush(&self.manager.inner);
+        mem::take(&mut self.pending.ops)
+    }
 }
 
 impl Drop for LeaseBatch {
