@@ -1,9 +1,13 @@
 //! The NATS ingress of one deployment: a subscription to `{prefix}.{deployment}.>` whose
 //! messages go through [`apply::EventApplier`] to the router's weak observer.
 //!
-//! The task ends by itself when the observer reports the router gone, and drains its
-//! subscription (bounded) when the router cancels it, so events already buffered are counted
-//! as late rather than silently lost.
+//! Two tasks form a short pipeline: one takes bursts of up to 256 messages off the
+//! subscription, the other decodes and applies each burst as one batch, so receiving runs
+//! beside applying (at most 8 bursts wait between them, then the subscription's own buffer
+//! fills and NATS reports a slow consumer). When the observer reports the router gone, the
+//! applying task stops the receiving one; when the router cancels, the receiving task stops.
+//! Either way it unsubscribes and hands over what was already buffered (bounded), so those
+//! events are applied or counted as late rather than silently lost.
 
 pub mod apply;
 pub mod reorder;
@@ -12,7 +16,10 @@ pub mod sequence;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::Message;
 use futures::{FutureExt, StreamExt};
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
@@ -26,6 +33,8 @@ use crate::subject::Subjects;
 const DRAIN_BOUND: Duration = Duration::from_secs(5);
 /// Messages applied per wake-up before yielding to the runtime.
 const BATCH: usize = 256;
+/// Bursts that may wait between receiving and applying.
+const PIPELINE_BATCHES: usize = 8;
 
 /// Why the ingress could not start.
 #[derive(Debug, thiserror::Error)]
@@ -101,55 +110,112 @@ impl IngressStart for NatsIngress {
             })?;
         info!(deployment = %ctx.deployment, %filter, "ingress subscribed");
         let applier = EventApplier::new(self.subjects, ctx.observer, self.stats, self.config);
+        let (batches, inbox) = mpsc::channel(PIPELINE_BATCHES);
+        let pipe = Pipe::default();
+        // Cancelled by the router, or by the applying task once the router is gone.
+        let stop = ctx.cancel.child_token();
         let span = tracing::info_span!("ingress", deployment = %ctx.deployment);
-        let handle = ctx
+        let receive = ctx.tracker.spawn(
+            receive(subscriber, batches, pipe.clone(), stop.clone()).instrument(span.clone()),
+        );
+        let apply = ctx
             .tracker
-            .spawn(run(subscriber, applier, ctx.cancel).instrument(span));
-        Ok(vec![RouterTask {
-            name: "ingress",
-            handle,
-        }])
+            .spawn(apply(inbox, pipe, applier, stop).instrument(span));
+        Ok(vec![
+            RouterTask {
+                name: "ingress",
+                handle: receive,
+            },
+            RouterTask {
+                name: "ingress-apply",
+                handle: apply,
+            },
+        ])
     }
 }
 
-async fn run(
+/// Emptied burst vectors, handed back from the applying task to the receiving one so a
+/// burst costs no allocation.
+#[derive(Clone, Default)]
+struct Pipe {
+    spare: Arc<Mutex<Vec<Vec<Message>>>>,
+}
+
+impl Pipe {
+    fn take(&self) -> Vec<Message> {
+        self.spare.lock().pop().unwrap_or_default()
+    }
+
+    fn give_back(&self, mut burst: Vec<Message>) {
+        burst.clear();
+        let mut spare = self.spare.lock();
+        if spare.len() <= PIPELINE_BATCHES {
+            spare.push(burst);
+        }
+    }
+}
+
+/// Takes messages off the subscription in bursts and hands each to the applying task, so
+/// receiving runs beside decoding and applying. Stops when `stop` fires (the router is
+/// cancelled or gone), then unsubscribes and hands over what was already buffered.
+async fn receive(
     mut subscriber: async_nats::Subscriber,
-    mut applier: EventApplier,
-    cancel: CancellationToken,
+    batches: mpsc::Sender<Vec<Message>>,
+    pipe: Pipe,
+    stop: CancellationToken,
 ) -> Result<(), TaskError> {
-    'receive: loop {
+    loop {
         let message = tokio::select! {
             biased;
-            _ = cancel.cancelled() => break,
+            _ = stop.cancelled() => break,
             message = subscriber.next() => message,
         };
-        let Some(mut message) = message else {
+        let Some(message) = message else {
             debug!("subscription closed by the client");
             return Ok(());
         };
-        // Apply what is already buffered too, without going back through select!.
-        applier.begin_batch();
-        for _ in 0..BATCH {
-            if applier.apply(&message.subject, &message.payload).is_err() {
-                info!("router is gone: the ingress stops");
-                break 'receive;
-            }
+        let mut burst = pipe.take();
+        burst.push(message);
+        while burst.len() < BATCH {
             match subscriber.next().now_or_never() {
-                Some(Some(next)) => message = next,
-                Some(None) => return Ok(()),
-                None => break,
+                Some(Some(next)) => burst.push(next),
+                _ => break,
             }
         }
-        applier.end_batch();
+        if batches.send(burst).await.is_err() {
+            // Only if the applying task failed: nobody is left to count these.
+            return Err("the applying task ended before the receiving one".into());
+        }
     }
-    drain(subscriber, &mut applier).await;
+    drain(subscriber, &batches).await;
     Ok(())
 }
 
-/// Unsubscribes and counts what was already on its way: applied while the router lives,
-/// late drops once it is gone.
-async fn drain(mut subscriber: async_nats::Subscriber, applier: &mut EventApplier) {
-    applier.end_batch();
+/// Decodes and applies the bursts, each as one batch. Once the router is gone it stops the
+/// receiving task and goes on counting what still arrives as late, until that task is done.
+async fn apply(
+    mut inbox: mpsc::Receiver<Vec<Message>>,
+    pipe: Pipe,
+    mut applier: EventApplier,
+    stop: CancellationToken,
+) -> Result<(), TaskError> {
+    while let Some(burst) = inbox.recv().await {
+        applier.begin_batch();
+        for message in &burst {
+            if applier.apply(&message.subject, &message.payload).is_err() && !stop.is_cancelled() {
+                info!("router is gone: the ingress stops");
+                stop.cancel();
+            }
+        }
+        applier.end_batch();
+        pipe.give_back(burst);
+    }
+    Ok(())
+}
+
+/// Unsubscribes and hands over what was already on its way: applied while the router
+/// lives, counted as late once it is gone.
+async fn drain(mut subscriber: async_nats::Subscriber, batches: &mpsc::Sender<Vec<Message>>) {
     if let Err(error) = subscriber.drain().await {
         warn!(%error, "draining the subscription failed; buffered events are abandoned");
         return;
@@ -157,8 +223,10 @@ async fn drain(mut subscriber: async_nats::Subscriber, applier: &mut EventApplie
     let drained = tokio::time::timeout(DRAIN_BOUND, async {
         let mut n = 0u64;
         while let Some(message) = subscriber.next().await {
-            let _ = applier.apply(&message.subject, &message.payload);
             n += 1;
+            if batches.send(vec![message]).await.is_err() {
+                break;
+            }
         }
         n
     })
