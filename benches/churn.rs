@@ -6,13 +6,16 @@
 //! reaper) on one shared `TaskTracker`, lets it apply events for a moment, then removes it:
 //! even cycles with `shutdown()`, odd ones by dropping it. Resident memory and live tasks are
 //! measured after the first 10 cycles and at the end, each after the removed routers' tasks
-//! have wound down; the last line is `churn_rss_growth=<fraction>`.
+//! have wound down; the last line is `churn_rss_growth=<fraction>`. The bench counts the heap
+//! bytes allocated and not yet freed too (its global allocator wraps the system one): what
+//! the process holds, apart from what the allocator keeps for itself.
 //!
 //! Environment: `CHURN_CYCLES` (default 1000), `CHURN_RATE` (events/s, default 20000).
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,6 +28,48 @@ use lease_router::wire::{self, Envelope};
 use tokio_util::task::TaskTracker;
 
 use common::{nats, rss_bytes, subjects, LifecycleGen, LifecycleShape};
+
+/// The system allocator, counting the bytes it has handed out and not yet been given back:
+/// live heap memory, which (unlike resident memory) the allocator's caching and
+/// fragmentation do not move.
+struct Counting;
+
+static LIVE_HEAP: AtomicI64 = AtomicI64::new(0);
+
+// SAFETY: every call is passed to `System` unchanged; the counter is only arithmetic.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            LIVE_HEAP.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            LIVE_HEAP.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE_HEAP.fetch_sub(layout.size() as i64, Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE_HEAP.fetch_add(new_size as i64 - layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
 
 const DEPLOYMENT: &str = "churn";
 const WORKERS: u64 = 16;
@@ -83,8 +128,9 @@ async fn publisher(
     seq
 }
 
-/// Waits (bounded) until no removed router's task is still winding down, then measures.
-async fn settle(tracker: &TaskTracker) -> (u64, usize, usize) {
+/// Waits (bounded) until no removed router's task is still winding down, then measures
+/// resident memory and live heap bytes, live router tasks and the runtime's live tasks.
+async fn settle(tracker: &TaskTracker) -> ((u64, i64), usize, usize) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !tracker.is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -94,7 +140,8 @@ async fn settle(tracker: &TaskTracker) -> (u64, usize, usize) {
     let alive = tokio::runtime::Handle::current()
         .metrics()
         .num_alive_tasks();
-    (rss_bytes(), tracker.len(), alive)
+    let memory = (rss_bytes(), LIVE_HEAP.load(Ordering::Relaxed));
+    (memory, tracker.len(), alive)
 }
 
 fn growth(base: f64, end: f64) -> f64 {
@@ -152,16 +199,19 @@ async fn bench() {
         if cycle % 250 == 0 {
             // The trend, unsettled (removed routers may still be winding down).
             println!(
-                "cycle {cycle}: rss {:.2} MiB, live router tasks {}",
+                "cycle {cycle}: rss {:.2} MiB, live heap {:.2} MiB, live router tasks {}",
                 rss_bytes() as f64 / 1048576.0,
+                LIVE_HEAP.load(Ordering::Relaxed) as f64 / 1048576.0,
                 tracker.len()
             );
         }
         if cycle == 10 {
             let (rss, tasks, alive) = settle(&tracker).await;
             println!(
-                "after 10 cycles: rss {:.2} MiB, live router tasks {tasks}, runtime tasks {alive}",
-                rss as f64 / 1048576.0
+                "after 10 cycles: rss {:.2} MiB, live heap {:.2} MiB, live router tasks {tasks}, \
+                 runtime tasks {alive}",
+                rss.0 as f64 / 1048576.0,
+                rss.1 as f64 / 1048576.0
             );
             base = Some((rss, tasks, alive));
         }
@@ -173,11 +223,13 @@ async fn bench() {
     let (base_rss, base_tasks, base_alive) = base.expect("at least 10 cycles");
     let s = stats.snapshot();
     println!(
-        "after {cycles} cycles ({:.1} s, {:.1} ms per cycle): rss {:.2} MiB, live router tasks \
-         {tasks} (at most {live_during} while a router ran), runtime tasks {alive}",
+        "after {cycles} cycles ({:.1} s, {:.1} ms per cycle): rss {:.2} MiB, live heap {:.2} \
+         MiB, live router tasks {tasks} (at most {live_during} while a router ran), runtime \
+         tasks {alive}",
         elapsed.as_secs_f64(),
         elapsed.as_secs_f64() * 1e3 / cycles as f64,
-        rss as f64 / 1048576.0
+        rss.0 as f64 / 1048576.0,
+        rss.1 as f64 / 1048576.0
     );
     println!(
         "events: published {published}, received by routers {}, applied {}, dropped {:?}",
@@ -193,9 +245,11 @@ async fn bench() {
     println!("churn_runtime_tasks_after_10={base_alive}");
     println!("churn_runtime_tasks_end={alive}");
     println!("churn_runtime_task_growth={runtime_task_growth:.3}");
+    println!("churn_live_heap_bytes_after_10={}", base_rss.1);
+    println!("churn_live_heap_bytes_end={}", rss.1);
     println!(
         "churn_rss_growth={:.4}",
-        growth(base_rss as f64, rss as f64)
+        growth(base_rss.0 as f64, rss.0 as f64)
     );
 }
 

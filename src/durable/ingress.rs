@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -238,7 +238,8 @@ impl IngressStart for JetStreamIngress {
         }
         info!(deployment = %ctx.deployment, %filter, pending, "durable ingress replaying");
         let mut applier = EventApplier::new(self.subjects, ctx.observer, self.stats, self.apply);
-        applier.set_record_lag(self.catch_up.is_caught_up());
+        let replaying = !self.catch_up.is_caught_up();
+        applier.set_record_lag(!replaying);
         let run = Run {
             follower,
             applier,
@@ -246,6 +247,7 @@ impl IngressStart for JetStreamIngress {
             retry: self.retry,
             target,
             started,
+            replaying,
         };
         let span = tracing::info_span!("durable_ingress", deployment = %ctx.deployment);
         let handle = ctx
@@ -258,6 +260,26 @@ impl IngressStart for JetStreamIngress {
     }
 }
 
+/// Messages applied as one batch at most.
+const BURST: usize = 256;
+
+/// What became of one stream message.
+enum Applied {
+    Applied,
+    /// Applied, and the replay has caught up with the stream.
+    CaughtUp,
+    /// The router is gone.
+    Gone,
+}
+
+/// Why a burst ended the ingress's loop.
+enum Stop {
+    /// The router is gone.
+    Gone,
+    /// The consumer failed: recreate it.
+    Failed(TaskError),
+}
+
 struct Run {
     follower: Follower,
     applier: EventApplier,
@@ -265,6 +287,8 @@ struct Run {
     retry: RetryPolicy,
     target: u64,
     started: Instant,
+    /// Still replaying: events are counted as replayed, their lag is not recorded.
+    replaying: bool,
 }
 
 impl Run {
@@ -288,11 +312,14 @@ impl Run {
             let error: TaskError = match next {
                 Next::Message(Some(Ok(message))) => {
                     heard = true;
-                    if !self.apply(&message) {
-                        info!("router is gone: the durable ingress stops");
-                        return Ok(());
+                    match self.apply_burst(message, &mut messages) {
+                        Ok(()) => continue,
+                        Err(Stop::Gone) => {
+                            info!("router is gone: the durable ingress stops");
+                            return Ok(());
+                        }
+                        Err(Stop::Failed(error)) => error,
                     }
-                    continue;
                 }
                 Next::Message(Some(Err(e))) => Box::new(e),
                 Next::Message(None) => "the consumer's message stream ended".into(),
@@ -316,8 +343,48 @@ impl Run {
         }
     }
 
-    /// Applies one stream message; false once the router is gone.
-    fn apply(&mut self, message: &jetstream::Message) -> bool {
+    /// Applies `first` and the messages already buffered behind it (up to a burst) as one
+    /// batch of the applier, as the core-NATS ingress does: a replay of a long stream is
+    /// mostly full bursts.
+    fn apply_burst(
+        &mut self,
+        first: jetstream::Message,
+        messages: &mut Messages,
+    ) -> Result<(), Stop> {
+        self.applier.begin_batch();
+        let mut message = first;
+        let mut applied = 0;
+        let mut caught_up = false;
+        let result = loop {
+            match self.apply(&message) {
+                Applied::Gone => break Err(Stop::Gone),
+                Applied::CaughtUp => caught_up = true,
+                Applied::Applied => {}
+            }
+            applied += 1;
+            if applied == BURST {
+                break Ok(());
+            }
+            match messages.next().now_or_never() {
+                Some(Some(Ok(next))) => message = next,
+                Some(Some(Err(error))) => break Err(Stop::Failed(Box::new(error))),
+                Some(None) => {
+                    break Err(Stop::Failed("the consumer's message stream ended".into()))
+                }
+                None => break Ok(()),
+            }
+        };
+        self.applier.end_batch();
+        if caught_up {
+            // After the batch's counts and scheduler updates are handed over: whoever waits
+            // for the catch-up sees everything replayed.
+            self.catch_up.finish(self.started);
+        }
+        result
+    }
+
+    /// Applies one stream message.
+    fn apply(&mut self, message: &jetstream::Message) -> Applied {
         let (sequence, pending) = match message.info() {
             Ok(info) => (info.stream_sequence, info.pending),
             Err(_) => (self.catch_up.last_stream_sequence() + 1, u64::MAX),
@@ -327,19 +394,20 @@ impl Run {
             .apply(&message.subject, &message.payload)
             .is_err()
         {
-            return false;
+            return Applied::Gone;
         }
         self.catch_up
             .last_stream_sequence
             .store(sequence, Ordering::Relaxed);
-        if !self.catch_up.is_caught_up() {
+        if self.replaying {
             self.catch_up.replayed.fetch_add(1, Ordering::Relaxed);
             if sequence >= self.target || pending == 0 {
-                self.catch_up.finish(self.started);
                 self.applier.set_record_lag(true);
+                self.replaying = false;
+                return Applied::CaughtUp;
             }
         }
-        true
+        Applied::Applied
     }
 
     /// Recreates the consumer after the last applied sequence, with backoff, until it
