@@ -264,9 +264,10 @@ impl IngressStart for JetStreamIngress {
 const BURST: usize = 256;
 
 /// What became of one stream message.
-enum Applied {
-    Applied,
-    /// Applied, and the replay has caught up with the stream.
+enum Step {
+    /// Applied (or counted as dropped by the applier).
+    Done,
+    /// Done, and the replay has caught up with the stream.
     CaughtUp,
     /// The router is gone.
     Gone,
@@ -357,9 +358,9 @@ impl Run {
         let mut caught_up = false;
         let result = loop {
             match self.apply(&message) {
-                Applied::Gone => break Err(Stop::Gone),
-                Applied::CaughtUp => caught_up = true,
-                Applied::Applied => {}
+                Step::Gone => break Err(Stop::Gone),
+                Step::CaughtUp => caught_up = true,
+                Step::Done => {}
             }
             applied += 1;
             if applied == BURST {
@@ -384,7 +385,7 @@ impl Run {
     }
 
     /// Applies one stream message.
-    fn apply(&mut self, message: &jetstream::Message) -> Applied {
+    fn apply(&mut self, message: &jetstream::Message) -> Step {
         let (sequence, pending) = match message.info() {
             Ok(info) => (info.stream_sequence, info.pending),
             Err(_) => (self.catch_up.last_stream_sequence() + 1, u64::MAX),
@@ -394,7 +395,7 @@ impl Run {
             .apply(&message.subject, &message.payload)
             .is_err()
         {
-            return Applied::Gone;
+            return Step::Gone;
         }
         self.catch_up
             .last_stream_sequence
@@ -404,10 +405,10 @@ impl Run {
             if sequence >= self.target || pending == 0 {
                 self.applier.set_record_lag(true);
                 self.replaying = false;
-                return Applied::CaughtUp;
+                return Step::CaughtUp;
             }
         }
-        Applied::Applied
+        Step::Done
     }
 
     /// Recreates the consumer after the last applied sequence, with backoff, until it
