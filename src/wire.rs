@@ -649,20 +649,35 @@ pub fn decode(bytes: &[u8], max_len: usize) -> Result<Envelope, DecodeEventError
         });
     }
     let mut raw = RawEnvelope::default();
+    let mut last_key_end = None;
     let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
     de.set_max_depth(MAX_NESTING_DEPTH);
     let seed = RawSeed {
         raw: &mut raw,
         probe: false,
+        last_key_end: &mut last_key_end,
     };
     match seed.deserialize(&mut de) {
         Ok(()) => {
-            // The borrowing reader cannot say where it stopped: measure the map instead, so
-            // that any byte after it, complete value or not, is refused.
-            let trailing = value_len(bytes, MAX_NESTING_DEPTH) != Some(bytes.len());
+            // The borrowing reader cannot say where it stopped: measure where the map ends,
+            // so that any byte after it, complete value or not, is refused.
+            let trailing = map_end(bytes, last_key_end) != Some(bytes.len());
             raw.validate(trailing)
         }
         Err(err) => Err(classify_failure(bytes, &err)),
+    }
+}
+
+/// Where the map that starts `bytes` ends, once it has been read: right after its last value,
+/// which starts where its last key ends. Only that value is measured; without the last key's
+/// position (an empty map, or a key not borrowed from `bytes`) the whole map is.
+fn map_end(bytes: &[u8], last_key_end: Option<usize>) -> Option<usize> {
+    let last_value = last_key_end
+        .map(|end| end.wrapping_sub(bytes.as_ptr() as usize))
+        .filter(|&start| start <= bytes.len());
+    match last_value {
+        Some(start) => Some(start + value_len(&bytes[start..], MAX_NESTING_DEPTH - 1)?),
+        None => value_len(bytes, MAX_NESTING_DEPTH),
     }
 }
 
@@ -730,6 +745,7 @@ fn classify_failure(bytes: &[u8], err: &rmp_serde::decode::Error) -> DecodeEvent
     let probed = RawSeed {
         raw: &mut probe,
         probe: true,
+        last_key_end: &mut None,
     }
     .deserialize(&mut de)
     .is_ok();
@@ -876,38 +892,58 @@ enum Key {
     Unknown,
 }
 
-impl<'de> Deserialize<'de> for Key {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct KeyVisitor;
+/// Reads a map key, noting where it ends in the input when the key is borrowed from it: the
+/// last key's end is where the map's last value starts, which is all [`decode`] measures
+/// to find the end of the map.
+struct KeySeed<'a> {
+    end: &'a mut Option<usize>,
+}
 
-        impl Visitor<'_> for KeyVisitor {
-            type Value = Key;
+impl<'de> DeserializeSeed<'de> for KeySeed<'_> {
+    type Value = Key;
 
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string map key")
-            }
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Key, D::Error> {
+        deserializer.deserialize_identifier(self)
+    }
+}
 
-            fn visit_str<E: de::Error>(self, key: &str) -> Result<Key, E> {
-                Ok(match key {
-                    "v" => Key::Version,
-                    "pub" => Key::PublisherId,
-                    "seq" => Key::Sequence,
-                    "ts" => Key::PublishedAtUs,
-                    "kind" => Key::Kind,
-                    "rid" => Key::RequestId,
-                    "wid" => Key::WorkerId,
-                    "dp" => Key::DpRank,
-                    "ptok" => Key::PromptTokens,
-                    "etok" => Key::ExpectedOutputTokens,
-                    "stage" => Key::Stage,
-                    "otok" => Key::OutputTokens,
-                    "outcome" => Key::Outcome,
-                    _ => Key::Unknown,
-                })
-            }
+impl<'de> Visitor<'de> for KeySeed<'_> {
+    type Value = Key;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string map key")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, key: &'de str) -> Result<Key, E> {
+        *self.end = Some(key.as_bytes().as_ptr_range().end as usize);
+        Ok(Key::from_str(key))
+    }
+
+    fn visit_str<E: de::Error>(self, key: &str) -> Result<Key, E> {
+        // Not borrowed from the input: its position is unknown.
+        *self.end = None;
+        Ok(Key::from_str(key))
+    }
+}
+
+impl Key {
+    fn from_str(key: &str) -> Self {
+        match key {
+            "v" => Key::Version,
+            "pub" => Key::PublisherId,
+            "seq" => Key::Sequence,
+            "ts" => Key::PublishedAtUs,
+            "kind" => Key::Kind,
+            "rid" => Key::RequestId,
+            "wid" => Key::WorkerId,
+            "dp" => Key::DpRank,
+            "ptok" => Key::PromptTokens,
+            "etok" => Key::ExpectedOutputTokens,
+            "stage" => Key::Stage,
+            "otok" => Key::OutputTokens,
+            "outcome" => Key::Outcome,
+            _ => Key::Unknown,
         }
-
-        deserializer.deserialize_identifier(KeyVisitor)
     }
 }
 
@@ -997,6 +1033,8 @@ str_enum_deserialize!(
 struct RawSeed<'a> {
     raw: &'a mut RawEnvelope,
     probe: bool,
+    /// The address where the last key read ends in the input, if it was borrowed from it.
+    last_key_end: &'a mut Option<usize>,
 }
 
 impl<'de> DeserializeSeed<'de> for RawSeed<'_> {
@@ -1045,7 +1083,10 @@ impl<'de> Visitor<'de> for RawSeed<'_> {
         // Once the version is not ours or the kind is unknown, the other fields are no longer
         // checked: the answer is that error, whatever they hold.
         let mut skip_fields = self.probe;
-        while let Some(key) = map.next_key::<Key>()? {
+        let last_key_end = self.last_key_end;
+        while let Some(key) = map.next_key_seed(KeySeed {
+            end: &mut *last_key_end,
+        })? {
             match key {
                 Key::Version => {
                     fill(&mut map, &mut raw.version, keys::VERSION, U16)?;
@@ -1115,6 +1156,7 @@ impl<'de> Deserialize<'de> for Envelope {
         RawSeed {
             raw: &mut raw,
             probe: false,
+            last_key_end: &mut None,
         }
         .deserialize(deserializer)?;
         raw.validate(false).map_err(de::Error::custom)
@@ -1527,6 +1569,43 @@ mod tests {
         let mut trailing = good.clone();
         trailing.push(0xc1);
         assert_malformed(&trailing, "trailing bytes");
+    }
+
+    #[test]
+    fn the_end_of_the_map_is_found_from_its_last_key() {
+        let good = encode(&admitted()).unwrap();
+        let mut raw = RawEnvelope::default();
+        let mut last_key_end = None;
+        RawSeed {
+            raw: &mut raw,
+            probe: false,
+            last_key_end: &mut last_key_end,
+        }
+        .deserialize(&mut rmp_serde::Deserializer::from_read_ref(&good))
+        .unwrap();
+        assert!(last_key_end.is_some(), "keys are borrowed from the input");
+        assert_eq!(map_end(&good, last_key_end), Some(good.len()));
+        // Without a usable position the whole map is measured, to the same answer.
+        assert_eq!(map_end(&good, None), Some(good.len()));
+        assert_eq!(map_end(&good, Some(usize::MAX)), Some(good.len()));
+        assert_eq!(map_end(&[0x80], None), Some(1), "an empty map");
+
+        // A nested unknown value last, then trailing bytes: still refused.
+        let nested_last = reset_with(
+            |m| {
+                m.ks("kind", "worker_reset")
+                    .kv("wid", 7)
+                    .str("future")
+                    .raw(&[0x92, 0x01, 0x91, 0x02])
+            },
+            7,
+        );
+        assert!(decode_default(&nested_last).is_ok());
+        for extra in [&[0x00][..], &[0xc1], &[0x92, 0x01]] {
+            let mut bytes = nested_last.clone();
+            bytes.extend_from_slice(extra);
+            assert_malformed(&bytes, "trailing bytes");
+        }
     }
 
     fn reset_with(extra: impl FnOnce(Mp) -> Mp, len: u8) -> Vec<u8> {
