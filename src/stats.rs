@@ -205,6 +205,7 @@ pub struct IngressStats {
     gaps: AtomicU64,
     reorders_held: AtomicU64,
     publisher_restarts: AtomicU64,
+    publishers_evicted: AtomicU64,
     lag: LagHistogram,
 }
 
@@ -222,6 +223,9 @@ pub struct IngressStatsSnapshot {
     pub reorders_held: u64,
     /// New publisher ids seen for a worker that already had one.
     pub publisher_restarts: u64,
+    /// Publishers whose sequence windows were forgotten because `max_publishers` were
+    /// tracked: their duplicates are no longer recognised.
+    pub publishers_evicted: u64,
     pub lag: LagSnapshot,
 }
 
@@ -272,6 +276,10 @@ impl IngressStats {
         self.publisher_restarts.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub(crate) fn publishers_evicted(&self, n: u64) {
+        self.publishers_evicted.fetch_add(n, Ordering::Relaxed);
+    }
+
     pub fn lag(&self) -> &LagHistogram {
         &self.lag
     }
@@ -293,6 +301,7 @@ impl IngressStats {
             gaps: get(&self.gaps),
             reorders_held: get(&self.reorders_held),
             publisher_restarts: get(&self.publisher_restarts),
+            publishers_evicted: get(&self.publishers_evicted),
             lag: self.lag.snapshot(),
         }
     }

@@ -201,10 +201,25 @@ impl EventApplier {
             return Ok(Applied::Dropped(DropReason::Identity));
         }
         let known_publisher = self.sequences.knows(envelope.publisher_id);
-        match self
+        let evicted_before = self.sequences.evicted();
+        let verdict = self
             .sequences
-            .observe(envelope.publisher_id, envelope.sequence)
-        {
+            .observe(envelope.publisher_id, envelope.sequence);
+        if !known_publisher {
+            let evicted = self.sequences.evicted() - evicted_before;
+            if evicted > 0 {
+                self.stats.publishers_evicted(evicted);
+                self.warn(|| {
+                    warn!(
+                        evicted,
+                        max_publishers = self.config.max_publishers,
+                        "forgot the least recently heard publishers: raise max_publishers if \
+                         this many publishers are real"
+                    )
+                });
+            }
+        }
+        match verdict {
             SequenceVerdict::Fresh { missing } => {
                 if missing > 0 {
                     self.stats.gaps(missing);

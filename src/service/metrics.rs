@@ -12,6 +12,7 @@
 //! | `lease_router_sequence_gaps_total` | counter | `deployment` |
 //! | `lease_router_reorders_held_total` | counter | `deployment` |
 //! | `lease_router_publisher_restarts_total` | counter | `deployment` |
+//! | `lease_router_publishers_evicted_total` | counter | `deployment` |
 //! | `lease_router_publish_to_apply_lag_seconds` | histogram | `deployment` |
 //! | `lease_router_catchup_done` | gauge (0 or 1) | `deployment` (durable mode) |
 //! | `lease_router_catchup_replayed_events` | gauge | `deployment` (durable mode) |
@@ -360,6 +361,13 @@ pub fn encode_snapshot(
         "New publisher ids seen for a worker that already had one.",
         &by_deployment(|d| d.ingress.publisher_restarts),
     )?;
+    counter_family(
+        encoder,
+        "publishers_evicted",
+        "Publishers forgotten because max_publishers were tracked (their duplicates are no \
+         longer recognised).",
+        &by_deployment(|d| d.ingress.publishers_evicted),
+    )?;
     {
         let mut metric = encoder.encode_descriptor(
             "publish_to_apply_lag",
@@ -451,6 +459,7 @@ mod tests {
         live.gaps(3);
         live.reorder_held();
         live.publisher_restart();
+        live.publishers_evicted(5);
         live.lag().observe_us(50); // 0.0001 bucket
         live.lag().observe_us(700); // 0.001 bucket
         live.lag().observe_us(60_000_000); // +Inf
@@ -524,6 +533,7 @@ mod tests {
         has("lease_router_sequence_gaps_total{deployment=\"prod\"} 3");
         has("lease_router_reorders_held_total{deployment=\"prod\"} 1");
         has("lease_router_publisher_restarts_total{deployment=\"prod\"} 1");
+        has("lease_router_publishers_evicted_total{deployment=\"prod\"} 5");
         has("# TYPE lease_router_publish_to_apply_lag_seconds histogram");
         has("# UNIT lease_router_publish_to_apply_lag_seconds seconds");
         has("lease_router_publish_to_apply_lag_seconds_count{deployment=\"prod\"} 3");
@@ -568,6 +578,7 @@ mod tests {
             "sequence_gaps",
             "reorders_held",
             "publisher_restarts",
+            "publishers_evicted",
             "publish_to_apply_lag_seconds",
             "nats_connected",
             "nats_reconnects",
