@@ -22,30 +22,24 @@ fn openssl(dir: &Path, args: &[&str]) {
 }
 
 /// A CA, and a server certificate for 127.0.0.1 signed by it.
+/// A CA key and self-signed certificate, valid for two days.
+fn self_signed_ca(dir: &Path, key: &str, pem: &str, subject: &str) {
+    openssl(
+        dir,
+        &[
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", pem, "-days",
+            "2", "-subj", subject,
+        ],
+    );
+}
+
 fn make_certificates(dir: &Path) {
     std::fs::write(
         dir.join("san.ext"),
         "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
     )
     .unwrap();
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=lease-router test CA",
-        ],
-    );
+    self_signed_ca(dir, "ca.key", "ca.pem", "/CN=lease-router test CA");
     openssl(
         dir,
         &[
@@ -81,24 +75,7 @@ fn make_certificates(dir: &Path) {
             "san.ext",
         ],
     );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "other.key",
-            "-out",
-            "other-ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=some other CA",
-        ],
-    );
+    self_signed_ca(dir, "other.key", "other-ca.pem", "/CN=some other CA");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

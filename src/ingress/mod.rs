@@ -174,21 +174,30 @@ async fn receive(
             debug!("subscription closed by the client");
             return Ok(());
         };
-        let mut burst = pipe.take();
-        burst.push(message);
-        while burst.len() < BATCH {
-            match subscriber.next().now_or_never() {
-                Some(Some(next)) => burst.push(next),
-                _ => break,
-            }
-        }
-        if batches.send(burst).await.is_err() {
+        if batches
+            .send(burst(message, &mut subscriber, &pipe))
+            .await
+            .is_err()
+        {
             // Only if the applying task failed: nobody is left to count these.
             return Err("the applying task ended before the receiving one".into());
         }
     }
-    drain(subscriber, &batches).await;
+    drain(subscriber, &batches, &pipe).await;
     Ok(())
+}
+
+/// `first` and the messages already buffered behind it, up to [`BATCH`].
+fn burst(first: Message, subscriber: &mut async_nats::Subscriber, pipe: &Pipe) -> Vec<Message> {
+    let mut burst = pipe.take();
+    burst.push(first);
+    while burst.len() < BATCH {
+        match subscriber.next().now_or_never() {
+            Some(Some(next)) => burst.push(next),
+            _ => break,
+        }
+    }
+    burst
 }
 
 /// Decodes and applies the bursts, each as one batch. Once the router is gone it stops the
@@ -215,7 +224,11 @@ async fn apply(
 
 /// Unsubscribes and hands over what was already on its way: applied while the router
 /// lives, counted as late once it is gone.
-async fn drain(mut subscriber: async_nats::Subscriber, batches: &mpsc::Sender<Vec<Message>>) {
+async fn drain(
+    mut subscriber: async_nats::Subscriber,
+    batches: &mpsc::Sender<Vec<Message>>,
+    pipe: &Pipe,
+) {
     if let Err(error) = subscriber.drain().await {
         warn!(%error, "draining the subscription failed; buffered events are abandoned");
         return;
@@ -223,8 +236,9 @@ async fn drain(mut subscriber: async_nats::Subscriber, batches: &mpsc::Sender<Ve
     let drained = tokio::time::timeout(DRAIN_BOUND, async {
         let mut n = 0u64;
         while let Some(message) = subscriber.next().await {
-            n += 1;
-            if batches.send(vec![message]).await.is_err() {
+            let burst = burst(message, &mut subscriber, pipe);
+            n += burst.len() as u64;
+            if batches.send(burst).await.is_err() {
                 break;
             }
         }

@@ -98,14 +98,22 @@ mod tests {
     }
 
     #[test]
-    fn a_key_hashes_as_its_str() {
+    fn keys_filed_by_hash_id_are_found_by_str_after_the_table_grows() {
+        // Lookups hash a `&str`, growth rehashes stored keys: both must land alike.
         let hasher = hashbrown::DefaultHashBuilder::default();
-        for id in ["a", "0f8fad5b-d9cb-469f-a165-70867728950e"] {
+        let mut table = hashbrown::HashTable::new();
+        let ids: Vec<String> = (0..2_000)
+            .map(|i| format!("{i:08x}-d9cb-469f-a165-70867728950e{}", "x".repeat(i % 20)))
+            .collect();
+        for id in &ids {
             let key = LeaseKey::new(id);
-            assert_eq!(
-                hash_id(&hasher, key.as_bytes()),
-                hash_id(&hasher, id.as_bytes())
-            );
+            table.insert_unique(hash_id(&hasher, key.as_bytes()), key, |k: &LeaseKey| {
+                hash_id(&hasher, k.as_bytes())
+            });
+        }
+        for id in &ids {
+            let found = table.find(hash_id(&hasher, id.as_bytes()), |k| k.is(id));
+            assert_eq!(found.map(LeaseKey::as_str), Some(id.as_str()));
         }
     }
 }

@@ -270,10 +270,8 @@ impl RequestLeaseManagerInner {
         &self.shards[index]
     }
 
-    fn now_secs(&self, pending: &mut Pending) -> u32 {
-        *pending.now_secs.get_or_insert_with(|| {
-            u32::try_from(self.epoch.elapsed().as_secs()).unwrap_or(u32::MAX)
-        })
+    fn now_secs(&self) -> u32 {
+        u32::try_from(self.epoch.elapsed().as_secs()).unwrap_or(u32::MAX)
     }
 
     /// `retain` on one shard's table, keeping the live-lease count in step.
@@ -300,7 +298,8 @@ impl RequestLeaseManagerInner {
             pending.count(Counter::RefusedUnwired);
             return AdmitOutcome::NotWired;
         }
-        let admitted_at = self.now_secs(pending);
+        // One clock read per batch: every admission of a burst shares it.
+        let admitted_at = *pending.now_secs.get_or_insert_with(|| self.now_secs());
         let hash = self.hash(request_id);
         let mut table = self.shard(hash).write();
         let entry = table.entry(
@@ -515,10 +514,6 @@ impl LeaseBatch {
         self.manager
             .inner
             .complete(&mut self.pending, request_id, |l| l.worker == worker)
-    }
-
-    pub fn manager(&self) -> &RequestLeaseManager {
-        &self.manager
     }
 
     /// Gathers this batch's scheduler operations in `buffer` (emptied first): a caller that
@@ -760,8 +755,7 @@ impl RequestLeaseManager {
     }
 
     fn record(&self, key: &LeaseKey, lease: &Lease) -> LeaseRecord {
-        let now = self.inner.now_secs(&mut Pending::default());
-        let age = now.saturating_sub(lease.admitted_at);
+        let age = self.inner.now_secs().saturating_sub(lease.admitted_at);
         LeaseRecord {
             booking: lease.booking(key),
             state: lease.clock.state(),
