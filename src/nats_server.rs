@@ -113,17 +113,49 @@ fn is_executable(path: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// Picks `n` distinct free TCP ports on 127.0.0.1 by binding port 0 and releasing.
+/// Picks `n` distinct free TCP ports on 127.0.0.1.
 ///
-/// Another process may take a port between this call and its use: callers retry on collision.
+/// Ports come from outside the kernel's ephemeral range when it leaves room, so the local end
+/// of some unrelated outgoing connection cannot take one while a test waits to start a server
+/// on it; a port is handed out once per process. Another process may still take a port before
+/// its use: callers retry on collision.
 pub fn pick_free_ports(n: usize) -> io::Result<Vec<u16>> {
-    let listeners = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<io::Result<Vec<_>>>()?;
-    listeners
-        .iter()
-        .map(|l| l.local_addr().map(|a| a.port()))
-        .collect()
+    let low = ephemeral_ports_start();
+    let outside = FIXED_PORTS_FROM..low.max(FIXED_PORTS_FROM);
+    let mut picked = Vec::with_capacity(n);
+    let mut given = GIVEN_PORTS.lock();
+    for _ in 0..n {
+        let tries = if outside.is_empty() { 0 } else { 256 };
+        let port = (0..tries)
+            .map(|_| rand::random_range(outside.clone()))
+            .find(|p| !given.contains(p) && port_is_free(*p));
+        let port = match port {
+            Some(port) => port,
+            // No room outside the ephemeral range: let the kernel choose.
+            None => TcpListener::bind("127.0.0.1:0")?.local_addr()?.port(),
+        };
+        given.insert(port);
+        picked.push(port);
+    }
+    Ok(picked)
+}
+
+/// Lowest port [`pick_free_ports`] hands out outside the ephemeral range.
+const FIXED_PORTS_FROM: u16 = 10_000;
+static GIVEN_PORTS: Mutex<std::collections::BTreeSet<u16>> =
+    Mutex::new(std::collections::BTreeSet::new());
+
+fn port_is_free(port: u16) -> bool {
+    TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+/// Where the kernel's range for the local end of outgoing connections starts (Linux default
+/// if unknown).
+fn ephemeral_ports_start() -> u16 {
+    fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 fn unique_suffix() -> String {
@@ -984,6 +1016,15 @@ mod tests {
         sorted.dedup();
         assert_eq!(sorted.len(), 6);
         assert!(ports.iter().all(|&p| p != 0));
+        let again = pick_free_ports(6).unwrap();
+        assert!(again.iter().all(|p| !ports.contains(p)), "handed out twice");
+        let start = ephemeral_ports_start();
+        if start > FIXED_PORTS_FROM + 1_000 {
+            assert!(
+                ports.iter().chain(&again).all(|&p| p < start),
+                "{ports:?} {again:?} fall in the ephemeral range from {start}"
+            );
+        }
     }
 
     #[test]
