@@ -1,7 +1,9 @@
 //! 1,000 cycles of adding and removing a deployment's router while events for it keep
 //! arriving (`cargo bench --bench churn`).
 //!
-//! A background publisher sends lifecycles for the deployment at a steady rate the whole time.
+//! A publisher sends lifecycles for the deployment at a steady rate the whole time, from a
+//! child process (this bench binary run again with `CHURN_PUBLISH_TO` set), as workers are
+//! other processes: the resident memory measured is the router process's alone.
 //! Each cycle starts a router (NATS ingress on a shared connection, manager, scheduler,
 //! reaper) on one shared `TaskTracker`, lets it apply events for a moment, then removes it:
 //! even cycles with `shutdown()`, odd ones by dropping it. Resident memory and live tasks are
@@ -83,6 +85,40 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// The child process: publishes to the server at `url` until its stdin closes (the bench
+/// ended or died), then prints how many events it sent.
+async fn publisher_process(url: String) {
+    let rate = env_u64("CHURN_RATE", 20_000) as f64;
+    let stop = Arc::new(AtomicBool::new(false));
+    let publishing = tokio::spawn(publisher(
+        nats(&url, None).await.client().clone(),
+        subjects(DEPLOYMENT),
+        rate,
+        stop.clone(),
+    ));
+    // Blocks until the parent closes our stdin (or exits).
+    tokio::task::spawn_blocking(|| std::io::copy(&mut std::io::stdin(), &mut std::io::sink()))
+        .await
+        .expect("stdin reader")
+        .ok();
+    stop.store(true, Ordering::Relaxed);
+    println!("{}", publishing.await.expect("publisher"));
+}
+
+/// Starts [`publisher_process`] as a child of this process.
+fn spawn_publisher(url: &str) -> tokio::process::Child {
+    tokio::process::Command::new(std::env::current_exe().expect("own executable"))
+        .env(PUBLISH_TO_ENV, url)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("publisher process starts")
+}
+
+/// Set in the publisher child: the NATS URL to publish to.
+const PUBLISH_TO_ENV: &str = "CHURN_PUBLISH_TO";
+
 /// Publishes lifecycles for the deployment until `stop`, paced on 1 ms ticks.
 async fn publisher(
     client: async_nats::Client,
@@ -158,7 +194,6 @@ fn growth(base: f64, end: f64) -> f64 {
 
 async fn bench() {
     let cycles = env_u64("CHURN_CYCLES", 1000).max(11);
-    let rate = env_u64("CHURN_RATE", 20_000) as f64;
     println!("machine: {}", common::machine());
     let nats_server = common::bench_server().await;
     let server = &nats_server.server;
@@ -168,13 +203,7 @@ async fn bench() {
     let conn = nats(&url, None).await;
     let stats = Arc::new(IngressStats::new());
     let tracker = TaskTracker::new();
-    let stop = Arc::new(AtomicBool::new(false));
-    let publishing = tokio::spawn(publisher(
-        nats(&url, None).await.client().clone(),
-        subjects.clone(),
-        rate,
-        stop.clone(),
-    ));
+    let mut publishing = spawn_publisher(&url);
 
     let mut live_during = 0;
     let mut base = None;
@@ -218,8 +247,12 @@ async fn bench() {
     }
     let elapsed = start.elapsed();
     let (rss, tasks, alive) = settle(&tracker).await;
-    stop.store(true, Ordering::Relaxed);
-    let published = publishing.await.unwrap();
+    drop(publishing.stdin.take());
+    let out = publishing
+        .wait_with_output()
+        .await
+        .expect("publisher exits");
+    let published = String::from_utf8_lossy(&out.stdout).trim().to_owned();
     let (base_rss, base_tasks, base_alive) = base.expect("at least 10 cycles");
     let s = stats.snapshot();
     println!(
@@ -254,10 +287,13 @@ async fn bench() {
 }
 
 fn main() {
-    tokio::runtime::Builder::new_multi_thread()
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .unwrap()
-        .block_on(bench());
+        .unwrap();
+    match std::env::var(PUBLISH_TO_ENV) {
+        Ok(url) => runtime.block_on(publisher_process(url)),
+        Err(_) => runtime.block_on(bench()),
+    }
 }
