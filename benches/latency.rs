@@ -38,7 +38,7 @@ use lease_router::types::{
 use lease_router::wire::{self, Envelope};
 use tokio_util::task::TaskTracker;
 
-use common::{nats, percentile, subjects, LifecycleGen, LifecycleShape, PollTimer};
+use common::{nats, percentile, subjects, LifecycleGen, LifecycleShape};
 
 const PUBLISHERS: u64 = 8;
 const WORKERS: u64 = 64;
@@ -409,11 +409,10 @@ async fn scan_loop(
         ticker.tick().await;
         let start = Instant::now();
         let start_us = wire::unix_micros_now();
-        let mut timed = PollTimer::new(manager.scan());
-        (&mut timed).await;
+        let report = manager.scan().await;
         out.windows.push((start_us, wire::unix_micros_now()));
         out.scanning += start.elapsed();
-        out.steps.extend_from_slice(&timed.steps);
+        out.steps.extend_from_slice(&report.steps);
         out.scans += 1;
         let start = Instant::now();
         for chunk in prefilled.chunks(512) {

@@ -8,7 +8,6 @@
 
 mod common;
 
-use std::cell::Cell;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -20,7 +19,7 @@ use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
 
-use common::{uuid_like, PollTimer, Rng};
+use common::{uuid_like, Rng};
 
 const SIZES: [usize; 3] = [1_000, 100_000, 1_000_000];
 const WORKERS: u64 = 64;
@@ -195,27 +194,24 @@ fn apply(c: &mut Criterion) {
 /// again, untimed, before each scan, so the population stays the same).
 fn scan(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, f: &Fixture) {
     let steps = std::cell::RefCell::new(Vec::new());
-    let polls = Cell::new(0u64);
     group.sampling_mode(SamplingMode::Flat).sample_size(10);
     group.bench_function(BenchmarkId::new("scan", f.live.len()), |b| {
         b.to_async(&f.rt).iter_custom(|iters| {
             let (manager, live) = (&f.manager, &f.live);
-            let (steps, polls) = (&steps, &polls);
+            let steps = &steps;
             async move {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
                     for bk in live {
                         manager.touch_booking(bk);
                     }
-                    let mut timed = PollTimer::new(manager.scan());
                     let start = Instant::now();
-                    let expired = (&mut timed).await;
+                    let report = manager.scan().await;
                     total += start.elapsed();
-                    assert_eq!(expired, 0);
+                    assert_eq!(report.expired, 0);
                     steps
                         .borrow_mut()
-                        .extend(timed.steps.iter().map(|d| d.as_micros() as u64));
-                    polls.set(timed.polls);
+                        .extend(report.steps.iter().map(|d| d.as_micros() as u64));
                 }
                 total
             }
@@ -224,10 +220,8 @@ fn scan(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTi
     let mut steps = steps.into_inner();
     steps.sort_unstable();
     println!(
-        "scan over {} leases: {} polls per scan (one shard each); shard step p50 {} us, p99 {} \
-         us, max {} us",
+        "scan over {} leases: shard step p50 {} us, p99 {} us, max {} us",
         f.live.len(),
-        polls.get(),
         common::percentile(&steps, 0.5),
         common::percentile(&steps, 0.99),
         steps.last().copied().unwrap_or(0)

@@ -25,7 +25,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info};
 
-use crate::lease::{LeaseConfig, RequestLeaseManager, SetSchedulerError};
+use crate::lease::{LeaseConfig, RequestLeaseManager, ScanLane, SetSchedulerError};
 use crate::observer::ReplicaRequestLeaseObserver;
 use crate::scheduler::{spawn_scheduler, SchedulerHandle};
 
@@ -50,6 +50,10 @@ pub struct IngressContext {
     pub cancel: CancellationToken,
     /// Spawn tasks here so the router's owner can see them end.
     pub tracker: TaskTracker,
+    /// The manager's reaper steps: a task that applies events should run each between two
+    /// of its batches, so ingest never waits on a lock a scan holds (see
+    /// [`crate::lease::reaper`]). Dropped, the reaper runs them itself.
+    pub scan_lane: ScanLane,
 }
 
 /// The last step of building a router: whatever feeds it events.
@@ -206,6 +210,7 @@ impl Router {
             observer: observer.clone(),
             cancel: cancel.child_token(),
             tracker: tracker.clone(),
+            scan_lane: manager.scan_lane(),
         };
         let ingress_tasks =
             ingress

@@ -3,9 +3,6 @@
 #![allow(dead_code)]
 
 use std::fs;
-use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use async_nats::Subject;
@@ -306,45 +303,6 @@ pub fn encoded_stream(
         });
     }
     out
-}
-
-/// Wraps a future and records how long each of its polls ran: for a scan that yields between
-/// shards, the longest poll is the longest time it kept its worker thread (and a shard lock).
-pub struct PollTimer<F> {
-    inner: Pin<Box<F>>,
-    pub polls: u64,
-    pub longest: Duration,
-    pub busy: Duration,
-    /// Every poll's duration, in order.
-    pub steps: Vec<Duration>,
-}
-
-impl<F: Future> PollTimer<F> {
-    pub fn new(inner: F) -> Self {
-        Self {
-            inner: Box::pin(inner),
-            polls: 0,
-            longest: Duration::ZERO,
-            busy: Duration::ZERO,
-            steps: Vec::new(),
-        }
-    }
-}
-
-impl<F: Future> Future for PollTimer<F> {
-    type Output = F::Output;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let start = Instant::now();
-        let result = self.inner.as_mut().poll(cx);
-        let took = start.elapsed();
-        let this = &mut *self;
-        this.polls += 1;
-        this.busy += took;
-        this.longest = this.longest.max(took);
-        this.steps.push(took);
-        result
-    }
 }
 
 /// Waits until `done()` or `bound` passes, checking every millisecond; returns when it was

@@ -25,6 +25,7 @@ use tracing::{debug, info, warn, Instrument};
 
 pub use apply::{Applied, ApplyConfig, EventApplier};
 
+use crate::lease::ScanLane;
 use crate::router::{IngressContext, IngressStart, RouterTask, TaskError};
 use crate::stats::IngressStats;
 use crate::subject::Subjects;
@@ -120,7 +121,7 @@ impl IngressStart for NatsIngress {
         );
         let apply = ctx
             .tracker
-            .spawn(apply(inbox, pipe, applier, stop).instrument(span));
+            .spawn(apply(inbox, ctx.scan_lane, pipe, applier, stop).instrument(span));
         Ok(vec![
             RouterTask {
                 name: "ingress",
@@ -200,15 +201,33 @@ fn burst(first: Message, subscriber: &mut async_nats::Subscriber, pipe: &Pipe) -
     burst
 }
 
-/// Decodes and applies the bursts, each as one batch. Once the router is gone it stops the
-/// receiving task and goes on counting what still arrives as late, until that task is done.
+/// Decodes and applies the bursts, each as one batch, and runs the reaper's steps between
+/// them. Once the router is gone it stops the receiving task and goes on counting what still
+/// arrives as late, until that task is done.
 async fn apply(
     mut inbox: mpsc::Receiver<Vec<Message>>,
+    mut scan_lane: ScanLane,
     pipe: Pipe,
     mut applier: EventApplier,
     stop: CancellationToken,
 ) -> Result<(), TaskError> {
-    while let Some(burst) = inbox.recv().await {
+    let mut scanning = true;
+    loop {
+        let burst = tokio::select! {
+            // Steps first: the reaper paces them, so a burst waits for at most one.
+            biased;
+            step = scan_lane.next(), if scanning => {
+                match step {
+                    Some(step) => step.run(),
+                    None => scanning = false,
+                }
+                continue;
+            }
+            burst = inbox.recv() => match burst {
+                Some(burst) => burst,
+                None => break,
+            },
+        };
         applier.begin_batch();
         for message in &burst {
             if applier.apply(&message.subject, &message.payload).is_err() && !stop.is_cancelled() {

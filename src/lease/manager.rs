@@ -27,13 +27,11 @@ use std::time::{Duration, Instant};
 use hashbrown::{hash_table, DefaultHashBuilder, HashTable};
 use parking_lot::RwLock;
 use serde::Serialize;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
-use tracing::{debug, Instrument};
+use tracing::debug;
 
 use super::clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
 use super::key::{hash_id, LeaseKey};
+use super::reaper::StepRoute;
 use crate::observer::{ReplicaRequestLeaseObserver, WeakRequestLeaseObserver};
 use crate::scheduler::{BookingWeight, Op, ReleaseReason, SchedulerBookingCleanup};
 use crate::types::{
@@ -50,8 +48,6 @@ pub const DEFAULT_MAX_ACTIVE_LEASES: usize = 1_000_000;
 /// Enough shards that one shard's scan step stays well under a millisecond at a million
 /// leases.
 const DEFAULT_SHARDS: usize = 256;
-/// The reaper's pause between two shards.
-const SCAN_STEP_PAUSE: Duration = Duration::from_millis(1);
 
 /// Settings of a [`RequestLeaseManager`].
 #[derive(Clone, Debug)]
@@ -256,9 +252,26 @@ pub(crate) struct RequestLeaseManagerInner {
     /// its shard's write lock), for the [`LeaseConfig::max_active_leases`] check.
     active: AtomicU64,
     max_active_leases: u64,
+    steps: StepRoute,
 }
 
 impl RequestLeaseManagerInner {
+    pub(super) fn step_route(&self) -> &StepRoute {
+        &self.steps
+    }
+
+    pub(super) fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    pub(super) fn scan_interval(&self) -> Duration {
+        self.scan_interval
+    }
+
+    pub(super) fn count_scan(&self) {
+        self.stats.add(Counter::Scans, 1);
+    }
+
     fn hash(&self, request_id: &str) -> u64 {
         hash_id(&self.hasher, request_id.as_bytes())
     }
@@ -553,12 +566,17 @@ impl RequestLeaseManager {
                 scan_interval: config.scan_interval,
                 active: AtomicU64::new(0),
                 max_active_leases: u64::try_from(config.max_active_leases).unwrap_or(u64::MAX),
+                steps: StepRoute::default(),
             }),
         }
     }
 
     pub(crate) fn from_inner(inner: Arc<RequestLeaseManagerInner>) -> Self {
         Self { inner }
+    }
+
+    pub(super) fn inner(&self) -> &Arc<RequestLeaseManagerInner> {
+        &self.inner
     }
 
     pub fn deployment(&self) -> &str {
@@ -809,85 +827,20 @@ impl RequestLeaseManager {
     /// under the shard's read lock: lookups and renewals (most events) never wait for a scan.
     /// The write lock is taken afterwards, and only when something expired, to remove the
     /// claimed leases; until then a claimed lease is dead to every event (see `admit`).
-    fn scan_shard(&self, index: usize) -> usize {
+    pub(super) fn scan_shard(&self, index: usize) -> usize {
         let expired = self.single(|inner, pending| inner.claim_expired(index, pending));
         if expired > 0 {
             self.inner.remove_claimed(index);
         }
         expired
     }
-
-    /// Runs one full reaper scan now, pausing between shards as the reaper does so ingest
-    /// keeps flowing. Returns how many leases expired.
-    pub async fn scan(&self) -> usize {
-        let mut expired = 0;
-        for index in 0..self.inner.shards.len() {
-            expired += self.scan_shard(index);
-            tokio::time::sleep(SCAN_STEP_PAUSE).await;
-        }
-        self.inner.stats.add(Counter::Scans, 1);
-        expired
-    }
-
-    /// Starts the reaper on `tracker`. It holds only a `Weak` of the manager, and ends when
-    /// `cancel` fires or the manager is gone.
-    pub fn spawn_reaper(&self, cancel: CancellationToken, tracker: &TaskTracker) -> JoinHandle<()> {
-        let weak = Arc::downgrade(&self.inner);
-        let interval = self.inner.scan_interval;
-        let span = tracing::info_span!("reaper", deployment = %self.inner.deployment);
-        tracker.spawn(reaper(weak, interval, cancel).instrument(span))
-    }
-}
-
-async fn reaper(
-    weak: Weak<RequestLeaseManagerInner>,
-    interval: Duration,
-    cancel: CancellationToken,
-) {
-    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = cancel.cancelled() => break,
-            _ = ticker.tick() => {}
-        }
-        let shards = match weak.upgrade() {
-            Some(inner) => inner.shards.len(),
-            None => break,
-        };
-        // At most a quarter of the interval goes into pauses, so short intervals still scan
-        // on time.
-        let pause = SCAN_STEP_PAUSE.min(interval / (4 * shards.max(1) as u32));
-        let mut expired = 0;
-        for index in 0..shards {
-            // Upgrade per shard: a scan never keeps a torn-down manager alive for long.
-            let Some(inner) = weak.upgrade() else {
-                debug!("reaper stopped: the manager is gone");
-                return;
-            };
-            expired += RequestLeaseManager::from_inner(inner).scan_shard(index);
-            // A pause, not just a yield: on two cores a scan that runs flat out takes one
-            // core from ingest for its whole length. Spread over the interval it costs
-            // nothing (a 300 s interval, a ~0.3 s scan).
-            tokio::select! {
-                _ = cancel.cancelled() => return,
-                _ = tokio::time::sleep(pause) => {}
-            }
-        }
-        if let Some(inner) = weak.upgrade() {
-            inner.stats.add(Counter::Scans, 1);
-        }
-        if expired > 0 {
-            debug!(expired, "reaper scan expired leases");
-        }
-    }
-    debug!("reaper stopped");
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::scheduler::{spawn_scheduler, WorkerLoad};
+    use tokio_util::task::TaskTracker;
 
     #[tokio::test]
     async fn a_lease_expired_but_not_yet_removed_is_dead_to_every_event() {
