@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use lease_router::ingress::{ApplyConfig, NatsIngress, StartIngressError};
-use lease_router::lease::{AdmitOutcome, CompleteOutcome, ProgressOutcome, RequestLeaseManager};
+use lease_router::lease::{
+    AdmitOutcome, CompleteOutcome, ProgressOutcome, RequestLeaseManager, StepTime,
+};
 use lease_router::observer::{DeliverEventError, ReplicaRequestLeaseObserver};
 use lease_router::router::{IngressContext, IngressStart, Router, RouterConfig, RouterTask};
 use lease_router::stats::{IngressStats, LagSnapshot};
@@ -38,7 +40,7 @@ use lease_router::types::{
 use lease_router::wire::{self, Envelope};
 use tokio_util::task::TaskTracker;
 
-use common::{nats, percentile, subjects, LifecycleGen, LifecycleShape};
+use common::{nats, percentile, subjects, LifecycleGen, LifecycleShape, StepStats};
 
 const PUBLISHERS: u64 = 8;
 const WORKERS: u64 = 64;
@@ -381,7 +383,7 @@ struct ScanLoop {
     scans: u64,
     scanning: Duration,
     /// Every shard step of every scan.
-    steps: Vec<Duration>,
+    steps: Vec<StepTime>,
     touching: Duration,
     /// `(start, end)` of every scan, unix µs.
     windows: Vec<(u64, u64)>,
@@ -511,23 +513,19 @@ async fn bench() {
         touching: touch_time,
         windows,
     } = scanner.await.unwrap();
-    let mut steps: Vec<u64> = steps.iter().map(|d| d.as_micros() as u64).collect();
-    steps.sort_unstable();
+    let steps = StepStats::new(&steps);
     println!(
         "during the scan phase: {scans} full scans over {PREFILL}+ leases, mean {:.1} ms per \
-         scan; one shard step (the time a scan holds a shard lock and its thread): p50 {} us, \
-         p99 {} us, max {} us; re-touching all leases between scans took {:.1} ms per pass",
+         scan; one shard step, run by the ingress's applying task between bursts (what it held \
+         ingest up): {}; re-touching all leases between scans took {:.1} ms per pass",
         scan_time.as_secs_f64() * 1e3 / scans.max(1) as f64,
-        percentile(&steps, 0.5),
-        percentile(&steps, 0.99),
-        steps.last().copied().unwrap_or(0),
+        steps.describe(),
         touch_time.as_secs_f64() * 1e3 / scans.max(1) as f64,
     );
-    println!("scan_step_p99_us={}", percentile(&steps, 0.99));
-    println!(
-        "scan_longest_step_us={}",
-        steps.last().copied().unwrap_or(0)
-    );
+    println!("scan_step_p99_us={}", percentile(&steps.wall, 0.99));
+    println!("scan_longest_step_us={}", steps.max_wall());
+    println!("scan_step_cpu_p99_us={}", percentile(&steps.cpu, 0.99));
+    println!("scan_longest_step_cpu_us={}", steps.max_cpu());
     let s = stats.snapshot();
     println!(
         "ingress: received {}, applied {}, dropped {:?}",

@@ -209,22 +209,16 @@ fn scan(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTi
                     let report = manager.scan().await;
                     total += start.elapsed();
                     assert_eq!(report.expired, 0);
-                    steps
-                        .borrow_mut()
-                        .extend(report.steps.iter().map(|d| d.as_micros() as u64));
+                    steps.borrow_mut().extend_from_slice(&report.steps);
                 }
                 total
             }
         })
     });
-    let mut steps = steps.into_inner();
-    steps.sort_unstable();
     println!(
-        "scan over {} leases: shard step p50 {} us, p99 {} us, max {} us",
+        "scan over {} leases, one shard step: {}",
         f.live.len(),
-        common::percentile(&steps, 0.5),
-        common::percentile(&steps, 0.99),
-        steps.last().copied().unwrap_or(0)
+        common::StepStats::new(&steps.into_inner()).describe()
     );
 }
 

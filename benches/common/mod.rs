@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use async_nats::Subject;
 use bytes::Bytes;
 use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
+use lease_router::lease::StepTime;
 use lease_router::nats_server::{NatsServer, NatsServerBuilder};
 use lease_router::subject::{DeploymentName, Subjects};
 use lease_router::wire::{
@@ -303,6 +304,47 @@ pub fn encoded_stream(
         });
     }
     out
+}
+
+/// Scan step lengths in µs, each sorted: wall time and the scanning thread's CPU time.
+pub struct StepStats {
+    pub wall: Vec<u64>,
+    pub cpu: Vec<u64>,
+}
+
+impl StepStats {
+    pub fn new(steps: &[StepTime]) -> Self {
+        let sorted = |f: fn(&StepTime) -> Duration| {
+            let mut v: Vec<u64> = steps.iter().map(|s| f(s).as_micros() as u64).collect();
+            v.sort_unstable();
+            v
+        };
+        Self {
+            wall: sorted(|s| s.wall),
+            cpu: sorted(|s| s.cpu),
+        }
+    }
+
+    pub fn max_cpu(&self) -> u64 {
+        self.cpu.last().copied().unwrap_or(0)
+    }
+
+    pub fn max_wall(&self) -> u64 {
+        self.wall.last().copied().unwrap_or(0)
+    }
+
+    /// "wall p50 .. us, p99 .. us, max .. us; CPU p50 .., p99 .., max .. us"
+    pub fn describe(&self) -> String {
+        format!(
+            "wall p50 {} us, p99 {} us, max {} us; CPU p50 {} us, p99 {} us, max {} us",
+            percentile(&self.wall, 0.5),
+            percentile(&self.wall, 0.99),
+            self.max_wall(),
+            percentile(&self.cpu, 0.5),
+            percentile(&self.cpu, 0.99),
+            self.max_cpu()
+        )
+    }
 }
 
 /// Waits until `done()` or `bound` passes, checking every millisecond; returns when it was

@@ -16,4 +16,4 @@ pub use manager::{
     AdmitOutcome, CompleteOutcome, LeaseBatch, LeaseConfig, LeaseRecord, LeaseStats,
     ProgressOutcome, RequestLeaseManager, SetSchedulerError, WeakRequestLeaseManager,
 };
-pub use reaper::{ScanLane, ScanReport, ScanStep};
+pub use reaper::{ScanLane, ScanReport, ScanStep, StepTime};

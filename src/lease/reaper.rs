@@ -29,9 +29,18 @@ pub(super) const SCAN_STEP_PAUSE: Duration = Duration::from_millis(1);
 pub struct ScanReport {
     /// Leases the scan expired.
     pub expired: usize,
-    /// How long each step (one shard) took on the task that ran it: what it held that task,
-    /// and the shard, up.
-    pub steps: Vec<Duration>,
+    /// Each step (one shard) as it ran on the task that ran it.
+    pub steps: Vec<StepTime>,
+}
+
+/// How long one scan step took.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepTime {
+    /// Wall time: what the step held its task (and, for the claims, its shard) up, including
+    /// any time the OS kept the thread off the CPU meanwhile.
+    pub wall: Duration,
+    /// The thread's CPU time: the step's own cost.
+    pub cpu: Duration,
 }
 
 /// The receiving end of a manager's scan steps, served by the task that applies its ingest
@@ -51,7 +60,7 @@ impl ScanLane {
 pub struct ScanStep {
     manager: Arc<RequestLeaseManagerInner>,
     shard: usize,
-    done: oneshot::Sender<(usize, Duration)>,
+    done: oneshot::Sender<(usize, StepTime)>,
 }
 
 impl ScanStep {
@@ -67,14 +76,33 @@ impl ScanStep {
 #[derive(Default)]
 pub(super) struct StepRoute(Mutex<Option<mpsc::Sender<ScanStep>>>);
 
-fn timed_step(manager: &Arc<RequestLeaseManagerInner>, shard: usize) -> (usize, Duration) {
-    let start = Instant::now();
+fn timed_step(manager: &Arc<RequestLeaseManagerInner>, shard: usize) -> (usize, StepTime) {
+    let (start, cpu_start) = (Instant::now(), thread_cpu_time());
     let expired = RequestLeaseManager::from_inner(manager.clone()).scan_shard(shard);
-    (expired, start.elapsed())
+    // CPU time read inside the wall-time interval, so it never exceeds it.
+    let cpu = thread_cpu_time().saturating_sub(cpu_start);
+    let wall = start.elapsed();
+    (expired, StepTime { wall, cpu })
+}
+
+/// The calling thread's CPU time so far (zero if the clock cannot be read).
+fn thread_cpu_time() -> Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid, writable timespec that outlives the call.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(
+        u64::try_from(now.tv_sec).unwrap_or(0),
+        u32::try_from(now.tv_nsec).unwrap_or(0),
+    )
 }
 
 /// Runs one step through the manager's lane if a task serves it, else here.
-async fn step(manager: Arc<RequestLeaseManagerInner>, shard: usize) -> (usize, Duration) {
+async fn step(manager: Arc<RequestLeaseManagerInner>, shard: usize) -> (usize, StepTime) {
     let lane = manager.step_route().0.lock().clone();
     if let Some(lane) = lane {
         let (done, outcome) = oneshot::channel();
@@ -230,6 +258,9 @@ mod tests {
         let (first, second) = scan.await.unwrap();
         assert_eq!(served, 8, "two scans of four shards");
         assert_eq!((first.steps.len(), second.steps.len()), (4, 4));
+        let steps = first.steps.iter().chain(&second.steps);
+        assert!(steps.clone().all(|s| s.cpu <= s.wall), "{first:?}");
+        assert!(steps.map(|s| s.cpu).sum::<Duration>() > Duration::ZERO);
         // A second chance, then the expiry.
         assert_eq!((first.expired, second.expired), (0, 1));
         assert_eq!(manager.active_leases(), 0);
