@@ -333,16 +333,21 @@ impl StepStats {
         self.wall.last().copied().unwrap_or(0)
     }
 
-    /// "wall p50 .. us, p99 .. us, max .. us; CPU p50 .., p99 .., max .. us"
+    /// "wall p50 .. us, p99 .. us, max .. us; CPU p50 .., p99 .., max .. us; over 1 ms: .."
     pub fn describe(&self) -> String {
+        let over_1ms = |v: &[u64]| v.iter().filter(|&&us| us > 1000).count();
         format!(
-            "wall p50 {} us, p99 {} us, max {} us; CPU p50 {} us, p99 {} us, max {} us",
+            "wall p50 {} us, p99 {} us, max {} us; CPU p50 {} us, p99 {} us, max {} us; steps \
+             over 1 ms: {} (wall), {} (CPU) of {}",
             percentile(&self.wall, 0.5),
             percentile(&self.wall, 0.99),
             self.max_wall(),
             percentile(&self.cpu, 0.5),
             percentile(&self.cpu, 0.99),
-            self.max_cpu()
+            self.max_cpu(),
+            over_1ms(&self.wall),
+            over_1ms(&self.cpu),
+            self.wall.len()
         )
     }
 }
