@@ -10,8 +10,9 @@
 //!
 //! # Layout
 //! - [`types`]: identities: request, worker, data-parallel rank, attempt, booking.
-//! - [`lease`]: the lease clock ([`lease::clock`]) and the [`lease::RequestLeaseManager`]
-//!   with its reaper; [`lease::LeaseBatch`] applies a burst of events at once.
+//! - [`lease`]: the lease clock ([`lease::clock`]), the [`lease::RequestLeaseManager`] and
+//!   its reaper ([`lease::reaper`], whose steps the ingress runs between bursts);
+//!   [`lease::LeaseBatch`] applies a burst of events at once.
 //! - [`observer`]: [`observer::ReplicaRequestLeaseObserver`] and the weak observer that
 //!   breaks the router's ownership cycle.
 //! - [`scheduler`]: the actor that owns per-worker load (sums only: the leases are the
@@ -21,8 +22,8 @@
 //! - [`wire`]: the MessagePack wire contract (documented in `schemas/`).
 //! - [`subject`]: NATS subjects and the validation of the names in them.
 //! - [`durable`]: durable mode on JetStream: the lease stream and the replaying ingress.
-//! - [`ingress`]: the core-NATS ingress (a receiving and an applying task) and the per-event
-//!   path shared with durable mode.
+//! - [`ingress`]: the core-NATS ingress (a receiving and an applying task, which also runs
+//!   the reaper's steps) and the per-event path shared with durable mode.
 //! - [`stats`]: the counters of one deployment's ingress.
 //! - [`publisher`]: [`publisher::LeasePublisher`], what workers publish their events with.
 //! - [`connection`]: connecting to NATS with retry, and connection state.

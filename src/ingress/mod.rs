@@ -4,8 +4,10 @@
 //! Two tasks form a short pipeline: one takes bursts of up to 256 messages off the
 //! subscription, the other decodes and applies each burst as one batch, so receiving runs
 //! beside applying (at most 8 bursts wait between them, then the subscription's own buffer
-//! fills and NATS reports a slow consumer). When the observer reports the router gone, the
-//! applying task stops the receiving one; when the router cancels, the receiving task stops.
+//! fills and NATS reports a slow consumer). The applying task also runs the reaper's steps
+//! between bursts (see [`crate::lease::reaper`]). When the observer reports the router gone,
+//! the applying task stops the receiving one; when the router cancels, the receiving task
+//! stops.
 //! Either way it unsubscribes and hands over what was already buffered (bounded), so those
 //! events are applied or counted as late rather than silently lost.
 
