@@ -7,7 +7,8 @@
 //! [`ScanLane`]: that task runs a step between two bursts, ingest never waits on a lock a
 //! scan holds, and a step costs ingest only its own length (well under a millisecond at a
 //! million leases). Without a lane (a manager fed by calls, or an ingress that does not serve
-//! one) the reaper runs its steps itself.
+//! one) the reaper runs its steps itself. The durable ingress does not serve one: its loop can
+//! wait out a NATS outage, and leases must go on expiring meanwhile.
 
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
