@@ -229,9 +229,11 @@ impl Mailbox {
         }
         let mut inbox = self.inbox.ops.lock();
         let before = inbox.len();
-        if before == 0 {
+        if before == 0 && ops.capacity() >= inbox.capacity() {
             // Hand the whole vector over instead of copying it; the caller gets the
-            // actor's empty one back.
+            // actor's empty one back. Never a smaller one: the inbox would have to grow
+            // again, and a growing vector is a large allocation now and then, under this
+            // lock (glibc's can take milliseconds when it first merges freed small chunks).
             mem::swap(&mut *inbox, ops);
         } else {
             inbox.append(ops);
