@@ -9,6 +9,8 @@
 //! and counted, and nothing leaks.
 //!
 //! # Layout
+//! - [`allocator`]: the glibc setting the binary starts with (no fastbins: no
+//!   millisecond-long merges in the middle of ingest).
 //! - [`types`]: identities: request, worker, data-parallel rank, attempt, booking.
 //! - [`lease`]: the lease clock ([`lease::clock`]), the [`lease::RequestLeaseManager`] and
 //!   its reaper ([`lease::reaper`], whose steps the ingress runs between bursts);
@@ -36,6 +38,7 @@
 //!
 //! The binary (`src/bin/lease-router.rs`) only parses arguments and wires these together.
 
+pub mod allocator;
 pub mod connection;
 pub mod durable;
 pub mod ingress;

@@ -54,6 +54,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    lease_router::allocator::tune_for_latency();
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
