@@ -117,8 +117,12 @@ async fn step(manager: Arc<RequestLeaseManagerInner>, shard: usize) -> (usize, S
                 return outcome;
             }
         }
-        // The serving task has ended (its router is stopping): run the steps here.
-        manager.step_route().0.lock().take();
+        // The serving task has ended (its router is stopping): run the steps here, unless a
+        // new lane has been opened meanwhile.
+        let mut route = manager.step_route().0.lock();
+        if route.as_ref().is_some_and(|open| open.same_channel(&lane)) {
+            *route = None;
+        }
     }
     timed_step(&manager, shard)
 }
