@@ -42,6 +42,15 @@ async fn durable_router(
     deployment: &str,
     replicas: usize,
 ) -> DurableHarness {
+    durable_router_scanning(conn, deployment, replicas, NO_EXPIRY).await
+}
+
+async fn durable_router_scanning(
+    conn: &NatsConnection,
+    deployment: &str,
+    replicas: usize,
+    scan_interval: Duration,
+) -> DurableHarness {
     let stats = Arc::new(IngressStats::new());
     let catch_up = Arc::new(CatchUpState::new());
     let ingress = JetStreamIngress::new(
@@ -53,7 +62,7 @@ async fn durable_router(
         catch_up.clone(),
     );
     let router = Router::start_tracked(
-        RouterConfig::new(deployment).with_scan_interval(NO_EXPIRY),
+        RouterConfig::new(deployment).with_scan_interval(scan_interval),
         ingress,
         TaskTracker::new(),
     )
@@ -401,6 +410,35 @@ async fn durable_ingress_survives_a_server_restart() {
     assert_eq!(s.received, total, "{s:?}");
     assert_eq!(s.dropped_total(), 0, "{s:?}");
     assert_eq!(live_ids(&h.router), live);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_expire_while_the_durable_ingress_waits_for_nats() {
+    let mut server = js_server().await;
+    let conn = client(&server.url()).await;
+    // Long enough that the leases expire only once the ingress has given up on its consumer
+    // (it checks every 2 s) and is recreating it: the reaper's steps must be served there too.
+    let scan = Duration::from_secs(5);
+    let h = durable_router_scanning(&conn, "outage", 1, scan).await;
+    let (events, live) = lifecycle_events("outage", 40, 2);
+    JsPublisher::new(client(&server.url()).await.client().clone(), "outage", 1)
+        .publish_all(events)
+        .await;
+    let manager = h.router.manager().clone();
+    assert!(
+        eventually(BOUND, || async { manager.active_leases() == live.len() }).await,
+        "{:?}",
+        h.stats.snapshot()
+    );
+    // NATS goes away for good: the ingress waits for it (and recreates its consumer in
+    // vain), and the reaper's steps, which it serves, still run.
+    server.kill().await;
+    assert!(
+        eventually(4 * scan + BOUND, || async { manager.active_leases() == 0 }).await,
+        "leases left: {}",
+        manager.active_leases()
+    );
+    assert_eq!(manager.stats().expired, live.len() as u64);
 }
 
 /// Publishes `events` in batches, killing the node the router is connected to after the

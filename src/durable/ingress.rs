@@ -20,6 +20,7 @@ use tracing::{info, warn, Instrument};
 use super::stream::{ensure_stream, EnsureStreamError, LeaseStreamConfig};
 use crate::connection::LogRateLimiter;
 use crate::ingress::{ApplyConfig, EventApplier};
+use crate::lease::ScanLane;
 use crate::retry::RetryPolicy;
 use crate::router::{IngressContext, IngressStart, RouterTask, TaskError};
 use crate::stats::IngressStats;
@@ -250,9 +251,10 @@ impl IngressStart for JetStreamIngress {
             replaying,
         };
         let span = tracing::info_span!("durable_ingress", deployment = %ctx.deployment);
-        let handle = ctx
-            .tracker
-            .spawn(run.run(messages, consumer, ctx.cancel).instrument(span));
+        let handle = ctx.tracker.spawn(
+            run.run(messages, consumer, ctx.scan_lane, ctx.cancel)
+                .instrument(span),
+        );
         Ok(vec![RouterTask {
             name: "durable-ingress",
             handle,
@@ -297,6 +299,7 @@ impl Run {
         mut self,
         mut messages: Messages,
         mut consumer: OrderedConsumer,
+        mut scan_lane: ScanLane,
         cancel: CancellationToken,
     ) -> Result<(), TaskError> {
         let warn_limit = LogRateLimiter::new(Duration::from_secs(5));
@@ -304,9 +307,12 @@ impl Run {
         idle_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut heard = true;
         loop {
+            // The reaper's steps run here between bursts, and also while the consumer is
+            // checked or recreated below: leases go on expiring through an outage.
             let next = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Ok(()),
+                never = scan_lane.serve() => match never {},
                 next = messages.next() => Next::Message(next),
                 _ = idle_check.tick() => Next::Quiet,
             };
@@ -328,7 +334,11 @@ impl Run {
                     if std::mem::replace(&mut heard, false) {
                         continue;
                     }
-                    match stalled(&mut consumer).await {
+                    let stalled = tokio::select! {
+                        why = stalled(&mut consumer) => why,
+                        never = scan_lane.serve() => match never {},
+                    };
+                    match stalled {
                         Some(why) => why,
                         None => continue,
                     }
@@ -337,7 +347,11 @@ impl Run {
             if warn_limit.check().is_some() {
                 warn!(%error, last = self.catch_up.last_stream_sequence(), "replay consumer lost; recreating");
             }
-            match self.reopen(&cancel).await {
+            let reopened = tokio::select! {
+                reopened = self.reopen(&cancel) => reopened,
+                never = scan_lane.serve() => match never {},
+            };
+            match reopened {
                 Some((m, c)) => (messages, consumer) = (m, c),
                 None => return Ok(()),
             }

@@ -213,18 +213,11 @@ async fn apply(
     mut applier: EventApplier,
     stop: CancellationToken,
 ) -> Result<(), TaskError> {
-    let mut scanning = true;
     loop {
         let burst = tokio::select! {
             // Steps first: the reaper paces them, so a burst waits for at most one.
             biased;
-            step = scan_lane.next(), if scanning => {
-                match step {
-                    Some(step) => step.run(),
-                    None => scanning = false,
-                }
-                continue;
-            }
+            never = scan_lane.serve() => match never {},
             burst = inbox.recv() => match burst {
                 Some(burst) => burst,
                 None => break,

@@ -6,10 +6,11 @@
 //! busy machine). So a router hands its steps to the task that applies its ingest, through a
 //! [`ScanLane`]: that task runs a step between two bursts, ingest never waits on a lock a
 //! scan holds, and a step costs ingest only its own length (well under a millisecond at a
-//! million leases). Without a lane (a manager fed by calls, or an ingress that does not serve
-//! one) the reaper runs its steps itself. The durable ingress does not serve one: its loop can
-//! wait out a NATS outage, and leases must go on expiring meanwhile.
+//! million leases). An ingress serves the lane also while it waits on anything else (a
+//! reconnect), so leases go on expiring through a NATS outage. Without a lane (a manager fed
+//! by calls, or an ingress that does not serve one) the reaper runs its steps itself.
 
+use std::convert::Infallible;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -54,6 +55,15 @@ impl ScanLane {
     /// The next step to run; `None` once the manager is gone.
     pub async fn next(&mut self) -> Option<ScanStep> {
         self.steps.recv().await
+    }
+
+    /// Runs each step as it arrives, and waits forever once the manager is gone: a branch
+    /// for a `select!` beside the caller's own work (which wins whenever it is ready).
+    pub async fn serve(&mut self) -> Infallible {
+        while let Some(step) = self.next().await {
+            step.run();
+        }
+        std::future::pending().await
     }
 }
 
