@@ -10,6 +10,7 @@
 //! `LEASE_ROUTER_KEEP_NATS_DIR=1` to keep the directory (store and log) after the server is
 //! dropped. `NATS_SERVER_BIN` overrides which binary is run (default: `nats-server` on PATH).
 
+use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::net::{SocketAddr, TcpListener};
@@ -142,8 +143,7 @@ pub fn pick_free_ports(n: usize) -> io::Result<Vec<u16>> {
 
 /// Lowest port [`pick_free_ports`] hands out outside the ephemeral range.
 const FIXED_PORTS_FROM: u16 = 10_000;
-static GIVEN_PORTS: Mutex<std::collections::BTreeSet<u16>> =
-    Mutex::new(std::collections::BTreeSet::new());
+static GIVEN_PORTS: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
 
 fn port_is_free(port: u16) -> bool {
     TcpListener::bind(("127.0.0.1", port)).is_ok()

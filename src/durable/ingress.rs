@@ -19,7 +19,7 @@ use tracing::{info, warn, Instrument};
 
 use super::stream::{ensure_stream, EnsureStreamError, LeaseStreamConfig};
 use crate::connection::LogRateLimiter;
-use crate::ingress::{ApplyConfig, EventApplier};
+use crate::ingress::{ApplyConfig, EventApplier, BURST};
 use crate::lease::ScanLane;
 use crate::retry::RetryPolicy;
 use crate::router::{IngressContext, IngressStart, RouterTask, TaskError};
@@ -261,9 +261,6 @@ impl IngressStart for JetStreamIngress {
         }])
     }
 }
-
-/// Messages applied as one batch at most.
-const BURST: usize = 256;
 
 /// What became of one stream message.
 enum Step {

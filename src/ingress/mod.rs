@@ -7,9 +7,8 @@
 //! fills and NATS reports a slow consumer). The applying task also runs the reaper's steps
 //! between bursts (see [`crate::lease::reaper`]). When the observer reports the router gone,
 //! the applying task stops the receiving one; when the router cancels, the receiving task
-//! stops.
-//! Either way it unsubscribes and hands over what was already buffered (bounded), so those
-//! events are applied or counted as late rather than silently lost.
+//! stops. Either way it unsubscribes and hands over what was already buffered (bounded), so
+//! those events are applied or counted as late rather than silently lost.
 
 pub mod apply;
 pub mod reorder;
@@ -34,8 +33,8 @@ use crate::subject::Subjects;
 
 /// How long a drain at shutdown may take before the rest is abandoned.
 const DRAIN_BOUND: Duration = Duration::from_secs(5);
-/// Messages applied per wake-up before yielding to the runtime.
-const BATCH: usize = 256;
+/// Messages taken and applied as one batch at most (both ingresses).
+pub(crate) const BURST: usize = 256;
 /// Bursts that may wait between receiving and applying.
 const PIPELINE_BATCHES: usize = 8;
 
@@ -190,11 +189,11 @@ async fn receive(
     Ok(())
 }
 
-/// `first` and the messages already buffered behind it, up to [`BATCH`].
+/// `first` and the messages already buffered behind it, up to [`BURST`].
 fn burst(first: Message, subscriber: &mut async_nats::Subscriber, pipe: &Pipe) -> Vec<Message> {
     let mut burst = pipe.take();
     burst.push(first);
-    while burst.len() < BATCH {
+    while burst.len() < BURST {
         match subscriber.next().now_or_never() {
             Some(Some(next)) => burst.push(next),
             _ => break,

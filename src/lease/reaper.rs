@@ -24,7 +24,7 @@ use tracing::{debug, Instrument};
 use super::manager::{RequestLeaseManager, RequestLeaseManagerInner};
 
 /// The reaper's pause between two shards.
-pub(super) const SCAN_STEP_PAUSE: Duration = Duration::from_millis(1);
+const SCAN_STEP_PAUSE: Duration = Duration::from_millis(1);
 
 /// What one full scan did.
 #[derive(Clone, Debug, Default)]
@@ -200,13 +200,13 @@ async fn reaper(
                 debug!("reaper stopped: the manager is gone");
                 return;
             };
-            // A pause, not just a yield: on two cores a scan that runs flat out takes one
-            // core from ingest for its whole length. Spread over the interval it costs
-            // nothing (a 300 s interval, a ~0.3 s scan).
             tokio::select! {
                 _ = cancel.cancelled() => return,
                 (n, _) = step(inner, shard) => expired += n,
             }
+            // A pause, not just a yield: on two cores a scan that runs flat out takes one
+            // core from ingest for its whole length. Spread over the interval it costs
+            // nothing (a 300 s interval, a ~0.3 s scan).
             tokio::select! {
                 _ = cancel.cancelled() => return,
                 _ = tokio::time::sleep(pause) => {}
