@@ -24,7 +24,7 @@ use lease_router::connection::NatsConnection;
 use lease_router::ingress::{ApplyConfig, EventApplier, NatsIngress};
 use lease_router::lease::{LeaseConfig, RequestLeaseManager};
 use lease_router::router::{Router, RouterConfig};
-use lease_router::scheduler::spawn_scheduler;
+use lease_router::scheduler::Scheduler;
 use lease_router::stats::IngressStats;
 use lease_router::wire::{self, LeaseEvent, DEFAULT_MAX_EVENT_BYTES};
 use tokio_util::task::TaskTracker;
@@ -235,16 +235,16 @@ fn breakdown(streams: &[Vec<Encoded>]) {
 
         let fresh = || {
             let tracker = TaskTracker::new();
+            let (scheduler, actor) = Scheduler::new(DEPLOYMENT);
             let manager = RequestLeaseManager::new(
                 DEPLOYMENT,
                 LeaseConfig {
                     max_active_leases: 4_000_000,
                     ..LeaseConfig::default()
                 },
+                scheduler.cleanup(),
             );
-            let (scheduler, _task) =
-                spawn_scheduler(DEPLOYMENT, Some(manager.replica_observer()), &tracker);
-            manager.set_scheduler(scheduler.cleanup()).unwrap();
+            actor.spawn(Some(manager.replica_observer()), &tracker);
             (manager, scheduler)
         };
 
@@ -278,7 +278,7 @@ fn breakdown(streams: &[Vec<Encoded>]) {
         let stats = Arc::new(IngressStats::new());
         let mut applier = EventApplier::new(
             subjects(DEPLOYMENT),
-            manager.replica_observer(),
+            manager.downgrade(),
             stats.clone(),
             ApplyConfig::default(),
         );

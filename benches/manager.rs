@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode};
 use lease_router::lease::{LeaseConfig, RequestLeaseManager};
-use lease_router::scheduler::{spawn_scheduler, SchedulerHandle};
+use lease_router::scheduler::{Scheduler, SchedulerHandle};
 use lease_router::types::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
@@ -53,18 +53,19 @@ impl Fixture {
             .build()
             .unwrap();
         let tracker = TaskTracker::new();
+        let (scheduler, actor) = Scheduler::new("bench");
         let manager = RequestLeaseManager::new(
             "bench",
             LeaseConfig {
                 max_active_leases: 4_000_000,
                 ..LeaseConfig::default()
             },
+            scheduler.cleanup(),
         );
-        let (scheduler, task) = {
+        let task = {
             let _enter = rt.enter();
-            spawn_scheduler("bench", Some(manager.replica_observer()), &tracker)
+            actor.spawn(Some(manager.replica_observer()), &tracker)
         };
-        manager.set_scheduler(scheduler.cleanup()).unwrap();
         let mut live = Vec::with_capacity(size);
         for i in 0..size as u64 {
             let b = booking(1, i);

@@ -11,7 +11,7 @@ mod common;
 use std::time::Instant;
 
 use lease_router::lease::{LeaseConfig, RequestLeaseManager, INLINE_KEY_BYTES};
-use lease_router::scheduler::spawn_scheduler;
+use lease_router::scheduler::Scheduler;
 use lease_router::types::{RequestLoad, WorkerWithDpRank};
 use tokio_util::task::TaskTracker;
 
@@ -30,15 +30,16 @@ fn per_lease(bytes: i64) -> f64 {
 async fn bench() {
     println!("machine: {}", common::machine());
     let tracker = TaskTracker::new();
+    let (scheduler, actor) = Scheduler::new("memory");
     let manager = RequestLeaseManager::new(
         "memory",
         LeaseConfig {
             max_active_leases: 4_000_000,
             ..LeaseConfig::default()
         },
+        scheduler.cleanup(),
     );
-    let (scheduler, _task) = spawn_scheduler("memory", Some(manager.replica_observer()), &tracker);
-    manager.set_scheduler(scheduler.cleanup()).unwrap();
+    actor.spawn(Some(manager.replica_observer()), &tracker);
     // Warm the allocator and the runtime a little so the baseline is not the bare process.
     scheduler.loads().await.unwrap();
 

@@ -7,14 +7,17 @@
 //! ```text
 //! Router ──> RequestLeaseManager ──> SchedulerBookingCleanup ──> scheduler channel
 //!   │                 ^ (Weak only)
-//!   ├──> SchedulerHandle ──> scheduler channel ──> scheduler task ──> WeakRequestLeaseObserver
-//!   ├──> CancellationToken (drop guard) ──> reaper task (Weak of the manager), ingress tasks
+//!   ├──> SchedulerHandle ──> scheduler channel ──> scheduler task ──> weak observer
+//!   ├──> CancellationToken (drop guard) ──> ingress tasks (and the reaper they run)
 //!   └──> JoinHandles
-//! ingress task ──> WeakRequestLeaseObserver ··> manager (Weak)
+//! ingress task ──> weak observer, WeakRequestLeaseManager, Reaper ··> manager (Weak)
 //! ```
 //!
 //! Nothing points back at the router or, strongly, at the manager, so dropping the router
 //! drops the manager, which drops the last sender, which ends the scheduler.
+//!
+//! Wiring is one pass: the scheduler's channel first, then the manager with its cleanup
+//! handle, then the actor with the manager's weak observer, so no half-wired state exists.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -23,11 +26,11 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
-use tracing::{debug, info};
+use tracing::{debug, info, Instrument};
 
-use crate::lease::{LeaseConfig, RequestLeaseManager, ScanLane, SetSchedulerError};
+use crate::lease::{LeaseConfig, Reaper, RequestLeaseManager, WeakRequestLeaseManager};
 use crate::observer::ReplicaRequestLeaseObserver;
-use crate::scheduler::{spawn_scheduler, SchedulerHandle};
+use crate::scheduler::{Scheduler, SchedulerHandle};
 
 /// How long [`Router::shutdown`] waits for the scheduler to see its last handle go.
 const SCHEDULER_STOP_GRACE: Duration = Duration::from_secs(10);
@@ -41,19 +44,23 @@ pub struct RouterTask {
     pub handle: JoinHandle<Result<(), TaskError>>,
 }
 
-/// What an ingress gets to work with.
+/// What an ingress gets to work with. Nothing in it keeps the router's manager alive.
 pub struct IngressContext {
     pub deployment: Arc<str>,
-    /// The weak observer: events go through it, and it says when the router is gone.
+    /// The weak observer, for events that name their attempt.
     pub observer: Arc<dyn ReplicaRequestLeaseObserver>,
+    /// The manager, weakly: wire events (which carry no attempt id) are applied in batches
+    /// through it, and a failed upgrade says the router is gone.
+    pub manager: WeakRequestLeaseManager,
+    /// The manager's scan cursor. The ingress must run it: between its units of work on the
+    /// task that applies events ([`Reaper::tick`] in its `select!`, so ingest never waits on
+    /// a lock a scan holds), or on a task of its own ([`Reaper::run`], as [`NoIngress`]
+    /// does). Dropped unrun, no lease ever expires.
+    pub reaper: Reaper,
     /// Cancelled when the router is dropped or shut down.
     pub cancel: CancellationToken,
     /// Spawn tasks here so the router's owner can see them end.
     pub tracker: TaskTracker,
-    /// The manager's reaper steps: a task that applies events should run each between two
-    /// of its batches, so ingest never waits on a lock a scan holds (see
-    /// [`crate::lease::reaper`]). Dropped, the reaper runs them itself.
-    pub scan_lane: ScanLane,
 }
 
 /// The last step of building a router: whatever feeds it events.
@@ -67,14 +74,23 @@ pub trait IngressStart: Send {
     ) -> impl Future<Output = Result<Vec<RouterTask>, Self::Error>> + Send;
 }
 
-/// No ingress: events are fed through [`Router::observer`] by the caller.
+/// No ingress: events are fed through [`Router::observer`] by the caller, and the reaper
+/// runs on a task of its own.
 pub struct NoIngress;
 
 impl IngressStart for NoIngress {
     type Error = std::convert::Infallible;
 
-    async fn start(self, _ctx: IngressContext) -> Result<Vec<RouterTask>, Self::Error> {
-        Ok(Vec::new())
+    async fn start(self, ctx: IngressContext) -> Result<Vec<RouterTask>, Self::Error> {
+        let span = tracing::info_span!("reaper", deployment = %ctx.deployment);
+        let reaper = async move {
+            ctx.reaper.run(ctx.cancel).await;
+            Ok(())
+        };
+        Ok(vec![RouterTask {
+            name: "reaper",
+            handle: ctx.tracker.spawn(reaper.instrument(span)),
+        }])
     }
 }
 
@@ -102,12 +118,6 @@ impl RouterConfig {
 /// Why a router could not be built. Whatever was started before the failure is torn down.
 #[derive(Debug, thiserror::Error)]
 pub enum StartRouterError {
-    #[error("deployment {deployment}: wiring the scheduler into the lease manager failed")]
-    Wire {
-        deployment: String,
-        #[source]
-        source: SetSchedulerError,
-    },
     #[error("deployment {deployment}: starting the ingress failed: {source}")]
     Ingress {
         deployment: String,
@@ -148,14 +158,13 @@ pub struct Router {
     tracker: TaskTracker,
     cancel: CancellationToken,
     scheduler_task: JoinHandle<()>,
-    reaper_task: JoinHandle<()>,
     ingress_tasks: Vec<RouterTask>,
     _cancel_on_drop: DropGuard,
 }
 
 impl Router {
-    /// Builds a router: manager, scheduler (given the manager's weak observer), wiring, then
-    /// `ingress`. If any step fails, everything started so far is torn down.
+    /// Builds a router: the scheduler's handle, the manager with its cleanup handle, the
+    /// scheduler actor with the manager's weak observer, then `ingress`. If any step fails, everything started so far is torn down.
     ///
     /// # Errors
     /// [`StartRouterError`] naming the step that failed.
@@ -194,23 +203,17 @@ impl Router {
         // whatever was started.
         let guard = cancel.clone().drop_guard();
 
-        let manager = RequestLeaseManager::new(&deployment, config.lease);
-        let reaper_task = manager.spawn_reaper(cancel.child_token(), &tracker);
-        let (scheduler, scheduler_task) =
-            spawn_scheduler(&deployment, Some(observer_for(&manager)), &tracker);
-        manager
-            .set_scheduler(scheduler.cleanup())
-            .map_err(|source| StartRouterError::Wire {
-                deployment: deployment.to_string(),
-                source,
-            })?;
+        let (scheduler, actor) = Scheduler::new(&deployment);
+        let manager = RequestLeaseManager::new(&deployment, config.lease, scheduler.cleanup());
+        let scheduler_task = actor.spawn(Some(observer_for(&manager)), &tracker);
         let observer = manager.replica_observer();
         let ctx = IngressContext {
             deployment: deployment.clone(),
             observer: observer.clone(),
+            manager: manager.downgrade(),
+            reaper: manager.reaper(),
             cancel: cancel.child_token(),
             tracker: tracker.clone(),
-            scan_lane: manager.scan_lane(),
         };
         let ingress_tasks =
             ingress
@@ -232,7 +235,6 @@ impl Router {
             tracker,
             cancel,
             scheduler_task,
-            reaper_task,
             ingress_tasks,
         })
     }
@@ -264,7 +266,9 @@ impl Router {
         self.cancel.child_token()
     }
 
-    /// Stops the ingress and the reaper, lets the scheduler end, and waits for every task.
+    /// Tears the router down and waits for every task: the ingress stops, the manager and
+    /// scheduler handles go first, so whatever the ingress still hands over (events already
+    /// buffered or in flight) reaches a dead observer and is counted as late, never applied.
     ///
     /// The scheduler ends once the last clone of the manager is gone; if a caller still
     /// holds one ten seconds on, that is reported as a failure rather than waited for.
@@ -280,11 +284,11 @@ impl Router {
             tracker: _,
             cancel,
             scheduler_task,
-            reaper_task,
             ingress_tasks,
             _cancel_on_drop,
         } = self;
         cancel.cancel();
+        drop((manager, scheduler, observer));
         let mut failures = Vec::new();
         let mut record = |task: &'static str, error: String| {
             failures.push(TaskFailure { task, error });
@@ -296,10 +300,6 @@ impl Router {
                 Err(e) => record(task.name, e.to_string()),
             }
         }
-        if let Err(e) = reaper_task.await {
-            record("reaper", e.to_string());
-        }
-        drop((manager, scheduler, observer));
         match tokio::time::timeout(SCHEDULER_STOP_GRACE, scheduler_task).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => record("scheduler", e.to_string()),

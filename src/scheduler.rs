@@ -33,8 +33,7 @@ use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, Instrument};
 
-use crate::lease::AdmitOutcome;
-use crate::observer::{DeliverEventError, ReplicaRequestLeaseObserver};
+use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
 use crate::types::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
 
 /// Why a booking is released.
@@ -177,8 +176,6 @@ pub enum ScheduleRequestError {
          or wait for leases to end)"
     )]
     LeasesFull,
-    #[error("the lease manager has no scheduler wired; a Router wires it before use")]
-    ManagerUnwired,
     #[error("the lease manager is gone: the router was torn down")]
     ManagerGone,
 }
@@ -388,7 +385,6 @@ impl SchedulerState {
         match observer.admitted(booking.clone(), load) {
             Ok(AdmitOutcome::Registered | AdmitOutcome::Duplicate | AdmitOutcome::Superseded) => {}
             Ok(AdmitOutcome::Full) => return Err(ScheduleRequestError::LeasesFull),
-            Ok(AdmitOutcome::NotWired) => return Err(ScheduleRequestError::ManagerUnwired),
             Err(DeliverEventError::ManagerGone) => return Err(ScheduleRequestError::ManagerGone),
         }
         // The manager queued the booking; apply it now so the next decision sees it.
@@ -397,32 +393,54 @@ impl SchedulerState {
     }
 }
 
-/// Starts the scheduler actor of one deployment on `tracker`.
-///
-/// The actor runs until every [`SchedulerHandle`] and [`SchedulerBookingCleanup`] is gone.
-pub fn spawn_scheduler(
-    deployment: &str,
-    observer: Option<Arc<dyn ReplicaRequestLeaseObserver>>,
-    tracker: &TaskTracker,
-) -> (SchedulerHandle, JoinHandle<()>) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let stats = Arc::new(SchedulerStats::default());
-    let inbox = Arc::new(Inbox {
-        ops: Mutex::new(Vec::new()),
-    });
-    let state = SchedulerState {
-        workers: HashMap::new(),
-        inbox: inbox.clone(),
-        batch: Vec::new(),
-        observer,
-        stats: stats.clone(),
-    };
-    let span = tracing::info_span!("scheduler", deployment = %deployment);
-    let task = tracker.spawn(run(state, rx).instrument(span));
-    let handle = SchedulerHandle {
-        mailbox: Mailbox { inbox, tx, stats },
-    };
-    (handle, task)
+/// The scheduler actor of one deployment, made before it runs: its handle exists first, so
+/// the lease manager can be built with its cleanup handle, and the actor is then started
+/// with the manager's weak observer. No half-wired state exists in between.
+pub struct Scheduler {
+    deployment: String,
+    state: SchedulerState,
+    rx: mpsc::UnboundedReceiver<Command>,
+}
+
+impl Scheduler {
+    /// The actor's channel and the handle to it; nothing runs until [`Scheduler::spawn`].
+    pub fn new(deployment: &str) -> (SchedulerHandle, Self) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let stats = Arc::new(SchedulerStats::default());
+        let inbox = Arc::new(Inbox {
+            ops: Mutex::new(Vec::new()),
+        });
+        let state = SchedulerState {
+            workers: HashMap::new(),
+            inbox: inbox.clone(),
+            batch: Vec::new(),
+            observer: None,
+            stats: stats.clone(),
+        };
+        let handle = SchedulerHandle {
+            mailbox: Mailbox { inbox, tx, stats },
+        };
+        let actor = Self {
+            deployment: deployment.to_owned(),
+            state,
+            rx,
+        };
+        (handle, actor)
+    }
+
+    /// Starts the actor on `tracker`. `observer` is where [`SchedulerHandle::schedule`]
+    /// books (the lease manager's weak observer); without one it counts bookings itself.
+    ///
+    /// The actor runs until every [`SchedulerHandle`] and [`SchedulerBookingCleanup`] is gone.
+    pub fn spawn(
+        mut self,
+        observer: Option<Arc<dyn ReplicaRequestLeaseObserver>>,
+        tracker: &TaskTracker,
+    ) -> JoinHandle<()> {
+        self.state.observer = observer;
+        let span = tracing::info_span!("scheduler", deployment = %self.deployment);
+        tracker.spawn(run(self.state, self.rx).instrument(span))
+    }
 }
 
 async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>) {
@@ -471,7 +489,8 @@ mod tests {
     #[tokio::test]
     async fn bookings_and_releases_move_worker_load() {
         let tracker = TaskTracker::new();
-        let (handle, _task) = spawn_scheduler("t", None, &tracker);
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
         let cleanup = handle.cleanup();
         let a = weight(100, Some(10));
         submit(
@@ -500,7 +519,8 @@ mod tests {
     #[tokio::test]
     async fn a_release_that_overtakes_its_booking_still_adds_up() {
         let tracker = TaskTracker::new();
-        let (handle, _task) = spawn_scheduler("t", None, &tracker);
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
         let cleanup = handle.cleanup();
         let w = weight(30, Some(7));
         submit(
@@ -526,7 +546,8 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn bursts_of_releases_merge_into_one_wakeup() {
         let tracker = TaskTracker::new();
-        let (handle, _task) = spawn_scheduler("t", None, &tracker);
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
         let cleanup = handle.cleanup();
         let w = weight(1, None);
         for i in 0..1000 {
@@ -550,7 +571,8 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_few_operations_wait_for_a_query_and_many_wake_the_actor() {
         let tracker = TaskTracker::new();
-        let (handle, _task) = spawn_scheduler("t", None, &tracker);
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
         let cleanup = handle.cleanup();
         let w = weight(1, None);
         submit(&cleanup, &[Op::Book(worker(1), w); 10]);
@@ -578,7 +600,8 @@ mod tests {
     #[tokio::test]
     async fn actor_ends_when_every_handle_is_gone() {
         let tracker = TaskTracker::new();
-        let (handle, task) = spawn_scheduler("t", None, &tracker);
+        let (handle, actor) = Scheduler::new("t");
+        let task = actor.spawn(None, &tracker);
         let cleanup = handle.cleanup();
         drop(handle);
         assert!(!task.is_finished());
@@ -592,7 +615,8 @@ mod tests {
     #[tokio::test]
     async fn schedule_places_on_least_loaded_worker() {
         let tracker = TaskTracker::new();
-        let (handle, _task) = spawn_scheduler("t", None, &tracker);
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
         assert!(matches!(
             handle
                 .schedule(RequestId::from("x"), RequestLoad::default())

@@ -15,7 +15,8 @@ use std::time::Duration;
 use common::*;
 use lease_router::ingress::sequence::SequenceTracker;
 use lease_router::ingress::{Applied, ApplyConfig, EventApplier};
-use lease_router::lease::{AdmitOutcome, LeaseConfig};
+use lease_router::lease::LeaseConfig;
+use lease_router::observer::AdmitOutcome;
 use lease_router::router::{NoIngress, Router, RouterConfig};
 use lease_router::stats::{DropReason, IngressStats};
 use lease_router::subject::Subjects;
@@ -48,7 +49,12 @@ async fn router_with(lease: LeaseConfig) -> Router {
 fn applier(router: &Router, config: ApplyConfig) -> (EventApplier, Arc<IngressStats>, Subjects) {
     let stats = Arc::new(IngressStats::new());
     let subjects = subjects(DEPLOYMENT);
-    let applier = EventApplier::new(subjects.clone(), router.observer(), stats.clone(), config);
+    let applier = EventApplier::new(
+        subjects.clone(),
+        router.manager().downgrade(),
+        stats.clone(),
+        config,
+    );
     (applier, stats, subjects)
 }
 

@@ -20,7 +20,7 @@ use tracing::{info, warn, Instrument};
 use super::stream::{ensure_stream, EnsureStreamError, LeaseStreamConfig};
 use crate::connection::LogRateLimiter;
 use crate::ingress::{ApplyConfig, EventApplier, BURST};
-use crate::lease::ScanLane;
+use crate::lease::Reaper;
 use crate::retry::RetryPolicy;
 use crate::router::{IngressContext, IngressStart, RouterTask, TaskError};
 use crate::stats::IngressStats;
@@ -238,7 +238,7 @@ impl IngressStart for JetStreamIngress {
             self.catch_up.finish(started);
         }
         info!(deployment = %ctx.deployment, %filter, pending, "durable ingress replaying");
-        let mut applier = EventApplier::new(self.subjects, ctx.observer, self.stats, self.apply);
+        let mut applier = EventApplier::new(self.subjects, ctx.manager, self.stats, self.apply);
         let replaying = !self.catch_up.is_caught_up();
         applier.set_record_lag(!replaying);
         let run = Run {
@@ -252,7 +252,7 @@ impl IngressStart for JetStreamIngress {
         };
         let span = tracing::info_span!("durable_ingress", deployment = %ctx.deployment);
         let handle = ctx.tracker.spawn(
-            run.run(messages, consumer, ctx.scan_lane, ctx.cancel)
+            run.run(messages, consumer, ctx.reaper, ctx.cancel)
                 .instrument(span),
         );
         Ok(vec![RouterTask {
@@ -296,7 +296,7 @@ impl Run {
         mut self,
         mut messages: Messages,
         mut consumer: OrderedConsumer,
-        mut scan_lane: ScanLane,
+        mut reaper: Reaper,
         cancel: CancellationToken,
     ) -> Result<(), TaskError> {
         let warn_limit = LogRateLimiter::new(Duration::from_secs(5));
@@ -309,7 +309,7 @@ impl Run {
             let next = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Ok(()),
-                never = scan_lane.serve() => match never {},
+                () = reaper.tick() => continue,
                 next = messages.next() => Next::Message(next),
                 _ = idle_check.tick() => Next::Quiet,
             };
@@ -331,11 +331,7 @@ impl Run {
                     if std::mem::replace(&mut heard, false) {
                         continue;
                     }
-                    let stalled = tokio::select! {
-                        why = stalled(&mut consumer) => why,
-                        never = scan_lane.serve() => match never {},
-                    };
-                    match stalled {
+                    match reaper.beside(stalled(&mut consumer)).await {
                         Some(why) => why,
                         None => continue,
                     }
@@ -344,11 +340,7 @@ impl Run {
             if warn_limit.check().is_some() {
                 warn!(%error, last = self.catch_up.last_stream_sequence(), "replay consumer lost; recreating");
             }
-            let reopened = tokio::select! {
-                reopened = self.reopen(&cancel) => reopened,
-                never = scan_lane.serve() => match never {},
-            };
-            match reopened {
+            match reaper.beside(self.reopen(&cancel)).await {
                 Some((m, c)) => (messages, consumer) = (m, c),
                 None => return Ok(()),
             }

@@ -14,8 +14,8 @@ use tracing::{debug, warn};
 use super::reorder::{ExpiringMap, InsertOutcome};
 use super::sequence::{SequenceTracker, SequenceVerdict};
 use crate::connection::LogRateLimiter;
-use crate::lease::{AdmitOutcome, CompleteOutcome, LeaseBatch, ProgressOutcome};
-use crate::observer::{DeliverEventError, ReplicaRequestLeaseObserver};
+use crate::lease::{LeaseBatch, WeakRequestLeaseManager};
+use crate::observer::{AdmitOutcome, CompleteOutcome, DeliverEventError, ProgressOutcome};
 use crate::scheduler::Op;
 use crate::stats::{DropReason, IngressStats, PendingCounts};
 use crate::subject::Subjects;
@@ -64,10 +64,11 @@ pub enum Applied {
     Dropped(DropReason),
 }
 
-/// Applies received events of one deployment to its router through the weak observer.
+/// Applies received events of one deployment to its router, reaching the manager only
+/// through a `Weak`.
 pub struct EventApplier {
     subjects: Subjects,
-    observer: Arc<dyn ReplicaRequestLeaseObserver>,
+    manager: WeakRequestLeaseManager,
     stats: Arc<IngressStats>,
     config: ApplyConfig,
     sequences: SequenceTracker,
@@ -87,20 +88,21 @@ pub struct EventApplier {
 struct Batch {
     /// The wall clock, read once for all its events.
     clock_us: u64,
-    /// The manager, upgraded once; `None` when the observer takes one call per event.
+    /// The manager, upgraded once; `None` once the router is gone.
     leases: Option<LeaseBatch>,
 }
 
 impl EventApplier {
+    /// `manager` is the router's ([`crate::router::IngressContext::manager`]).
     pub fn new(
         subjects: Subjects,
-        observer: Arc<dyn ReplicaRequestLeaseObserver>,
+        manager: WeakRequestLeaseManager,
         stats: Arc<IngressStats>,
         config: ApplyConfig,
     ) -> Self {
         Self {
             subjects,
-            observer,
+            manager,
             stats,
             sequences: SequenceTracker::new(config.max_publishers),
             tombstones: ExpiringMap::new(config.tombstone_ttl, config.max_tombstones),
@@ -116,16 +118,17 @@ impl EventApplier {
 
     /// Starts a batch of messages taken at once. Their lag is measured against one reading
     /// of the clock, their counts are added to the stats at the end, and they go to one
-    /// [`LeaseBatch`] if the observer offers one: per event, a clock read, a few atomic
-    /// increments, a `Weak` upgrade and a scheduler hand-over each cost about as much as the
-    /// lease update itself. Apply the batch without awaiting in between: it holds the
-    /// manager until [`EventApplier::end_batch`].
+    /// [`LeaseBatch`]: per event, a clock read, a few atomic increments, a `Weak` upgrade
+    /// and a scheduler hand-over each cost about as much as the lease update itself. Apply
+    /// the batch without awaiting in between: it holds the manager until
+    /// [`EventApplier::end_batch`].
     pub fn begin_batch(&mut self) {
         self.end_batch();
-        let mut leases = self.observer.lease_batch();
-        if let Some(leases) = &mut leases {
+        let leases = self.manager.upgrade().map(|manager| {
+            let mut leases = manager.batch();
             leases.use_buffer(mem::take(&mut self.spare_ops));
-        }
+            leases
+        });
         self.batch = Some(Batch {
             clock_us: wire::unix_micros_now(),
             leases,
@@ -162,15 +165,18 @@ impl EventApplier {
     /// [`DeliverEventError::ManagerGone`] once the router is torn down: the event is counted
     /// as a late drop, and the caller should stop.
     pub fn apply(&mut self, subject: &str, payload: &[u8]) -> Result<Applied, DeliverEventError> {
+        if self.batch.is_none() {
+            self.begin_batch();
+            let outcome = self.apply(subject, payload);
+            self.end_batch();
+            return outcome;
+        }
         self.counts.received();
         let outcome = self.apply_inner(subject, payload);
         match outcome {
             Ok(Applied::Dropped(reason)) => self.stats.dropped(reason),
             Err(DeliverEventError::ManagerGone) => self.stats.dropped(DropReason::Late),
             Ok(_) => {}
-        }
-        if self.batch.is_none() {
-            self.counts.flush(&self.stats);
         }
         outcome
     }
@@ -253,10 +259,10 @@ impl EventApplier {
         if outcome == Applied::Applied {
             self.counts.applied(kind);
             if self.record_lag {
-                let now = match &self.batch {
-                    Some(batch) => batch.clock_us,
-                    None => wire::unix_micros_now(),
-                };
+                let now = self
+                    .batch
+                    .as_ref()
+                    .map_or_else(wire::unix_micros_now, |batch| batch.clock_us);
                 self.counts
                     .lag_us(now.saturating_sub(envelope.published_at_us));
             }
@@ -289,9 +295,12 @@ impl EventApplier {
         }
     }
 
-    /// The open lease batch, if any.
-    fn leases(&mut self) -> Option<&mut LeaseBatch> {
-        self.batch.as_mut().and_then(|batch| batch.leases.as_mut())
+    /// The open lease batch, or the router is gone.
+    fn leases(&mut self) -> Result<&mut LeaseBatch, DeliverEventError> {
+        self.batch
+            .as_mut()
+            .and_then(|batch| batch.leases.as_mut())
+            .ok_or(DeliverEventError::ManagerGone)
     }
 
     fn admit_current(
@@ -300,10 +309,7 @@ impl EventApplier {
         worker: WorkerWithDpRank,
         load: RequestLoad,
     ) -> Result<AdmitOutcome, DeliverEventError> {
-        match self.leases() {
-            Some(leases) => Ok(leases.admit_current(request_id, worker, load)),
-            None => self.observer.admitted_current(request_id, worker, load),
-        }
+        Ok(self.leases()?.admit_current(request_id, worker, load))
     }
 
     fn progress_current(
@@ -311,10 +317,7 @@ impl EventApplier {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Result<Option<ProgressOutcome>, DeliverEventError> {
-        match self.leases() {
-            Some(leases) => Ok(leases.touch_current(request_id, worker)),
-            None => self.observer.progressed_current(request_id, worker),
-        }
+        Ok(self.leases()?.touch_current(request_id, worker))
     }
 
     fn complete_current(
@@ -322,10 +325,7 @@ impl EventApplier {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Result<Option<CompleteOutcome>, DeliverEventError> {
-        match self.leases() {
-            Some(leases) => Ok(leases.complete_current(request_id, worker)),
-            None => self.observer.completed_current(request_id, worker),
-        }
+        Ok(self.leases()?.complete_current(request_id, worker))
     }
 
     fn admitted(&mut self, e: Admitted) -> Result<Applied, DeliverEventError> {
@@ -339,7 +339,6 @@ impl EventApplier {
         }
         // A re-sent admission of a live lease renews it; otherwise this is a new attempt.
         match self.admit_current(request_id, worker, load)? {
-            AdmitOutcome::NotWired => return Ok(Applied::Dropped(DropReason::Stale)),
             AdmitOutcome::Full => {
                 // Refused by the manager's max_active_leases (counted there as refused_full);
                 // progress held for it would wait for nothing.
@@ -385,8 +384,8 @@ impl EventApplier {
 
     fn worker_reset(&mut self, e: WorkerReset) -> Result<Applied, DeliverEventError> {
         let dropped = self
-            .observer
-            .worker_reset(WorkerId(e.worker_id), e.dp_rank.map(DpRank))?;
+            .leases()?
+            .reset_worker(WorkerId(e.worker_id), e.dp_rank.map(DpRank));
         self.tombstones.forget_worker(|w| e.covers(w));
         self.held_progress.forget_worker(|w| e.covers(w));
         debug!(worker = e.worker_id, dropped, "worker reset applied");

@@ -7,8 +7,8 @@
 //! fills and NATS reports a slow consumer). The applying task also runs the reaper's steps
 //! between bursts (see [`crate::lease::reaper`]). When the observer reports the router gone,
 //! the applying task stops the receiving one; when the router cancels, the receiving task
-//! stops. Either way it unsubscribes and hands over what was already buffered (bounded), so
-//! those events are applied or counted as late rather than silently lost.
+//! stops. Either way it unsubscribes and hands over what was already buffered (bounded): on a
+//! router torn down those reach the dead observer and are counted as late, never lost silently.
 
 pub mod apply;
 pub mod reorder;
@@ -26,7 +26,7 @@ use tracing::{debug, info, warn, Instrument};
 
 pub use apply::{Applied, ApplyConfig, EventApplier};
 
-use crate::lease::ScanLane;
+use crate::lease::Reaper;
 use crate::router::{IngressContext, IngressStart, RouterTask, TaskError};
 use crate::stats::IngressStats;
 use crate::subject::Subjects;
@@ -57,12 +57,18 @@ pub enum StartIngressError {
     DeploymentMismatch { ingress: String, router: String },
 }
 
+/// Called with each burst of messages once it is applied and handed to the scheduler, on the
+/// applying task (keep it short): for measuring publish-to-apply latency, or for reacting to
+/// fresh load at once.
+pub type AppliedHook = Arc<dyn Fn(&[Message]) + Send + Sync>;
+
 /// The core-NATS ingress: at-most-once, live events only.
 pub struct NatsIngress {
     client: async_nats::Client,
     subjects: Subjects,
     config: ApplyConfig,
     stats: Arc<IngressStats>,
+    on_applied: Option<AppliedHook>,
 }
 
 impl NatsIngress {
@@ -79,7 +85,14 @@ impl NatsIngress {
             subjects,
             config,
             stats,
+            on_applied: None,
         }
+    }
+
+    /// Calls `hook` after each burst is applied (see [`AppliedHook`]).
+    pub fn on_applied(mut self, hook: AppliedHook) -> Self {
+        self.on_applied = Some(hook);
+        self
     }
 }
 
@@ -111,7 +124,7 @@ impl IngressStart for NatsIngress {
                 source,
             })?;
         info!(deployment = %ctx.deployment, %filter, "ingress subscribed");
-        let applier = EventApplier::new(self.subjects, ctx.observer, self.stats, self.config);
+        let applier = EventApplier::new(self.subjects, ctx.manager, self.stats, self.config);
         let (batches, inbox) = mpsc::channel(PIPELINE_BATCHES);
         let pipe = Pipe::default();
         // Cancelled by the router, or by the applying task once the router is gone.
@@ -122,7 +135,7 @@ impl IngressStart for NatsIngress {
         );
         let apply = ctx
             .tracker
-            .spawn(apply(inbox, ctx.scan_lane, pipe, applier, stop).instrument(span));
+            .spawn(apply(inbox, ctx.reaper, pipe, applier, self.on_applied, stop).instrument(span));
         Ok(vec![
             RouterTask {
                 name: "ingress",
@@ -207,16 +220,17 @@ fn burst(first: Message, subscriber: &mut async_nats::Subscriber, pipe: &Pipe) -
 /// arrives as late, until that task is done.
 async fn apply(
     mut inbox: mpsc::Receiver<Vec<Message>>,
-    mut scan_lane: ScanLane,
+    mut reaper: Reaper,
     pipe: Pipe,
     mut applier: EventApplier,
+    on_applied: Option<AppliedHook>,
     stop: CancellationToken,
 ) -> Result<(), TaskError> {
     loop {
         let burst = tokio::select! {
             // Steps first: the reaper paces them, so a burst waits for at most one.
             biased;
-            never = scan_lane.serve() => match never {},
+            () = reaper.tick() => continue,
             burst = inbox.recv() => match burst {
                 Some(burst) => burst,
                 None => break,
@@ -230,6 +244,9 @@ async fn apply(
             }
         }
         applier.end_batch();
+        if let Some(hook) = &on_applied {
+            hook(&burst);
+        }
         pipe.give_back(burst);
     }
     Ok(())

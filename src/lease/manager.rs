@@ -11,17 +11,12 @@
 //! only per-worker sums, so the lease table is the one per-booking record.
 //!
 //! Scheduler operations and counters are gathered per call, or per [`LeaseBatch`] of events,
-//! and handed over after the shard lock is released.
-//!
-//! # Events before `set_scheduler`
-//! A manager that has no scheduler yet refuses admissions ([`AdmitOutcome::NotWired`]) and
-//! counts them in [`LeaseStats::refused_unwired`]: it stores nothing it could not later
-//! release. [`crate::router::Router`] wires the scheduler before it starts any ingress, so a
-//! refusal means a library user fed events to an unwired manager.
+//! and handed over after the shard lock is released. A manager is built with the scheduler's
+//! cleanup handle, so every booking it stores can be released.
 
 use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use hashbrown::{hash_table, DefaultHashBuilder, HashTable};
@@ -31,8 +26,8 @@ use tracing::debug;
 
 use super::clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
 use super::key::{hash_id, LeaseKey};
-use super::reaper::StepRoute;
-use crate::observer::{ReplicaRequestLeaseObserver, WeakRequestLeaseObserver};
+use super::reaper::StepLog;
+use crate::observer::{AdmitOutcome, CompleteOutcome, ProgressOutcome};
 use crate::scheduler::{BookingWeight, Op, ReleaseReason, SchedulerBookingCleanup};
 use crate::types::{
     AttemptId, DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId,
@@ -75,49 +70,6 @@ impl Default for LeaseConfig {
     }
 }
 
-/// The result of an admission.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum AdmitOutcome {
-    /// A new lease.
-    Registered,
-    /// The same booking again: counted as a touch.
-    Duplicate,
-    /// A new attempt replaced an older attempt of the same request id, whose booking was
-    /// released.
-    Superseded,
-    /// No scheduler is wired yet: refused, nothing stored.
-    NotWired,
-    /// [`LeaseConfig::max_active_leases`] live leases already: refused, nothing stored.
-    Full,
-}
-
-/// The result of a renewal.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum ProgressOutcome {
-    /// The lease was QUIET and is TOUCHED again.
-    Renewed,
-    /// The lease was already TOUCHED since the last scan.
-    Coalesced,
-    /// No live lease has this attempt: unknown, completed, expired or superseded.
-    Stale,
-}
-
-/// The result of a completion.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum CompleteOutcome {
-    /// This completion claimed the lease and released its booking.
-    Released,
-    /// No live lease has this attempt: nothing released.
-    Stale,
-}
-
-/// `set_scheduler` may be called only once.
-#[derive(Debug, thiserror::Error)]
-pub enum SetSchedulerError {
-    #[error("the request-lease manager already has a scheduler")]
-    AlreadySet,
-}
-
 /// What a manager counts, one slot each in [`LeaseStatsCounters`] and in a batch's
 /// pending counts.
 #[derive(Clone, Copy, Debug)]
@@ -132,7 +84,6 @@ enum Counter {
     StaleCompletions,
     Expired,
     ResetReleased,
-    RefusedUnwired,
     RefusedFull,
     Scans,
 }
@@ -167,7 +118,6 @@ pub struct LeaseStats {
     pub stale_completions: u64,
     pub expired: u64,
     pub reset_released: u64,
-    pub refused_unwired: u64,
     /// Admissions refused because [`LeaseConfig::max_active_leases`] were live.
     pub refused_full: u64,
     pub scans: u64,
@@ -232,11 +182,7 @@ impl Pending {
                 inner.stats.0[slot].fetch_add(mem::take(n), Ordering::Relaxed);
             }
         }
-        match inner.scheduler.get() {
-            Some(scheduler) => scheduler.submit(&mut self.ops),
-            // Nothing is booked without a scheduler, so there is nothing to release.
-            None => self.ops.clear(),
-        }
+        inner.scheduler.submit(&mut self.ops);
     }
 }
 
@@ -244,7 +190,7 @@ pub(crate) struct RequestLeaseManagerInner {
     deployment: Arc<str>,
     shards: Box<[Shard]>,
     hasher: DefaultHashBuilder,
-    scheduler: OnceLock<SchedulerBookingCleanup>,
+    scheduler: SchedulerBookingCleanup,
     stats: LeaseStatsCounters,
     epoch: Instant,
     scan_interval: Duration,
@@ -252,11 +198,11 @@ pub(crate) struct RequestLeaseManagerInner {
     /// its shard's write lock), for the [`LeaseConfig::max_active_leases`] check.
     active: AtomicU64,
     max_active_leases: u64,
-    steps: StepRoute,
+    steps: StepLog,
 }
 
 impl RequestLeaseManagerInner {
-    pub(super) fn step_route(&self) -> &StepRoute {
+    pub(super) fn step_log(&self) -> &StepLog {
         &self.steps
     }
 
@@ -307,10 +253,6 @@ impl RequestLeaseManagerInner {
         same: impl FnOnce(&Lease) -> bool,
         fresh: impl FnOnce() -> (LeaseKey, AttemptId),
     ) -> AdmitOutcome {
-        if self.scheduler.get().is_none() {
-            pending.count(Counter::RefusedUnwired);
-            return AdmitOutcome::NotWired;
-        }
         // One clock read per batch: every admission of a burst shares it.
         let admitted_at = *pending.now_secs.get_or_insert_with(|| self.now_secs());
         let hash = self.hash(request_id);
@@ -468,8 +410,7 @@ fn count_completion(pending: &mut Pending, released: bool) -> CompleteOutcome {
 
 /// The liveness record of every booking of one deployment.
 ///
-/// Cheap to clone: clones share one state. See the module docs for what happens to events
-/// that arrive before [`RequestLeaseManager::set_scheduler`].
+/// Cheap to clone: clones share one state.
 #[derive(Clone)]
 pub struct RequestLeaseManager {
     inner: Arc<RequestLeaseManagerInner>,
@@ -529,6 +470,11 @@ impl LeaseBatch {
             .complete(&mut self.pending, request_id, |l| l.worker == worker)
     }
 
+    /// [`RequestLeaseManager::reset_worker`] within the batch.
+    pub fn reset_worker(&mut self, worker_id: WorkerId, dp_rank: Option<DpRank>) -> usize {
+        self.manager.reset_worker(worker_id, dp_rank)
+    }
+
     /// Gathers this batch's scheduler operations in `buffer` (emptied first): a caller that
     /// opens batch after batch hands the same allocation round instead of growing a new
     /// vector each time.
@@ -553,20 +499,22 @@ impl Drop for LeaseBatch {
 }
 
 impl RequestLeaseManager {
-    pub fn new(deployment: &str, config: LeaseConfig) -> Self {
+    /// A manager whose bookings are counted in and released from the scheduler behind
+    /// `scheduler` (see [`crate::scheduler::Scheduler::new`]).
+    pub fn new(deployment: &str, config: LeaseConfig, scheduler: SchedulerBookingCleanup) -> Self {
         let shards = config.shards.max(1).next_power_of_two();
         Self {
             inner: Arc::new(RequestLeaseManagerInner {
                 deployment: Arc::from(deployment),
                 shards: (0..shards).map(|_| RwLock::new(HashTable::new())).collect(),
                 hasher: DefaultHashBuilder::default(),
-                scheduler: OnceLock::new(),
+                scheduler,
                 stats: LeaseStatsCounters::default(),
                 epoch: Instant::now(),
                 scan_interval: config.scan_interval,
                 active: AtomicU64::new(0),
                 max_active_leases: u64::try_from(config.max_active_leases).unwrap_or(u64::MAX),
-                steps: StepRoute::default(),
+                steps: StepLog::default(),
             }),
         }
     }
@@ -585,23 +533,6 @@ impl RequestLeaseManager {
 
     pub fn downgrade(&self) -> WeakRequestLeaseManager {
         WeakRequestLeaseManager(Arc::downgrade(&self.inner))
-    }
-
-    /// The observer to hand to the scheduler and the ingress: it holds only a `Weak` of this
-    /// manager, so it never keeps the manager (and through it the scheduler) alive.
-    pub fn replica_observer(&self) -> Arc<dyn ReplicaRequestLeaseObserver> {
-        Arc::new(WeakRequestLeaseObserver::new(Arc::downgrade(&self.inner)))
-    }
-
-    /// Wires the scheduler that bookings are counted in and released from.
-    ///
-    /// # Errors
-    /// [`SetSchedulerError::AlreadySet`] on a second call.
-    pub fn set_scheduler(&self, cleanup: SchedulerBookingCleanup) -> Result<(), SetSchedulerError> {
-        self.inner
-            .scheduler
-            .set(cleanup)
-            .map_err(|_| SetSchedulerError::AlreadySet)
     }
 
     /// Starts a batch (see [`LeaseBatch`]).
@@ -796,6 +727,11 @@ impl RequestLeaseManager {
         out
     }
 
+    /// Lock shards, each one reaper step.
+    pub fn shard_count(&self) -> usize {
+        self.inner.shards.len()
+    }
+
     pub fn active_leases(&self) -> usize {
         self.inner.shards.iter().map(|s| s.read().len()).sum()
     }
@@ -814,7 +750,6 @@ impl RequestLeaseManager {
             stale_completions: c.get(Counter::StaleCompletions),
             expired: c.get(Counter::Expired),
             reset_released: c.get(Counter::ResetReleased),
-            refused_unwired: c.get(Counter::RefusedUnwired),
             refused_full: c.get(Counter::RefusedFull),
             scans: c.get(Counter::Scans),
         }
@@ -839,15 +774,15 @@ impl RequestLeaseManager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scheduler::{spawn_scheduler, WorkerLoad};
+    use crate::scheduler::{Scheduler, WorkerLoad};
     use tokio_util::task::TaskTracker;
 
     #[tokio::test]
     async fn a_lease_expired_but_not_yet_removed_is_dead_to_every_event() {
         let tracker = TaskTracker::new();
-        let manager = RequestLeaseManager::new("t", LeaseConfig::default());
-        let (scheduler, _task) = spawn_scheduler("t", None, &tracker);
-        manager.set_scheduler(scheduler.cleanup()).unwrap();
+        let (scheduler, actor) = Scheduler::new("t");
+        let manager = RequestLeaseManager::new("t", LeaseConfig::default(), scheduler.cleanup());
+        actor.spawn(None, &tracker);
         let worker = WorkerWithDpRank::new(1, 0);
         let load = RequestLoad::new(10, Some(1));
         manager.admit_current("r", worker, load);

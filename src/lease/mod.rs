@@ -1,19 +1,22 @@
 //! Request leases: the liveness record of every booking a router mirrors.
 //!
 //! [`clock`] is the per-lease second-chance clock; [`manager`] owns the leases and applies
-//! lifecycle events to them; [`reaper`] scans for the ones nobody renews (on the task that
-//! applies ingest, when a router gives it one); `key` is how the tables keep request ids
-//! (inline up to [`INLINE_KEY_BYTES`] bytes).
+//! lifecycle events to them; [`reaper`] is the scan cursor that expires the ones nobody
+//! renews (run by the task that applies ingest, when a router has one); `weak_observer` is
+//! the observer that reaches the manager without keeping it alive; `key` is how the tables
+//! keep request ids (inline up to [`INLINE_KEY_BYTES`] bytes).
 
 pub mod clock;
 mod key;
 pub mod manager;
 pub mod reaper;
+mod weak_observer;
 
 pub use clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
 pub use key::INLINE_KEY_BYTES;
 pub use manager::{
-    AdmitOutcome, CompleteOutcome, LeaseBatch, LeaseConfig, LeaseRecord, LeaseStats,
-    ProgressOutcome, RequestLeaseManager, SetSchedulerError, WeakRequestLeaseManager,
+    LeaseBatch, LeaseConfig, LeaseRecord, LeaseStats, RequestLeaseManager, WeakRequestLeaseManager,
 };
-pub use reaper::{ScanLane, ScanReport, ScanStep, StepTime};
+pub use reaper::{Reaper, ScanReport, StepTime};
+#[cfg(test)]
+pub(crate) use weak_observer::StrongRequestLeaseObserver;

@@ -3,41 +3,43 @@
 //! A step claims expired leases under its shard's read lock, and admissions and completions
 //! of that shard wait for it. Run on a task of its own, a step whose thread the OS
 //! deschedules would hold them up for as long as the thread is off the CPU (milliseconds on a
-//! busy machine). So a router hands its steps to the task that applies its ingest, through a
-//! [`ScanLane`]: that task runs a step between two bursts, ingest never waits on a lock a
-//! scan holds, and a step costs ingest only its own length (well under a millisecond at a
-//! million leases). An ingress serves the lane also while it waits on anything else (a
-//! reconnect), so leases go on expiring through a NATS outage. Without a lane (a manager fed
-//! by calls, or an ingress that does not serve one) the reaper runs its steps itself.
+//! busy machine). So a [`Reaper`] is a cursor, not a task: the router hands it to the task
+//! that applies its ingest, which runs a step between two bursts ([`Reaper::tick`] in its
+//! `select!`), so ingest never waits on a lock a scan holds and a step costs ingest only its
+//! own length (well under a millisecond at a million leases). A router without such a task
+//! runs the cursor on a task of its own ([`Reaper::run`]).
 
-use std::convert::Infallible;
-use std::sync::{Arc, Weak};
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinHandle;
+use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
-use tracing::{debug, Instrument};
+use tracing::debug;
 
 use super::manager::{RequestLeaseManager, RequestLeaseManagerInner};
 
 /// The reaper's pause between two shards.
 const SCAN_STEP_PAUSE: Duration = Duration::from_millis(1);
+/// Step timings kept for [`RequestLeaseManager::take_scan_steps`]: a few scans' worth.
+const STEP_LOG: usize = 4096;
 
 /// What one full scan did.
 #[derive(Clone, Debug, Default)]
 pub struct ScanReport {
     /// Leases the scan expired.
     pub expired: usize,
-    /// Each step (one shard) as it ran on the task that ran it.
+    /// Each step (one shard) as it ran.
     pub steps: Vec<StepTime>,
 }
 
 /// How long one scan step took.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StepTime {
+    /// When it started, unix µs: to line steps up with other wall-clock records.
+    pub started_us: u64,
     /// Wall time: what the step held its task (and, for the claims, its shard) up, including
     /// any time the OS kept the thread off the CPU meanwhile.
     pub wall: Duration,
@@ -45,55 +47,135 @@ pub struct StepTime {
     pub cpu: Duration,
 }
 
-/// The receiving end of a manager's scan steps, served by the task that applies its ingest
-/// (see the module documentation). Dropping it hands the steps back to the reaper.
-pub struct ScanLane {
-    steps: mpsc::Receiver<ScanStep>,
-}
-
-impl ScanLane {
-    /// The next step to run; `None` once the manager is gone.
-    pub async fn next(&mut self) -> Option<ScanStep> {
-        self.steps.recv().await
-    }
-
-    /// Runs each step as it arrives, and waits forever once the manager is gone: a branch
-    /// for a `select!` beside the caller's own work (which wins whenever it is ready).
-    pub async fn serve(&mut self) -> Infallible {
-        while let Some(step) = self.next().await {
-            step.run();
-        }
-        std::future::pending().await
-    }
-}
-
-/// One shard's scan step, to be run by the receiver of a [`ScanLane`].
-pub struct ScanStep {
-    manager: Arc<RequestLeaseManagerInner>,
-    shard: usize,
-    done: oneshot::Sender<(usize, StepTime)>,
-}
-
-impl ScanStep {
-    /// Runs the step now, on the calling task.
-    pub fn run(self) {
-        let outcome = timed_step(&self.manager, self.shard);
-        // The scan may have been cancelled meanwhile: nobody waits for the outcome then.
-        let _ = self.done.send(outcome);
-    }
-}
-
-/// Where a manager's steps go: the sending end of its lane, if one was opened.
+/// The most recent step timings of a manager's reaper, oldest dropped first.
 #[derive(Default)]
-pub(super) struct StepRoute(Mutex<Option<mpsc::Sender<ScanStep>>>);
+pub(super) struct StepLog(Mutex<VecDeque<StepTime>>);
 
-fn timed_step(manager: &Arc<RequestLeaseManagerInner>, shard: usize) -> (usize, StepTime) {
+impl StepLog {
+    fn push(&self, step: StepTime) {
+        let mut log = self.0.lock();
+        if log.len() == STEP_LOG {
+            log.pop_front();
+        }
+        log.push_back(step);
+    }
+}
+
+/// The scan cursor of one manager: which shard is next and when. Holds only a `Weak` of the
+/// manager, so whoever runs it never keeps a torn-down router's leases alive.
+#[must_use = "a reaper that nobody runs expires nothing"]
+pub struct Reaper {
+    manager: Weak<RequestLeaseManagerInner>,
+    interval: Duration,
+    pause: Duration,
+    next_shard: usize,
+    scan_started: tokio::time::Instant,
+    expired: usize,
+    /// When the next step is due; kept registered across `tick`s so serving the reaper in a
+    /// loop costs no timer registration per iteration.
+    due: Pin<Box<Sleep>>,
+}
+
+impl Reaper {
+    pub(super) fn new(manager: &RequestLeaseManager) -> Self {
+        let inner = manager.inner();
+        let interval = inner.scan_interval();
+        let shards = inner.shard_count().max(1) as u32;
+        let now = tokio::time::Instant::now();
+        Self {
+            manager: std::sync::Arc::downgrade(inner),
+            interval,
+            // At most a quarter of the interval goes into pauses, so short intervals still
+            // scan on time.
+            pause: SCAN_STEP_PAUSE.min(interval / (4 * shards)),
+            next_shard: 0,
+            scan_started: now,
+            expired: 0,
+            due: Box::pin(tokio::time::sleep_until(now + interval)),
+        }
+    }
+
+    /// Waits until the next step is due and runs it on the calling task. Cancel-safe (a
+    /// `select!` branch beside the caller's own work); never returns once the manager is
+    /// gone.
+    pub async fn tick(&mut self) {
+        self.due.as_mut().await;
+        if self.step().is_none() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Runs `work` to its end, running the steps that fall due meanwhile: so leases go on
+    /// expiring while the serving task waits on something long (a reconnect).
+    pub async fn beside<F: std::future::Future>(&mut self, work: F) -> F::Output {
+        tokio::pin!(work);
+        loop {
+            tokio::select! {
+                biased;
+                out = &mut work => return out,
+                () = self.tick() => {}
+            }
+        }
+    }
+
+    /// Runs the steps on this task until `cancel` fires or the manager is gone.
+    pub async fn run(mut self, cancel: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = self.due.as_mut() => {}
+            }
+            if self.step().is_none() {
+                break;
+            }
+        }
+        debug!("reaper stopped");
+    }
+
+    /// Runs the next step now, whether due or not, and schedules the one after. `None` once
+    /// the manager is gone.
+    fn step(&mut self) -> Option<StepTime> {
+        // Upgraded per step: a scan never keeps a torn-down manager alive for long.
+        let manager = RequestLeaseManager::from_inner(self.manager.upgrade()?);
+        if self.next_shard == 0 {
+            self.scan_started = tokio::time::Instant::now();
+        }
+        let (expired, took) = timed_step(&manager, self.next_shard);
+        self.expired += expired;
+        self.next_shard += 1;
+        let now = tokio::time::Instant::now();
+        let next = if self.next_shard < manager.inner().shard_count() {
+            // A pause, not just a yield: on two cores a scan that runs flat out takes one
+            // core from ingest for its whole length. Spread over the interval it costs
+            // nothing (a 300 s interval, a ~0.3 s scan).
+            now + self.pause
+        } else {
+            manager.inner().count_scan();
+            if self.expired > 0 {
+                debug!(expired = self.expired, "reaper scan expired leases");
+            }
+            self.next_shard = 0;
+            self.expired = 0;
+            (self.scan_started + self.interval).max(now + self.pause)
+        };
+        self.due.as_mut().reset(next);
+        Some(took)
+    }
+}
+
+fn timed_step(manager: &RequestLeaseManager, shard: usize) -> (usize, StepTime) {
+    let started_us = crate::wire::unix_micros_now();
     let (start, cpu_start) = (Instant::now(), thread_cpu_time());
-    let expired = RequestLeaseManager::from_inner(manager.clone()).scan_shard(shard);
+    let expired = manager.scan_shard(shard);
     // CPU time read inside the wall-time interval, so it never exceeds it.
     let cpu = thread_cpu_time().saturating_sub(cpu_start);
-    let wall = start.elapsed();
-    (expired, StepTime { wall, cpu })
+    let took = StepTime {
+        started_us,
+        wall: start.elapsed(),
+        cpu,
+    };
+    manager.inner().step_log().push(took);
+    (expired, took)
 }
 
 /// The calling thread's CPU time so far (zero if the clock cannot be read).
@@ -112,42 +194,16 @@ fn thread_cpu_time() -> Duration {
     )
 }
 
-/// Runs one step through the manager's lane if a task serves it, else here.
-async fn step(manager: Arc<RequestLeaseManagerInner>, shard: usize) -> (usize, StepTime) {
-    let lane = manager.step_route().0.lock().clone();
-    if let Some(lane) = lane {
-        let (done, outcome) = oneshot::channel();
-        let request = ScanStep {
-            manager: manager.clone(),
-            shard,
-            done,
-        };
-        if lane.send(request).await.is_ok() {
-            if let Ok(outcome) = outcome.await {
-                return outcome;
-            }
-        }
-        // The serving task has ended (its router is stopping): run the steps here, unless a
-        // new lane has been opened meanwhile.
-        let mut route = manager.step_route().0.lock();
-        if route.as_ref().is_some_and(|open| open.same_channel(&lane)) {
-            *route = None;
-        }
-    }
-    timed_step(&manager, shard)
-}
-
 impl RequestLeaseManager {
-    /// Opens the lane that this manager's scan steps go through from now on (replacing any
-    /// earlier one); the caller runs each step it receives, between its own units of work.
-    pub fn scan_lane(&self) -> ScanLane {
-        let (sender, steps) = mpsc::channel(1);
-        *self.inner().step_route().0.lock() = Some(sender);
-        ScanLane { steps }
+    /// The scan cursor of this manager, first due one scan interval from now. Run exactly one
+    /// per manager: between the units of work of the task that applies events
+    /// ([`Reaper::tick`]), or on a task of its own ([`Reaper::run`]).
+    pub fn reaper(&self) -> Reaper {
+        Reaper::new(self)
     }
 
-    /// Runs one full reaper scan now, pausing between shards as the reaper does so ingest
-    /// keeps flowing.
+    /// Runs one full scan now on the calling task, pausing between shards as the reaper does
+    /// so ingest keeps flowing.
     pub async fn scan(&self) -> ScanReport {
         let shards = self.inner().shard_count();
         let mut report = ScanReport {
@@ -155,7 +211,7 @@ impl RequestLeaseManager {
             steps: Vec::with_capacity(shards),
         };
         for shard in 0..shards {
-            let (expired, took) = step(self.inner().clone(), shard).await;
+            let (expired, took) = timed_step(self, shard);
             report.expired += expired;
             report.steps.push(took);
             tokio::time::sleep(SCAN_STEP_PAUSE).await;
@@ -164,164 +220,139 @@ impl RequestLeaseManager {
         report
     }
 
-    /// Starts the reaper on `tracker`. It holds only a `Weak` of the manager, and ends when
-    /// `cancel` fires or the manager is gone.
-    pub fn spawn_reaper(&self, cancel: CancellationToken, tracker: &TaskTracker) -> JoinHandle<()> {
-        let weak = Arc::downgrade(self.inner());
-        let interval = self.inner().scan_interval();
-        let span = tracing::info_span!("reaper", deployment = %self.deployment());
-        tracker.spawn(reaper(weak, interval, cancel).instrument(span))
+    /// The timings of the reaper's most recent steps (up to a few thousand), oldest first,
+    /// and forgets them: how long a scan step held up the task that ran it.
+    pub fn take_scan_steps(&self) -> Vec<StepTime> {
+        self.inner().step_log().0.lock().drain(..).collect()
     }
-}
-
-async fn reaper(
-    weak: Weak<RequestLeaseManagerInner>,
-    interval: Duration,
-    cancel: CancellationToken,
-) {
-    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = cancel.cancelled() => break,
-            _ = ticker.tick() => {}
-        }
-        let shards = match weak.upgrade() {
-            Some(inner) => inner.shard_count(),
-            None => break,
-        };
-        // At most a quarter of the interval goes into pauses, so short intervals still scan
-        // on time.
-        let pause = SCAN_STEP_PAUSE.min(interval / (4 * shards.max(1) as u32));
-        let mut expired = 0;
-        for shard in 0..shards {
-            // Upgrade per shard: a scan never keeps a torn-down manager alive for long.
-            let Some(inner) = weak.upgrade() else {
-                debug!("reaper stopped: the manager is gone");
-                return;
-            };
-            tokio::select! {
-                _ = cancel.cancelled() => return,
-                (n, _) = step(inner, shard) => expired += n,
-            }
-            // A pause, not just a yield: on two cores a scan that runs flat out takes one
-            // core from ingest for its whole length. Spread over the interval it costs
-            // nothing (a 300 s interval, a ~0.3 s scan).
-            tokio::select! {
-                _ = cancel.cancelled() => return,
-                _ = tokio::time::sleep(pause) => {}
-            }
-        }
-        if let Some(inner) = weak.upgrade() {
-            inner.count_scan();
-        }
-        if expired > 0 {
-            debug!(expired, "reaper scan expired leases");
-        }
-    }
-    debug!("reaper stopped");
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use tokio_util::task::TaskTracker;
+
     use super::*;
     use crate::lease::LeaseConfig;
-    use crate::scheduler::spawn_scheduler;
+    use crate::scheduler::Scheduler;
     use crate::types::{RequestLoad, WorkerWithDpRank};
 
-    const BOUND: Duration = Duration::from_secs(30);
+    const INTERVAL: Duration = Duration::from_secs(300);
 
-    fn wired_manager(tracker: &TaskTracker) -> RequestLeaseManager {
+    fn manager(tracker: &TaskTracker) -> RequestLeaseManager {
+        let (scheduler, actor) = Scheduler::new("t");
         let manager = RequestLeaseManager::new(
             "t",
             LeaseConfig {
                 shards: 4,
+                scan_interval: INTERVAL,
                 ..LeaseConfig::default()
             },
+            scheduler.cleanup(),
         );
-        let (scheduler, _task) = spawn_scheduler("t", None, tracker);
-        manager.set_scheduler(scheduler.cleanup()).unwrap();
+        actor.spawn(None, tracker);
         manager
     }
 
     #[tokio::test(start_paused = true)]
-    async fn steps_run_on_the_task_that_serves_the_lane() {
+    async fn ticks_run_one_step_each_and_a_scan_per_interval() {
         let tracker = TaskTracker::new();
-        let manager = wired_manager(&tracker);
-        let worker = WorkerWithDpRank::new(1, 0);
-        manager.admit_current("r", worker, RequestLoad::new(1, Some(1)));
-        let mut lane = manager.scan_lane();
-        let scan = tokio::spawn({
-            let manager = manager.clone();
-            async move { (manager.scan().await, manager.scan().await) }
-        });
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        assert!(
-            !scan.is_finished(),
-            "nobody served the lane, yet the scan ran"
+        let manager = manager(&tracker);
+        manager.admit_current(
+            "r",
+            WorkerWithDpRank::new(1, 0),
+            RequestLoad::new(1, Some(1)),
         );
-        let mut served = 0;
-        while !scan.is_finished() {
+        let mut reaper = manager.reaper();
+        let start = tokio::time::Instant::now();
+        reaper.tick().await;
+        assert_eq!(
+            start.elapsed(),
+            INTERVAL,
+            "the first step waits one interval"
+        );
+        for _ in 0..3 {
+            reaper.tick().await;
+        }
+        assert_eq!(
+            manager.stats().scans,
+            1,
+            "four ticks, four shards, one scan"
+        );
+        assert_eq!(manager.active_leases(), 1, "a second chance first");
+        assert!(
+            start.elapsed() < INTERVAL + Duration::from_millis(10),
+            "the steps of a scan follow each other closely"
+        );
+        reaper.tick().await;
+        assert_eq!(
+            start.elapsed(),
+            2 * INTERVAL,
+            "the next scan starts an interval later"
+        );
+        for _ in 0..3 {
+            reaper.tick().await;
+        }
+        assert_eq!((manager.stats().scans, manager.active_leases()), (2, 0));
+        let steps = manager.take_scan_steps();
+        assert_eq!(steps.len(), 8);
+        assert!(steps.iter().all(|s| s.cpu <= s.wall), "{steps:?}");
+        assert!(manager.take_scan_steps().is_empty(), "taken once");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tick_in_a_select_loses_nothing_when_the_other_branch_wins() {
+        let tracker = TaskTracker::new();
+        let manager = manager(&tracker);
+        let mut reaper = manager.reaper();
+        let mut other = tokio::time::interval(Duration::from_millis(7));
+        let mut ticks = 0;
+        while manager.stats().scans < 3 {
             tokio::select! {
-                Some(step) = lane.next() => {
-                    step.run();
-                    served += 1;
-                }
-                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                biased;
+                _ = reaper.tick() => ticks += 1,
+                _ = other.tick() => {}
             }
         }
-        let (first, second) = scan.await.unwrap();
-        assert_eq!(served, 8, "two scans of four shards");
-        assert_eq!((first.steps.len(), second.steps.len()), (4, 4));
-        let steps = first.steps.iter().chain(&second.steps);
-        assert!(steps.clone().all(|s| s.cpu <= s.wall), "{first:?}");
-        assert!(steps.map(|s| s.cpu).sum::<Duration>() > Duration::ZERO);
-        // A second chance, then the expiry.
-        assert_eq!((first.expired, second.expired), (0, 1));
-        assert_eq!(manager.active_leases(), 0);
+        assert_eq!(ticks, 12, "three scans of four shards, each step once");
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_dropped_lane_hands_the_steps_back() {
+    async fn the_reaper_ends_when_its_manager_is_gone_or_cancelled() {
         let tracker = TaskTracker::new();
-        let manager = wired_manager(&tracker);
-        manager.admit_current("r", WorkerWithDpRank::new(1, 0), RequestLoad::new(1, None));
-        drop(manager.scan_lane());
-        let scans = async { (manager.scan().await, manager.scan().await) };
-        let (first, second) = tokio::time::timeout(BOUND, scans).await.expect("bounded");
-        assert_eq!((first.expired, second.expired), (0, 1));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn reaper_and_lane_end_when_the_manager_is_gone() {
-        let tracker = TaskTracker::new();
-        let manager = wired_manager(&tracker);
-        let mut lane = manager.scan_lane();
-        let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let serving = tokio::spawn({
-            let served = served.clone();
-            async move {
-                while let Some(step) = lane.next().await {
-                    step.run();
-                    served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-            }
-        });
-        let cancel = CancellationToken::new();
-        let reaper = manager.spawn_reaper(cancel.clone(), &tracker);
-        // Interval 300 s: let a few scans run through the lane.
-        tokio::time::sleep(Duration::from_secs(1000)).await;
-        assert!(served.load(std::sync::atomic::Ordering::Relaxed) >= 4);
+        let manager = manager(&tracker);
+        let running = tokio::spawn(manager.reaper().run(CancellationToken::new()));
+        tokio::time::sleep(3 * INTERVAL).await;
+        assert_eq!(manager.stats().scans, 2, "it ran while the manager lived");
+        let weak = Arc::downgrade(manager.inner());
         drop(manager);
-        // It notices at its next tick.
-        tokio::time::timeout(Duration::from_secs(301), reaper)
+        assert!(
+            weak.upgrade().is_none(),
+            "the reaper holds no strong reference"
+        );
+        tokio::time::timeout(2 * INTERVAL, running)
             .await
             .expect("the reaper ends without its manager")
             .unwrap();
-        tokio::time::timeout(BOUND, serving)
+
+        let manager = self::manager(&tracker);
+        let cancel = CancellationToken::new();
+        let running = tokio::spawn(manager.reaper().run(cancel.clone()));
+        cancel.cancel();
+        tokio::time::timeout(Duration::from_secs(1), running)
             .await
-            .expect("the lane closes with its manager")
+            .expect("the reaper ends when cancelled")
             .unwrap();
-        assert!(!cancel.is_cancelled());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tick_never_returns_once_the_manager_is_gone() {
+        let tracker = TaskTracker::new();
+        let manager = manager(&tracker);
+        let mut reaper = manager.reaper();
+        drop(manager);
+        let ticked = tokio::time::timeout(10 * INTERVAL, reaper.tick()).await;
+        assert!(ticked.is_err(), "a gone manager has no steps");
     }
 }

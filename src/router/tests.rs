@@ -5,10 +5,8 @@ use parking_lot::Mutex;
 use tokio_util::task::TaskTracker;
 
 use super::*;
-use crate::lease::{
-    AdmitOutcome, CompleteOutcome, LeaseState, ProgressOutcome, WeakRequestLeaseManager,
-};
-use crate::observer::{DeliverEventError, StrongRequestLeaseObserver};
+use crate::lease::{LeaseState, StrongRequestLeaseObserver, WeakRequestLeaseManager};
+use crate::observer::{AdmitOutcome, CompleteOutcome, DeliverEventError, ProgressOutcome};
 use crate::scheduler::WorkerLoad;
 use crate::types::{
     DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
@@ -135,15 +133,18 @@ async fn replica_observer_forwards_live_callbacks_without_retaining_manager() {
     );
     assert!(manager.upgrade().is_none(), "the manager must be released");
 
-    // The dangling observer: no panic, nothing revived, every callback counted as dropped.
-    let before = observer.dropped_late();
+    // The dangling observer: no panic, nothing revived, every callback reports the manager
+    // gone (which the ingress counts as a late drop).
     assert_eq!(
         observer.admitted(b.clone(), RequestLoad::new(1, None)),
         Err(DeliverEventError::ManagerGone)
     );
     assert_eq!(observer.progressed(&b), Err(DeliverEventError::ManagerGone));
     assert_eq!(observer.completed(&b), Err(DeliverEventError::ManagerGone));
-    assert_eq!(observer.dropped_late() - before, 3);
+    assert_eq!(
+        observer.worker_reset(b.worker.worker_id, None),
+        Err(DeliverEventError::ManagerGone)
+    );
     assert!(manager.upgrade().is_none(), "nothing was revived");
 }
 
@@ -218,7 +219,7 @@ async fn failed_router_construction_releases_scheduler_and_leases() {
     );
     let observer = observer_out.lock().take().expect("ingress ran");
     assert_eq!(
-        observer.current_booking(&RequestId::from("half-built"), WorkerWithDpRank::new(1, 0)),
+        observer.progressed(&booking("half-built", 1, 0)),
         Err(DeliverEventError::ManagerGone),
         "the manager and its lease must be gone"
     );
@@ -390,19 +391,6 @@ async fn worker_reset_drops_every_lease_of_that_worker() {
 }
 
 #[tokio::test]
-async fn unwired_manager_refuses_and_counts() {
-    let manager = RequestLeaseManager::new("unwired", LeaseConfig::default());
-    let observer = manager.replica_observer();
-    assert_eq!(
-        observer.admitted(booking("early", 1, 0), RequestLoad::default()),
-        Ok(AdmitOutcome::NotWired)
-    );
-    let stats = manager.stats();
-    assert_eq!(stats.refused_unwired, 1);
-    assert_eq!(stats.active, 0);
-}
-
-#[tokio::test]
 async fn local_schedule_books_and_leases_through_the_observer() {
     let tracked = tracked_router(RouterConfig::new("local")).await;
     let router = &tracked.router;
@@ -469,7 +457,7 @@ async fn a_lease_batch_hands_over_at_its_end_and_holds_the_manager_only_while_it
     let tracked = tracked_router(RouterConfig::new("batch")).await;
     let router = &tracked.router;
     let worker = WorkerWithDpRank::new(3, 0);
-    let mut batch = router.observer().lease_batch().expect("the manager lives");
+    let mut batch = router.manager().batch();
     assert_eq!(
         batch.admit_current("b-1", worker, RequestLoad::new(5, Some(2))),
         AdmitOutcome::Registered
@@ -516,8 +504,7 @@ async fn a_lease_batch_hands_over_at_its_end_and_holds_the_manager_only_while_it
     );
 
     // A batch still open when the router goes keeps the manager only until it ends.
-    let observer = router.observer();
-    let batch = observer.lease_batch().expect("the manager lives");
+    let batch = router.manager().batch();
     let TrackedRouter {
         router,
         manager,
@@ -527,9 +514,5 @@ async fn a_lease_batch_hands_over_at_its_end_and_holds_the_manager_only_while_it
     assert!(manager.upgrade().is_some(), "held by the open batch");
     drop(batch);
     assert!(manager.upgrade().is_none());
-    assert!(
-        observer.lease_batch().is_none(),
-        "no batch on a gone manager"
-    );
     assert!(tasks_end_within(&tracker, BOUND).await);
 }
