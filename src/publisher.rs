@@ -313,20 +313,6 @@ impl LeasePublisher {
         Self::start_with_sink(CoreNatsSink { client }, subjects, config)
     }
 
-    /// A durable publisher: events go to the JetStream lease stream (which must exist, see
-    /// [`crate::durable::ensure_stream`]) with `Nats-Msg-Id` = publisher id and sequence, so
-    /// a retried publish is stored once; up to `max_in_flight` acknowledgements are awaited
-    /// at a time, and [`flush`](Self::flush) waits for all of them.
-    pub fn start_durable(
-        client: Client,
-        subjects: Subjects,
-        config: PublisherConfig,
-        max_in_flight: usize,
-    ) -> LeasePublisher {
-        let sink = crate::durable::publish::JetStreamSink::new(client, max_in_flight);
-        Self::start_with_sink(sink, subjects, config)
-    }
-
     /// [`start`](Self::start) with any [`EnvelopeSink`].
     pub(crate) fn start_with_sink<S: EnvelopeSink>(
         sink: S,

@@ -12,8 +12,25 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tracing::warn;
 
-use crate::publisher::EnvelopeSink;
+use crate::publisher::{EnvelopeSink, LeasePublisher, PublisherConfig};
 use crate::retry::{Attempt, RetryPolicy};
+use crate::subject::Subjects;
+
+impl LeasePublisher {
+    /// A durable publisher: events go to the JetStream lease stream (which must exist, see
+    /// [`super::ensure_stream`]) with `Nats-Msg-Id` = publisher id and sequence, so
+    /// a retried publish is stored once; up to `max_in_flight` acknowledgements are awaited
+    /// at a time, and [`flush`](LeasePublisher::flush) waits for all of them.
+    pub fn start_durable(
+        client: Client,
+        subjects: Subjects,
+        config: PublisherConfig,
+        max_in_flight: usize,
+    ) -> LeasePublisher {
+        let sink = JetStreamSink::new(client, max_in_flight);
+        Self::start_with_sink(sink, subjects, config)
+    }
+}
 
 /// How long one acknowledgement may take before the event is re-sent.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);

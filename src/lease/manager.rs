@@ -14,19 +14,19 @@
 //! and handed over after the shard lock is released. A manager is built with the scheduler's
 //! cleanup handle, so every booking it stores can be released.
 
+use std::collections::VecDeque;
 use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use hashbrown::{hash_table, DefaultHashBuilder, HashTable};
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 use tracing::debug;
 
 use super::clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
 use super::key::{hash_id, LeaseKey};
-use super::reaper::StepLog;
 use crate::observer::{AdmitOutcome, CompleteOutcome, ProgressOutcome};
 use crate::scheduler::{BookingWeight, Op, ReleaseReason, SchedulerBookingCleanup};
 use crate::types::{
@@ -67,6 +67,39 @@ impl Default for LeaseConfig {
             shards: DEFAULT_SHARDS,
             max_active_leases: DEFAULT_MAX_ACTIVE_LEASES,
         }
+    }
+}
+
+/// Step timings kept for [`RequestLeaseManager::take_scan_steps`]: a few scans' worth.
+const STEP_LOG: usize = 4096;
+
+/// How long one scan step took.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepTime {
+    /// When it started, unix µs: to line steps up with other wall-clock records.
+    pub started_us: u64,
+    /// Wall time: what the step held its task (and, for the claims, its shard) up, including
+    /// any time the OS kept the thread off the CPU meanwhile.
+    pub wall: Duration,
+    /// The thread's CPU time: the step's own cost.
+    pub cpu: Duration,
+}
+
+/// The most recent step timings of a manager's reaper, oldest dropped first.
+#[derive(Default)]
+pub(super) struct StepLog(Mutex<VecDeque<StepTime>>);
+
+impl StepLog {
+    pub(super) fn push(&self, step: StepTime) {
+        let mut log = self.0.lock();
+        if log.len() == STEP_LOG {
+            log.pop_front();
+        }
+        log.push_back(step);
+    }
+
+    pub(super) fn take(&self) -> Vec<StepTime> {
+        self.0.lock().drain(..).collect()
     }
 }
 

@@ -14,9 +14,10 @@ mod weak_observer;
 
 pub use clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
 pub use key::INLINE_KEY_BYTES;
+pub use manager::StepTime;
 pub use manager::{
     LeaseBatch, LeaseConfig, LeaseRecord, LeaseStats, RequestLeaseManager, WeakRequestLeaseManager,
 };
-pub use reaper::{Reaper, ScanReport, StepTime};
+pub use reaper::{Reaper, ScanReport};
 #[cfg(test)]
 pub(crate) use weak_observer::StrongRequestLeaseObserver;

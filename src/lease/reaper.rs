@@ -9,22 +9,18 @@
 //! own length (well under a millisecond at a million leases). A router without such a task
 //! runs the cursor on a task of its own ([`Reaper::run`]).
 
-use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Weak;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use super::manager::{RequestLeaseManager, RequestLeaseManagerInner};
+use super::manager::{RequestLeaseManager, RequestLeaseManagerInner, StepTime};
 
 /// The reaper's pause between two shards.
 const SCAN_STEP_PAUSE: Duration = Duration::from_millis(1);
-/// Step timings kept for [`RequestLeaseManager::take_scan_steps`]: a few scans' worth.
-const STEP_LOG: usize = 4096;
 
 /// What one full scan did.
 #[derive(Clone, Debug, Default)]
@@ -33,32 +29,6 @@ pub struct ScanReport {
     pub expired: usize,
     /// Each step (one shard) as it ran.
     pub steps: Vec<StepTime>,
-}
-
-/// How long one scan step took.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct StepTime {
-    /// When it started, unix µs: to line steps up with other wall-clock records.
-    pub started_us: u64,
-    /// Wall time: what the step held its task (and, for the claims, its shard) up, including
-    /// any time the OS kept the thread off the CPU meanwhile.
-    pub wall: Duration,
-    /// The thread's CPU time: the step's own cost.
-    pub cpu: Duration,
-}
-
-/// The most recent step timings of a manager's reaper, oldest dropped first.
-#[derive(Default)]
-pub(super) struct StepLog(Mutex<VecDeque<StepTime>>);
-
-impl StepLog {
-    fn push(&self, step: StepTime) {
-        let mut log = self.0.lock();
-        if log.len() == STEP_LOG {
-            log.pop_front();
-        }
-        log.push_back(step);
-    }
 }
 
 /// The scan cursor of one manager: which shard is next and when. Holds only a `Weak` of the
@@ -223,7 +193,7 @@ impl RequestLeaseManager {
     /// The timings of the reaper's most recent steps (up to a few thousand), oldest first,
     /// and forgets them: how long a scan step held up the task that ran it.
     pub fn take_scan_steps(&self) -> Vec<StepTime> {
-        self.inner().step_log().0.lock().drain(..).collect()
+        self.inner().step_log().take()
     }
 }
 
