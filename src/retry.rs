@@ -50,7 +50,11 @@ impl RetryPolicy {
     /// Jitter factor, clamped to `0.0..=1.0` (NaN counts as 0.0, never as zero delays);
     /// 0.0 gives exact delays, for tests.
     pub fn with_randomization(mut self, randomization: f64) -> Self {
-        self.randomization = randomization.max(0.0).min(1.0);
+        self.randomization = if randomization.is_nan() {
+            0.0
+        } else {
+            randomization.clamp(0.0, 1.0)
+        };
         self
     }
 
