@@ -287,15 +287,8 @@ async fn bench() {
 }
 
 fn main() {
-    // What the binary runs with.
-    lease_router::allocator::tune_for_latency();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
     match std::env::var(PUBLISH_TO_ENV) {
-        Ok(url) => runtime.block_on(publisher_process(url)),
-        Err(_) => runtime.block_on(bench()),
+        Ok(url) => common::run(publisher_process(url)),
+        Err(_) => common::run(bench()),
     }
 }

@@ -89,14 +89,7 @@ async fn bench() {
 }
 
 fn main() {
-    // What the binary runs with.
-    lease_router::allocator::tune_for_latency();
     // The registering loop runs on the main thread (standing in for the ingress task), the
     // scheduler actor on a runtime worker.
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(bench());
+    common::run(bench());
 }

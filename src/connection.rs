@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
-use crate::retry::{retry_detailed, Attempt, GaveUp, RetryPolicy};
+use crate::retry::{retry, Attempt, RetryPolicy};
 
 /// The shortest time given to one connect attempt, even at the deadline.
 const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(250);
@@ -733,16 +733,15 @@ pub async fn connect(config: &NatsConnectConfig) -> Result<NatsConnection, Conne
         }
     };
 
-    let policy = config
-        .connect_retry
-        .clone()
-        .with_max_elapsed(Some(config.connect_deadline));
     let retry_log = LogRateLimiter::new(Duration::from_secs(5));
     let deadline = tokio::time::Instant::now() + config.connect_deadline;
     tracing::debug!(urls = %urls, deadline = ?config.connect_deadline, "connecting to NATS");
-    let result = retry_detailed(
-        &policy,
+    let mut attempts = 0u32;
+    let result = retry(
+        &config.connect_retry,
+        deadline,
         || {
+            attempts += 1;
             // An attempt may not run (much) past the deadline, whatever the per-server
             // connection timeout.
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -764,12 +763,9 @@ pub async fn connect(config: &NatsConnectConfig) -> Result<NatsConnection, Conne
 
     let client = match result {
         Ok(client) => client,
-        Err(GaveUp {
-            error,
-            attempts,
-            permanent,
-            ..
-        }) => {
+        Err(last) => {
+            let permanent = last.is_permanent();
+            let error = last.into_inner();
             let err = match error.kind() {
                 ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Authentication => {
                     ConnectNatsError::AuthorizationFailed {

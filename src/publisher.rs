@@ -91,7 +91,6 @@ impl Default for PublisherConfig {
             retry: RetryPolicy::new()
                 .with_initial(Duration::from_millis(20))
                 .with_max_interval(Duration::from_secs(1))
-                .with_multiplier(2.0)
                 .with_randomization(0.2),
             max_publish_attempts: 5,
             max_batch: 256,
@@ -653,7 +652,7 @@ impl<S: EnvelopeSink> PublishLoop<S> {
                 if attempts == 1 {
                     self.backoff.reset();
                 }
-                self.backoff.next_delay()
+                Some(self.backoff.next_delay())
             };
             match delay {
                 Some(delay) => {

@@ -207,32 +207,55 @@ async fn bad_payloads_are_counted_and_good_events_around_them_applied() {
         (DropReason::Oversized, vec![0x90; 600]),
         (
             DropReason::Version,
-            rmp_map(&[("v", V::U(9)), ("kind", V::S("admitted"))]),
+            Mp::default()
+                .map(2)
+                .str("v")
+                .uint(9)
+                .str("kind")
+                .str("admitted")
+                .0,
         ),
         (
             DropReason::UnknownKind,
-            rmp_map(&[
-                ("v", V::U(1)),
-                ("pub", V::U(9)),
-                ("seq", V::U(99)),
-                ("ts", V::U(1)),
-                ("kind", V::S("teleported")),
-                ("wid", V::U(5)),
-            ]),
+            Mp::default()
+                .map(6)
+                .str("v")
+                .uint(1)
+                .str("pub")
+                .uint(9)
+                .str("seq")
+                .uint(99)
+                .str("ts")
+                .uint(1)
+                .str("kind")
+                .str("teleported")
+                .str("wid")
+                .uint(5)
+                .0,
         ),
         (
             DropReason::Decode,
-            rmp_map(&[
-                ("v", V::U(1)),
-                ("pub", V::U(9)),
-                ("seq", V::U(98)),
-                ("ts", V::U(1)),
-                ("kind", V::S("admitted")),
-                ("rid", V::U(12)),
-                ("wid", V::S("five")),
-                ("dp", V::U(0)),
-                ("ptok", V::U(1)),
-            ]),
+            Mp::default()
+                .map(9)
+                .str("v")
+                .uint(1)
+                .str("pub")
+                .uint(9)
+                .str("seq")
+                .uint(98)
+                .str("ts")
+                .uint(1)
+                .str("kind")
+                .str("admitted")
+                .str("rid")
+                .uint(12)
+                .str("wid")
+                .str("five")
+                .str("dp")
+                .uint(0)
+                .str("ptok")
+                .uint(1)
+                .0,
         ),
     ];
     for (i, (_, bytes)) in bad.iter().enumerate() {
@@ -458,28 +481,6 @@ async fn nats_down_at_start_waits_then_connects_or_fails_clearly() {
     let message = err.to_string();
     assert!(message.contains(&dead.to_string()), "{message}");
 }
-
-/// A minimal MessagePack map writer, for payloads the encoder refuses to produce.
-enum V {
-    U(u64),
-    S(&'static str),
-}
-
-fn rmp_map(fields: &[(&str, V)]) -> Vec<u8> {
-    let mut out = Vec::new();
-    rmp::encode::write_map_len(&mut out, fields.len() as u32).unwrap();
-    for (k, v) in fields {
-        rmp::encode::write_str(&mut out, k).unwrap();
-        match v {
-            V::U(n) => {
-                rmp::encode::write_uint(&mut out, *n).unwrap();
-            }
-            V::S(s) => rmp::encode::write_str(&mut out, s).unwrap(),
-        }
-    }
-    out
-}
-
 /// What the product promises on teardown (an HTTP DELETE shuts the router down the same way):
 /// events still buffered or in flight when the router goes reach a dead observer and are
 /// counted as late, never applied. The applying task is held inside its hook after the first

@@ -4,6 +4,8 @@
 //! Regenerate the golden fixtures (after an intended change of the encoding) with
 //! `REGENERATE_FIXTURES=1 cargo test --test wire_contract`, then review the diff.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -13,6 +15,8 @@ use lease_router::wire::{
     ProgressStage, Progressed, WorkerReset, DEFAULT_MAX_EVENT_BYTES, WIRE_VERSION,
 };
 use serde_json::Value;
+
+use common::Mp;
 
 const PUBLISHER_ID: u64 = 0x8f3a_6c2e_91d4_b705;
 const TS: u64 = 1_700_000_000_123_456;
@@ -189,33 +193,30 @@ fn golden_fixtures_decode_and_reencode_byte_for_byte() {
 #[test]
 fn the_admitted_fixture_is_this_exact_layout() {
     let bytes = fs::read(fixtures_dir().join("admitted.msgpack")).unwrap();
-    let push_key = |out: &mut Vec<u8>, k: &str| {
-        out.push(0xa0 | k.len() as u8);
-        out.extend_from_slice(k.as_bytes());
-    };
-    let mut expected = vec![0x8a]; // a map of 10 entries
-    push_key(&mut expected, "v");
-    expected.push(0x01);
-    push_key(&mut expected, "pub");
-    expected.push(0xcf);
-    expected.extend_from_slice(&PUBLISHER_ID.to_be_bytes());
-    push_key(&mut expected, "seq");
-    expected.push(0x01);
-    push_key(&mut expected, "ts");
-    expected.push(0xcf);
-    expected.extend_from_slice(&TS.to_be_bytes());
-    push_key(&mut expected, "kind");
-    push_key(&mut expected, "admitted");
-    push_key(&mut expected, "rid");
-    push_key(&mut expected, "req-7f3a");
-    push_key(&mut expected, "wid");
-    expected.push(0x03);
-    push_key(&mut expected, "dp");
-    expected.push(0x01);
-    push_key(&mut expected, "ptok");
-    expected.extend_from_slice(&[0xcd, 0x02, 0x00]);
-    push_key(&mut expected, "etok");
-    expected.extend_from_slice(&[0xcc, 0x80]);
+    // Ints in their smallest width, spelled out: the encoder must not drift to another.
+    let expected = Mp::default()
+        .map(10)
+        .str("v")
+        .bytes(&[0x01])
+        .str("pub")
+        .uint64(PUBLISHER_ID)
+        .str("seq")
+        .bytes(&[0x01])
+        .str("ts")
+        .uint64(TS)
+        .str("kind")
+        .str("admitted")
+        .str("rid")
+        .str("req-7f3a")
+        .str("wid")
+        .bytes(&[0x03])
+        .str("dp")
+        .bytes(&[0x01])
+        .str("ptok")
+        .bytes(&[0xcd, 0x02, 0x00])
+        .str("etok")
+        .bytes(&[0xcc, 0x80])
+        .0;
     assert_eq!(bytes, expected);
     assert_eq!(bytes.len(), 85);
 }
@@ -233,33 +234,6 @@ fn interop_fixtures_decode() {
     );
     for name in names {
         check_against_json(&dir, &name);
-    }
-}
-
-/// A tiny MessagePack writer, to spell out encodings byte by byte.
-#[derive(Default)]
-struct Mp(Vec<u8>);
-
-impl Mp {
-    fn map(mut self, len: u8) -> Self {
-        assert!(len < 16);
-        self.0.push(0x80 | len);
-        self
-    }
-    fn str(mut self, s: &str) -> Self {
-        assert!(s.len() < 32);
-        self.0.push(0xa0 | s.len() as u8);
-        self.0.extend_from_slice(s.as_bytes());
-        self
-    }
-    fn bytes(mut self, raw: &[u8]) -> Self {
-        self.0.extend_from_slice(raw);
-        self
-    }
-    fn uint64(self, v: u64) -> Self {
-        let mut out = self.bytes(&[0xcf]);
-        out.0.extend_from_slice(&v.to_be_bytes());
-        out
     }
 }
 

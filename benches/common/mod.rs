@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use std::fs;
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use async_nats::Subject;
@@ -65,6 +66,18 @@ pub fn rss_bytes() -> u64 {
         .and_then(|kb| kb.trim().parse::<u64>().ok())
         .map(|kb| kb * 1024)
         .expect("VmRSS in /proc/self/status")
+}
+
+/// Runs a bench's `main` as the `lease-router` binary runs: its allocator setting, and a
+/// two-worker multi-thread tokio runtime (the 2-core machine BENCHMARKS.md figures come from).
+pub fn run<F: Future>(main: F) -> F::Output {
+    lease_router::allocator::tune_for_latency();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(main)
 }
 
 /// The machine a figure was measured on, for the report.

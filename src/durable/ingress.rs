@@ -419,7 +419,7 @@ impl Run {
     async fn reopen(&mut self, cancel: &CancellationToken) -> Option<(Messages, OrderedConsumer)> {
         let mut backoff = self.retry.backoff();
         loop {
-            let delay = backoff.next_delay().unwrap_or(Duration::from_secs(5));
+            let delay = backoff.next_delay();
             tokio::select! {
                 _ = cancel.cancelled() => return None,
                 _ = tokio::time::sleep(delay) => {}

@@ -86,7 +86,7 @@ async fn settle(js: &jetstream::Context, mut entry: InFlight) -> Result<(), Stri
             }
         }
         if attempt > 0 {
-            tokio::time::sleep(backoff.next_delay().unwrap_or(Duration::from_secs(2))).await;
+            tokio::time::sleep(backoff.next_delay()).await;
         }
         entry.ack = match js
             .publish_with_headers(

@@ -192,3 +192,45 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A MessagePack writer that spells encodings out: for payloads the encoder never produces
+/// (another version, unknown kinds, ints of other widths, wrong types) and for byte-exact
+/// layouts. Builds by value; `.0` is the bytes.
+#[derive(Default)]
+pub struct Mp(pub Vec<u8>);
+
+impl Mp {
+    /// A map header of `len` entries (fixmap).
+    pub fn map(mut self, len: u8) -> Self {
+        assert!(len < 16);
+        self.0.push(0x80 | len);
+        self
+    }
+
+    /// A string of fewer than 32 bytes (fixstr).
+    pub fn str(mut self, s: &str) -> Self {
+        assert!(s.len() < 32);
+        self.0.push(0xa0 | s.len() as u8);
+        self.0.extend_from_slice(s.as_bytes());
+        self
+    }
+
+    /// An unsigned int in its smallest width, as the encoder writes it.
+    pub fn uint(mut self, v: u64) -> Self {
+        rmp::encode::write_uint(&mut self.0, v).unwrap();
+        self
+    }
+
+    /// An unsigned int at full width (`0xcf`), as Go writes `uint64` fields.
+    pub fn uint64(self, v: u64) -> Self {
+        let mut out = self.bytes(&[0xcf]);
+        out.0.extend_from_slice(&v.to_be_bytes());
+        out
+    }
+
+    /// Raw bytes: any other encoding, written out by hand.
+    pub fn bytes(mut self, raw: &[u8]) -> Self {
+        self.0.extend_from_slice(raw);
+        self
+    }
+}
