@@ -17,9 +17,7 @@ use axum::http::{header, HeaderMap, Request};
 use lease_router::connection::{connect, NatsConnectConfig};
 use lease_router::nats_server::NatsServer;
 use lease_router::retry::RetryPolicy;
-use lease_router::service::{
-    router, serve, ApiState, DeploymentHost, HostSettings, ReadinessHook,
-};
+use lease_router::service::{router, serve, ApiState, DeploymentHost, HostSettings, ReadinessHook};
 use lease_router::wire::{self, Admitted, Envelope};
 use serde_json::Value;
 use tokio::net::TcpListener;
@@ -298,7 +296,10 @@ async fn healthz_follows_the_nats_connection() {
     assert_eq!(body["status"], "ok");
     assert_eq!(body["nats"]["connected"], true);
     let metrics = http.get("/metrics").await.body;
-    assert!(metrics.contains("lease_router_nats_connected 1"), "{metrics}");
+    assert!(
+        metrics.contains("lease_router_nats_connected 1"),
+        "{metrics}"
+    );
 
     service.nats.kill().await;
     let body = poll("healthz says 503 once NATS is gone", || async {
@@ -315,7 +316,10 @@ async fn healthz_follows_the_nats_connection() {
         "{body}"
     );
     let metrics = http.get("/metrics").await.body;
-    assert!(metrics.contains("lease_router_nats_connected 0"), "{metrics}");
+    assert!(
+        metrics.contains("lease_router_nats_connected 0"),
+        "{metrics}"
+    );
 
     service.nats.restart().await.expect("restart nats-server");
     poll("healthz says 200 again after the restart", || async {
@@ -376,7 +380,10 @@ async fn deployments_over_http() {
     assert_eq!(reply.json()["ready"], true);
 
     // A first deployment, whose task count is the baseline.
-    assert_eq!(service.call("PUT", "/v1/deployments/other").await.status, 201);
+    assert_eq!(
+        service.call("PUT", "/v1/deployments/other").await.status,
+        201
+    );
     let baseline = metric(&service.metrics().await, "lease_router_live_tasks").unwrap();
     assert!(baseline >= 1.0, "the other deployment's router runs tasks");
 
@@ -617,6 +624,7 @@ async fn every_error_is_json() {
         ("PUT", "/v1/deployments/%00"),
         ("PUT", "/v1/deployments/%20"),
         ("PUT", "/v1/deployments/d*"),
+        ("GET", "/v1/deployments//leases"),
         ("PUT", overlong.as_str()),
     ] {
         let what = format!("{method} {path:.60}");
@@ -644,7 +652,6 @@ async fn every_error_is_json() {
         "/v1",
         "/v1/deployments/",
         "/v1/deployments/d/",
-        "/v1/deployments//leases",
         "/v1/deployments/d/leases/extra",
         "/v1/deployments/%FF/nope",
         "/healthz/",
