@@ -686,6 +686,7 @@ pub struct NatsConnection {
     client: Client,
     state: Arc<ConnectionStats>,
     urls: Arc<str>,
+    connect_deadline: Duration,
     _monitor: Arc<MonitorGuard>,
 }
 
@@ -705,6 +706,12 @@ impl NatsConnection {
 
     pub fn is_connected(&self) -> bool {
         self.state.is_connected()
+    }
+
+    /// The [`NatsConnectConfig::connect_deadline`] it was made with: how long a caller is
+    /// willing to wait for NATS, also for work that needs the server after the connect.
+    pub fn connect_deadline(&self) -> Duration {
+        self.connect_deadline
     }
 
     /// The client's own view of the connection (pending, connected, disconnected).
@@ -812,6 +819,7 @@ pub async fn connect(config: &NatsConnectConfig) -> Result<NatsConnection, Conne
         client,
         state: stats,
         urls: Arc::from(urls),
+        connect_deadline: config.connect_deadline,
         _monitor: Arc::new(MonitorGuard(cancel)),
     })
 }

@@ -1,8 +1,8 @@
-//! The HTTP API of the service, in process, against a real `nats-server` started by each test
-//! on a free port (the system server on 4222 is never used). Requests go through a minimal
-//! HTTP/1.1 client over a `TcpStream` (below). Every wait is bounded: conditions are polled
-//! until a deadline, never slept on. Skipped with a message when `nats-server` is not
-//! installed (set `LEASE_ROUTER_REQUIRE_NATS=1` to make that a failure).
+//! The HTTP API of the service, against a real `nats-server` started by each test on a free
+//! port (the system server on 4222 is never used). HTTP semantics are tested in process,
+//! through `tower::ServiceExt::oneshot` on the one axum `Router` that `serve` serves; a few
+//! tests go end to end over a socket with reqwest. Every wait is bounded: conditions are
+//! polled until a deadline, never slept on.
 
 mod common;
 
@@ -12,31 +12,35 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Body;
+use axum::http::{header, HeaderMap, Request};
 use lease_router::connection::{connect, NatsConnectConfig};
 use lease_router::nats_server::NatsServer;
 use lease_router::retry::RetryPolicy;
-use lease_router::service::{serve, ApiState, DeploymentHost, HostSettings};
+use lease_router::service::{router, serve, ApiState, DeploymentHost, HostSettings, ReadinessHook};
 use lease_router::wire::{self, Admitted, Envelope};
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
 
 /// Bound of one HTTP exchange.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bound of every poll for a condition.
 const POLL_DEADLINE: Duration = Duration::from_secs(20);
+/// The NATS connect deadline of the service under test.
+const CONNECT_DEADLINE: Duration = Duration::from_secs(10);
 
 // ---------------------------------------------------------------------------------------------
-// A minimal HTTP/1.1 client
+// Helpers
 // ---------------------------------------------------------------------------------------------
 
 #[derive(Debug)]
 struct Reply {
     status: u16,
-    headers: Vec<(String, String)>,
+    headers: HeaderMap,
     body: String,
 }
 
@@ -47,72 +51,25 @@ impl Reply {
     }
 
     fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.get(name).and_then(|v| v.to_str().ok())
     }
-}
 
-/// One request on a fresh connection (`Connection: close`), read to the end.
-async fn request(addr: SocketAddr, method: &str, path: &str) -> Reply {
-    let exchange = async {
-        let mut stream = TcpStream::connect(addr).await?;
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    /// Asserts the documented error shape: `{"error": "..."}`, served as JSON, with
+    /// `status`.
+    fn assert_error(&self, status: u16, what: &str) -> String {
+        assert_eq!(self.status, status, "{what}: {self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/json"),
+            "{what}: {self:?}"
         );
-        stream.write_all(head.as_bytes()).await?;
-        let mut raw = Vec::new();
-        stream.read_to_end(&mut raw).await?;
-        Ok::<_, std::io::Error>(raw)
-    };
-    let raw = timeout(REQUEST_TIMEOUT, exchange)
-        .await
-        .unwrap_or_else(|_| panic!("{method} {path}: no answer within {REQUEST_TIMEOUT:?}"))
-        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
-    parse_reply(&raw).unwrap_or_else(|| panic!("{method} {path}: bad reply {raw:?}"))
-}
-
-fn parse_reply(raw: &[u8]) -> Option<Reply> {
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
-    let head = std::str::from_utf8(&raw[..split]).ok()?;
-    let mut lines = head.split("\r\n");
-    let status = lines.next()?.split(' ').nth(1)?.parse().ok()?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
-        .collect();
-    let mut body = raw[split + 4..].to_vec();
-    let chunked = headers.iter().any(|(k, v)| {
-        k.eq_ignore_ascii_case("transfer-encoding") && v.eq_ignore_ascii_case("chunked")
-    });
-    if chunked {
-        body = dechunk(&body)?;
+        let body = self.json();
+        let fields: Vec<&String> = body.as_object().expect("an object").keys().collect();
+        assert_eq!(fields, ["error"], "{what}: {body}");
+        let error = body["error"].as_str().expect("a string").to_owned();
+        assert!(!error.is_empty(), "{what}: {body}");
+        error
     }
-    Some(Reply {
-        status,
-        headers,
-        body: String::from_utf8(body).ok()?,
-    })
-}
-
-fn dechunk(mut raw: &[u8]) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    loop {
-        let line_end = raw.windows(2).position(|w| w == b"\r\n")?;
-        let size_text = std::str::from_utf8(&raw[..line_end]).ok()?;
-        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
-        raw = &raw[line_end + 2..];
-        if size == 0 {
-            return Some(out);
-        }
-        out.extend_from_slice(raw.get(..size)?);
-        raw = raw.get(size + 2..)?;
-    }
-}
-
-async fn get(addr: SocketAddr, path: &str) -> Reply {
-    request(addr, "GET", path).await
 }
 
 /// Polls `check` until it returns `Some`, at most [`POLL_DEADLINE`].
@@ -148,17 +105,20 @@ fn metric(text: &str, series: &str) -> Option<f64> {
 struct Service {
     nats: NatsServer,
     host: DeploymentHost,
-    addr: SocketAddr,
-    shutdown: CancellationToken,
-    server: JoinHandle<std::io::Result<()>>,
+    state: ApiState,
+    app: axum::Router,
 }
 
 impl Service {
-    async fn start(hook: Option<Arc<dyn lease_router::service::ReadinessHook>>) -> Self {
+    async fn start(hook: Option<Arc<dyn ReadinessHook>>) -> Self {
+        Self::start_with(hook, CONNECT_DEADLINE).await
+    }
+
+    async fn start_with(hook: Option<Arc<dyn ReadinessHook>>, connect_deadline: Duration) -> Self {
         let nats = common::server().await;
         let config = NatsConnectConfig::new([nats.url()])
             .with_name("http_api test")
-            .with_connect_deadline(Duration::from_secs(10))
+            .with_connect_deadline(connect_deadline)
             .with_reconnect(
                 RetryPolicy::new()
                     .with_initial(Duration::from_millis(20))
@@ -170,33 +130,74 @@ impl Service {
         if let Some(hook) = hook {
             state = state.with_readiness_hook(hook);
         }
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let shutdown = CancellationToken::new();
-        let server = tokio::spawn(serve(listener, state, shutdown.clone()));
         Self {
             nats,
             host,
-            addr,
-            shutdown,
-            server,
+            app: router(state.clone()),
+            state,
         }
     }
 
+    /// One request through the router, in process.
+    async fn send(&self, request: Request<Body>) -> Reply {
+        let what = format!("{} {}", request.method(), request.uri());
+        let exchange = async {
+            let response = self.app.clone().oneshot(request).await.expect("infallible");
+            let (parts, body) = response.into_parts();
+            let body = axum::body::to_bytes(body, usize::MAX)
+                .await
+                .expect("the body is read");
+            Reply {
+                status: parts.status.as_u16(),
+                headers: parts.headers,
+                body: String::from_utf8(body.to_vec()).expect("UTF-8 body"),
+            }
+        };
+        timeout(REQUEST_TIMEOUT, exchange)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: no answer within {REQUEST_TIMEOUT:?}"))
+    }
+
+    async fn call(&self, method: &str, uri: &str) -> Reply {
+        let request = Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(Body::empty())
+            .expect("a valid request");
+        self.send(request).await
+    }
+
+    async fn get(&self, uri: &str) -> Reply {
+        self.call("GET", uri).await
+    }
+
     async fn metrics(&self) -> String {
-        let reply = get(self.addr, "/metrics").await;
+        let reply = self.get("/metrics").await;
         assert_eq!(reply.status, 200);
         reply.body
     }
 
-    /// Stops the HTTP server and every deployment; checks that no task is left.
-    async fn stop(self) {
-        self.shutdown.cancel();
-        timeout(Duration::from_secs(10), self.server)
-            .await
-            .expect("the HTTP server stops")
-            .unwrap()
+    /// Serves the same API on a socket until the returned server is stopped.
+    async fn serve(&self) -> Served {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(serve(listener, self.state.clone(), shutdown.clone()));
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(REQUEST_TIMEOUT)
+            .build()
             .unwrap();
+        Served {
+            addr,
+            shutdown,
+            task,
+            client,
+        }
+    }
+
+    /// Stops every deployment; checks that no task is left.
+    async fn stop(self) {
         timeout(Duration::from_secs(30), self.host.shutdown_all())
             .await
             .expect("shutdown_all ends")
@@ -204,6 +205,46 @@ impl Service {
         assert_eq!(self.host.live_tasks(), 0);
         assert!(self.host.deployments().is_empty());
         drop(self.nats);
+    }
+}
+
+/// The API served on a real socket, and a client for it.
+struct Served {
+    addr: SocketAddr,
+    shutdown: CancellationToken,
+    task: JoinHandle<std::io::Result<()>>,
+    client: reqwest::Client,
+}
+
+impl Served {
+    async fn call(&self, method: &str, path: &str) -> Reply {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let url = format!("http://{}{path}", self.addr);
+        let response = self
+            .client
+            .request(method, &url)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{url}: {e}"));
+        Reply {
+            status: response.status().as_u16(),
+            headers: response.headers().clone(),
+            body: response.text().await.expect("a body"),
+        }
+    }
+
+    async fn get(&self, path: &str) -> Reply {
+        self.call("GET", path).await
+    }
+
+    /// Stops the HTTP server gracefully.
+    async fn stop(self) {
+        self.shutdown.cancel();
+        timeout(Duration::from_secs(10), self.task)
+            .await
+            .expect("the HTTP server stops")
+            .unwrap()
+            .unwrap();
     }
 }
 
@@ -240,28 +281,29 @@ async fn admit(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tests
+// End to end, over a socket
 // ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthz_follows_the_nats_connection() {
     common::init_tracing();
     let mut service = Service::start(None).await;
-    let addr = service.addr;
+    let http = service.serve().await;
 
-    let reply = get(addr, "/healthz").await;
+    let reply = http.get("/healthz").await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     let body = reply.json();
     assert_eq!(body["status"], "ok");
     assert_eq!(body["nats"]["connected"], true);
-    assert!(service
-        .metrics()
-        .await
-        .contains("lease_router_nats_connected 1"));
+    let metrics = http.get("/metrics").await.body;
+    assert!(
+        metrics.contains("lease_router_nats_connected 1"),
+        "{metrics}"
+    );
 
     service.nats.kill().await;
     let body = poll("healthz says 503 once NATS is gone", || async {
-        let reply = get(addr, "/healthz").await;
+        let reply = http.get("/healthz").await;
         (reply.status == 503).then(|| reply.json())
     })
     .await;
@@ -273,62 +315,94 @@ async fn healthz_follows_the_nats_connection() {
             .contains("NATS connection is down"),
         "{body}"
     );
-    assert!(service
-        .metrics()
-        .await
-        .contains("lease_router_nats_connected 0"));
+    let metrics = http.get("/metrics").await.body;
+    assert!(
+        metrics.contains("lease_router_nats_connected 0"),
+        "{metrics}"
+    );
 
     service.nats.restart().await.expect("restart nats-server");
     poll("healthz says 200 again after the restart", || async {
-        (get(addr, "/healthz").await.status == 200).then_some(())
+        (http.get("/healthz").await.status == 200).then_some(())
     })
     .await;
-    let text = service.metrics().await;
+    let text = http.get("/metrics").await.body;
     assert!(text.contains("lease_router_nats_connected 1"), "{text}");
     assert!(
         metric(&text, "lease_router_nats_reconnects_total").unwrap() >= 1.0,
         "{text}"
     );
+    http.stop().await;
     service.stop().await;
 }
+
+/// What hyper adds on the way (framing, the `Allow` header, percent-encoded paths) survives
+/// a real socket, and the server stops gracefully.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_over_a_socket() {
+    common::init_tracing();
+    let service = Service::start(None).await;
+    let http = service.serve().await;
+
+    let reply = http.call("PUT", "/v1/deployments/d").await;
+    assert_eq!(reply.status, 201, "{}", reply.body);
+    assert_eq!(reply.json()["created"], true);
+    let list = http.get("/v1/deployments").await.json();
+    assert_eq!(list["deployments"][0]["name"], "d");
+
+    let reply = http.call("POST", "/v1/deployments/d").await;
+    reply.assert_error(405, "POST over a socket");
+    assert!(reply.header("allow").is_some(), "{reply:?}");
+    http.call("PUT", "/v1/deployments/%FF")
+        .await
+        .assert_error(400, "a name that is not UTF-8, over a socket");
+    http.get("/nope").await.assert_error(404, "unknown route");
+
+    let reply = http.call("DELETE", "/v1/deployments/d").await;
+    assert_eq!(reply.status, 204, "{}", reply.body);
+    http.stop().await;
+    service.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// In process, through the router
+// ---------------------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deployments_over_http() {
     common::init_tracing();
     let service = Service::start(None).await;
-    let addr = service.addr;
     let publisher = async_nats::connect(service.nats.url()).await.unwrap();
 
     // Nothing hosted: ready.
-    let reply = get(addr, "/readyz").await;
+    let reply = service.get("/readyz").await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.json()["ready"], true);
 
     // A first deployment, whose task count is the baseline.
     assert_eq!(
-        request(addr, "PUT", "/v1/deployments/other").await.status,
+        service.call("PUT", "/v1/deployments/other").await.status,
         201
     );
     let baseline = metric(&service.metrics().await, "lease_router_live_tasks").unwrap();
     assert!(baseline >= 1.0, "the other deployment's router runs tasks");
 
     // Create, create again, invalid name.
-    let reply = request(addr, "PUT", "/v1/deployments/d").await;
+    let reply = service.call("PUT", "/v1/deployments/d").await;
     assert_eq!(reply.status, 201, "{}", reply.body);
     assert_eq!(reply.json()["created"], true);
-    let reply = request(addr, "PUT", "/v1/deployments/d").await;
+    let reply = service.call("PUT", "/v1/deployments/d").await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.json()["created"], false);
-    let reply = request(addr, "PUT", "/v1/deployments/a.b").await;
-    assert_eq!(reply.status, 400, "{}", reply.body);
-    let error = reply.json()["error"].as_str().unwrap().to_owned();
+    let reply = service.call("PUT", "/v1/deployments/a.b").await;
+    let error = reply.assert_error(400, "an invalid name");
     assert!(error.contains("\"a.b\""), "the bad value is named: {error}");
     assert!(
         error.contains("ASCII letters"),
         "and what is allowed: {error}"
     );
 
-    let reply = get(addr, "/v1/deployments").await;
+    let reply = service.get("/v1/deployments").await;
     assert_eq!(reply.status, 200);
     let list = reply.json();
     let names: Vec<&str> = list["deployments"]
@@ -339,12 +413,12 @@ async fn deployments_over_http() {
         .collect();
     assert_eq!(names, ["d", "other"]);
     assert_eq!(list["deployments"][0]["active_leases"], 0);
-    assert_eq!(get(addr, "/readyz").await.status, 200);
+    assert_eq!(service.get("/readyz").await.status, 200);
 
     // An event on the bus shows up in the leases, the workers and the metrics.
     admit(&publisher, "d", 11, 1, 7, "r-1").await;
     let leases = poll("the admitted lease is listed", || async {
-        let body = get(addr, "/v1/deployments/d/leases").await.json();
+        let body = service.get("/v1/deployments/d/leases").await.json();
         (body["leases"].as_array().unwrap().len() == 1).then_some(body)
     })
     .await;
@@ -356,15 +430,14 @@ async fn deployments_over_http() {
     assert!(lease["age_seconds"].as_u64().unwrap() <= 5);
     assert_eq!(leases["active_leases"], 1);
     assert_eq!(leases["limit"], 1000);
-    let limited = get(addr, "/v1/deployments/d/leases?limit=0").await.json();
+    let limited = service.get("/v1/deployments/d/leases?limit=0").await.json();
     assert_eq!(limited["leases"].as_array().unwrap().len(), 0);
     assert_eq!(limited["truncated"], true);
-    let bad = get(addr, "/v1/deployments/d/leases?limit=lots").await;
-    assert_eq!(bad.status, 400, "{}", bad.body);
-    assert!(bad.json()["error"].as_str().unwrap().contains("limit"));
+    let bad = service.get("/v1/deployments/d/leases?limit=lots").await;
+    assert!(bad.assert_error(400, "limit=lots").contains("limit"));
 
     let workers = poll("the scheduler counts the booking", || async {
-        let body = get(addr, "/v1/deployments/d/workers").await.json();
+        let body = service.get("/v1/deployments/d/workers").await.json();
         (body["workers"].as_array().unwrap().len() == 1).then_some(body)
     })
     .await;
@@ -376,7 +449,7 @@ async fn deployments_over_http() {
     assert_eq!(worker["expected_output_tokens"], 20);
     assert_eq!(workers["least_loaded"]["worker_id"], 7);
 
-    let reply = get(addr, "/metrics").await;
+    let reply = service.get("/metrics").await;
     assert!(
         reply
             .header("content-type")
@@ -404,20 +477,19 @@ async fn deployments_over_http() {
         "/v1/deployments/nope/workers",
         "/v1/deployments/nope",
     ] {
-        let reply = get(addr, path).await;
-        assert_eq!(reply.status, 404, "{path}");
-        assert!(reply.json()["error"].as_str().unwrap().contains("nope"));
+        let error = service.get(path).await.assert_error(404, path);
+        assert!(error.contains("nope"), "{path}: {error}");
     }
 
     // Delete: 204, then 404; its tasks are gone, its counters stay.
-    let reply = request(addr, "DELETE", "/v1/deployments/d").await;
+    let reply = service.call("DELETE", "/v1/deployments/d").await;
     assert_eq!(reply.status, 204, "{}", reply.body);
-    assert_eq!(
-        request(addr, "DELETE", "/v1/deployments/d").await.status,
-        404
-    );
-    assert_eq!(get(addr, "/v1/deployments/d/leases").await.status, 404);
-    assert_eq!(get(addr, "/v1/deployments/d/workers").await.status, 404);
+    service
+        .call("DELETE", "/v1/deployments/d")
+        .await
+        .assert_error(404, "a second DELETE");
+    assert_eq!(service.get("/v1/deployments/d/leases").await.status, 404);
+    assert_eq!(service.get("/v1/deployments/d/workers").await.status, 404);
     let text = service.metrics().await;
     assert_eq!(
         metric(&text, "lease_router_live_tasks"),
@@ -438,7 +510,7 @@ async fn deployments_over_http() {
     admit(&publisher, "d", 11, 2, 7, "r-2").await;
     admit(&publisher, "other", 12, 1, 3, "o-1").await;
     poll("the other deployment sees its event", || async {
-        let body = get(addr, "/v1/deployments/other/leases").await.json();
+        let body = service.get("/v1/deployments/other/leases").await.json();
         (body["active_leases"] == 1).then_some(())
     })
     .await;
@@ -451,13 +523,13 @@ async fn deployments_over_http() {
         Some(1.0),
         "nothing was received for the removed deployment:\n{text}"
     );
-    let list = get(addr, "/v1/deployments").await.json();
+    let list = service.get("/v1/deployments").await.json();
     assert_eq!(list["deployments"].as_array().unwrap().len(), 1);
     assert_eq!(list["deployments"][0]["name"], "other");
 
     // Added again: a fresh router, the same counters.
-    assert_eq!(request(addr, "PUT", "/v1/deployments/d").await.status, 201);
-    let leases = get(addr, "/v1/deployments/d/leases").await.json();
+    assert_eq!(service.call("PUT", "/v1/deployments/d").await.status, 201);
+    let leases = service.get("/v1/deployments/d/leases").await.json();
     assert_eq!(
         leases["active_leases"], 0,
         "the event sent while removed is gone"
@@ -488,10 +560,9 @@ async fn readyz_asks_the_readiness_hook() {
         (!flag.load(Ordering::Relaxed)).then(|| "catching up: replaying the lease stream".into())
     };
     let service = Service::start(Some(Arc::new(hook))).await;
-    let addr = service.addr;
-    assert_eq!(request(addr, "PUT", "/v1/deployments/d").await.status, 201);
+    assert_eq!(service.call("PUT", "/v1/deployments/d").await.status, 201);
 
-    let reply = get(addr, "/readyz").await;
+    let reply = service.get("/readyz").await;
     assert_eq!(reply.status, 503, "{}", reply.body);
     let body = reply.json();
     assert_eq!(body["ready"], false);
@@ -501,14 +572,144 @@ async fn readyz_asks_the_readiness_hook() {
     );
 
     caught_up.store(true, Ordering::Relaxed);
-    let reply = get(addr, "/readyz").await;
+    let reply = service.get("/readyz").await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.json()["deployments"], 1);
+    service.stop().await;
+}
 
-    // Unknown routes are JSON 404s too.
-    let reply = get(addr, "/nope").await;
-    assert_eq!(reply.status, 404);
-    assert!(reply.json()["error"].is_string());
+/// Whatever a careless or hostile client sends, an error is the documented JSON with the
+/// right status, and a 405 keeps its `Allow` header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_error_is_json() {
+    common::init_tracing();
+    let service = Service::start(None).await;
+    assert_eq!(service.call("PUT", "/v1/deployments/d").await.status, 201);
+
+    // Wrong methods: 405, with the methods the route has.
+    for (method, path, allow) in [
+        ("POST", "/v1/deployments/x", "DELETE,GET,HEAD,PUT"),
+        ("PATCH", "/v1/deployments/d", "DELETE,GET,HEAD,PUT"),
+        ("OPTIONS", "/v1/deployments/d", "DELETE,GET,HEAD,PUT"),
+        ("DELETE", "/v1/deployments", "GET,HEAD"),
+        ("POST", "/v1/deployments/d/leases", "GET,HEAD"),
+        ("PUT", "/v1/deployments/d/workers", "GET,HEAD"),
+        ("POST", "/healthz", "GET,HEAD"),
+        ("DELETE", "/metrics", "GET,HEAD"),
+        ("BREW", "/readyz", "GET,HEAD"),
+    ] {
+        let what = format!("{method} {path}");
+        let reply = service.call(method, path).await;
+        let error = reply.assert_error(405, &what);
+        assert!(error.contains(method), "{what}: {error}");
+        let mut allowed: Vec<&str> = reply
+            .header("allow")
+            .unwrap_or_else(|| panic!("{what}: an Allow header: {reply:?}"))
+            .split(',')
+            .map(str::trim)
+            .collect();
+        allowed.sort_unstable();
+        assert_eq!(allowed.join(","), allow, "{what}");
+    }
+
+    // Names that are not UTF-8, or not names: 400, wherever the name is.
+    let overlong = format!("/v1/deployments/{}", "a".repeat(10_000));
+    for (method, path) in [
+        ("PUT", "/v1/deployments/%FF"),
+        ("GET", "/v1/deployments/%FF"),
+        ("DELETE", "/v1/deployments/%C3%28"),
+        ("GET", "/v1/deployments/%FF/leases"),
+        ("GET", "/v1/deployments/%E2%82/workers"),
+        ("PUT", "/v1/deployments/a%2Fb"),
+        ("PUT", "/v1/deployments/%00"),
+        ("PUT", "/v1/deployments/%20"),
+        ("PUT", "/v1/deployments/d*"),
+        ("GET", "/v1/deployments//leases"),
+        ("PUT", overlong.as_str()),
+    ] {
+        let what = format!("{method} {path:.60}");
+        let error = service.call(method, path).await.assert_error(400, &what);
+        assert!(error.len() < 1_000, "{what}: a bounded message: {error}");
+    }
+
+    // Bad query strings on the route that reads one.
+    for query in [
+        "limit=lots",
+        "limit=-1",
+        "limit=1.5",
+        "limit=99999999999999999999999999",
+        "limit=%FF",
+        "limit=1&limit=2",
+    ] {
+        let path = format!("/v1/deployments/d/leases?{query}");
+        service.get(&path).await.assert_error(400, &path);
+    }
+
+    // Unknown routes.
+    for path in [
+        "/nope",
+        "/",
+        "/v1",
+        "/v1/deployments/",
+        "/v1/deployments/d/",
+        "/v1/deployments/d/leases/extra",
+        "/v1/deployments/%FF/nope",
+        "/healthz/",
+    ] {
+        service.get(path).await.assert_error(404, path);
+    }
+
+    // A body where none is read is ignored, whatever it claims to be.
+    let request = Request::builder()
+        .method("PUT")
+        .uri("/v1/deployments/d")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from("{not json"))
+        .unwrap();
+    let reply = service.send(request).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json()["created"], false);
+    // An unknown query string where none is read, too.
+    assert_eq!(service.get("/healthz?verbose=%FF").await.status, 200);
+
+    service.stop().await;
+}
+
+/// In core mode a PUT while NATS is down answers 503 within the connect deadline instead of
+/// waiting for NATS to come back; once it is back, the PUT succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn put_answers_503_while_nats_is_down() {
+    common::init_tracing();
+    let deadline = Duration::from_secs(2);
+    let mut service = Service::start_with(None, deadline).await;
+    service.nats.kill().await;
+    poll("the host sees NATS down", || async {
+        (!service.host.connection().is_connected()).then_some(())
+    })
+    .await;
+
+    // A generous bound that only proves the PUT does not hang.
+    let reply = timeout(deadline * 3, service.call("PUT", "/v1/deployments/d"))
+        .await
+        .expect("PUT answers while NATS is down instead of hanging");
+    let error = reply.assert_error(503, "PUT while NATS is down");
+    assert!(error.contains("NATS"), "{error}");
+    assert!(error.contains("\"d\"") || error.contains(" d "), "{error}");
+    // Nothing of the failed start is left behind.
+    assert!(service.host.names().is_empty());
+    service
+        .get("/v1/deployments/d")
+        .await
+        .assert_error(404, "the deployment after a failed PUT");
+
+    service.nats.restart().await.expect("restart nats-server");
+    poll("the host sees NATS back", || async {
+        service.host.connection().is_connected().then_some(())
+    })
+    .await;
+    let reply = service.call("PUT", "/v1/deployments/d").await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert_eq!(reply.json()["created"], true);
     service.stop().await;
 }
 
@@ -516,9 +717,8 @@ async fn readyz_asks_the_readiness_hook() {
 async fn concurrent_puts_and_deletes_agree() {
     common::init_tracing();
     let service = Service::start(None).await;
-    let addr = service.addr;
 
-    let puts = (0..8).map(|_| request(addr, "PUT", "/v1/deployments/race"));
+    let puts = (0..8).map(|_| service.call("PUT", "/v1/deployments/race"));
     let mut statuses: Vec<u16> = futures::future::join_all(puts)
         .await
         .iter()
@@ -527,7 +727,7 @@ async fn concurrent_puts_and_deletes_agree() {
     statuses.sort_unstable();
     assert_eq!(statuses, [200, 200, 200, 200, 200, 200, 200, 201]);
 
-    let deletes = (0..4).map(|_| request(addr, "DELETE", "/v1/deployments/race"));
+    let deletes = (0..4).map(|_| service.call("DELETE", "/v1/deployments/race"));
     let mut statuses: Vec<u16> = futures::future::join_all(deletes)
         .await
         .iter()
@@ -540,7 +740,7 @@ async fn concurrent_puts_and_deletes_agree() {
     // Interleaved: whatever the order, the end state is consistent and nothing leaks.
     let mixed = (0..6).map(|i| {
         let method = if i % 2 == 0 { "PUT" } else { "DELETE" };
-        request(addr, method, "/v1/deployments/race")
+        service.call(method, "/v1/deployments/race")
     });
     for reply in futures::future::join_all(mixed).await {
         assert!(
@@ -550,7 +750,7 @@ async fn concurrent_puts_and_deletes_agree() {
             reply.body
         );
     }
-    let hosted = get(addr, "/v1/deployments").await.json()["deployments"]
+    let hosted = service.get("/v1/deployments").await.json()["deployments"]
         .as_array()
         .unwrap()
         .len();
@@ -564,12 +764,10 @@ async fn concurrent_puts_and_deletes_agree() {
         .unwrap()
         .unwrap();
     assert_eq!(host.live_tasks(), 0);
-    let reply = request(addr, "PUT", "/v1/deployments/late").await;
-    assert_eq!(reply.status, 503, "{}", reply.body);
-    assert!(reply.json()["error"]
-        .as_str()
-        .unwrap()
+    let reply = service.call("PUT", "/v1/deployments/late").await;
+    assert!(reply
+        .assert_error(503, "PUT after shutdown_all")
         .contains("shutting down"));
-    assert_eq!(get(addr, "/readyz").await.status, 503);
+    assert_eq!(service.get("/readyz").await.status, 503);
     service.stop().await;
 }

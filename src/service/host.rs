@@ -94,6 +94,16 @@ pub enum AddDeploymentError {
         #[source]
         source: StartRouterError,
     },
+    /// The start needs the server (core mode flushes its subscription; durable mode asks
+    /// JetStream), and a client that waits for NATS to come back would wait without limit.
+    #[error(
+        "NATS did not answer within {waited:?} (the connect deadline): deployment {deployment} \
+         was not added; try again once NATS is reachable"
+    )]
+    NatsTimeout {
+        deployment: DeploymentName,
+        waited: Duration,
+    },
     #[error("starting the router of deployment {deployment} panicked")]
     Panicked { deployment: DeploymentName },
 }
@@ -344,7 +354,8 @@ impl DeploymentHost {
     ///
     /// # Errors
     /// [`AddDeploymentError`]: the host is shutting down, or the router did not start (the
-    /// subscription failed); nothing of it is left behind.
+    /// subscription failed, or NATS did not answer within the connection's connect
+    /// deadline); nothing of it is left behind.
     pub async fn add(&self, name: &DeploymentName) -> Result<AddOutcome, AddDeploymentError> {
         let span = tracing::info_span!("add_deployment", deployment = %name);
         let (op, done) = loop {
@@ -790,19 +801,33 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
             ..LeaseConfig::default()
         },
     };
-    let router = match Router::start_tracked(config, ingress, tracker.clone()).await {
+    // Bounded for both modes: dropping an unfinished start cancels whatever it spawned.
+    let waited = inner.connection.connect_deadline();
+    let started = tokio::time::timeout(
+        waited,
+        Router::start_tracked(config, ingress, tracker.clone()),
+    )
+    .await;
+    let started = match started {
+        Ok(result) => result.map_err(|source| AddDeploymentError::Start {
+            deployment: name.clone(),
+            source,
+        }),
+        Err(_) => Err(AddDeploymentError::NatsTimeout {
+            deployment: name.clone(),
+            waited,
+        }),
+    };
+    let router = match started {
         Ok(router) => router,
-        Err(source) => {
-            warn!(error = %source, "deployment not added");
+        Err(err) => {
+            warn!(error = %err, "deployment not added");
             // Whatever the failed start spawned is cancelled; count it until it is gone.
             tracker.close();
             if !tracker.is_empty() {
-                inner.state.lock().stragglers.push((name.clone(), tracker));
+                inner.state.lock().stragglers.push((name, tracker));
             }
-            return Err(AddDeploymentError::Start {
-                deployment: name,
-                source,
-            });
+            return Err(err);
         }
     };
     let running = Running {

@@ -6,19 +6,23 @@
 //! | `GET /readyz` | 200 once every deployment's router is live (and the [`ReadinessHook`], if any, agrees), 503 otherwise |
 //! | `GET /metrics` | OpenMetrics text (see [`super::metrics`]) |
 //! | `GET /v1/deployments` | the deployments with their active lease counts |
-//! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name |
+//! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name, 503 if NATS does not answer within the connect deadline |
 //! | `DELETE /v1/deployments/{name}` | tear it down: 204, 404 if absent |
 //! | `GET /v1/deployments/{name}/leases?limit=N` | active leases (default limit 1000) |
 //! | `GET /v1/deployments/{name}/workers` | load per worker, and the least loaded |
 //!
-//! Errors are JSON, `{"error": "..."}`; an unknown deployment is a 404.
+//! Every error is JSON, `{"error": "..."}`, also those axum would answer itself: an
+//! unknown route (404), a wrong method (405, with its `Allow` header), a name in the path
+//! that is not UTF-8 or not a name (400), a bad query string (400). An unknown deployment
+//! is a 404.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
-use axum::http::{header, StatusCode};
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::request::Parts;
+use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Json;
@@ -114,6 +118,8 @@ pub fn router(state: ApiState) -> axum::Router {
         .route("/v1/deployments/{name}/leases", get(leases))
         .route("/v1/deployments/{name}/workers", get(workers))
         .fallback(not_found)
+        // After the routes: it applies to those registered before it.
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -159,13 +165,42 @@ fn unknown(name: &DeploymentName) -> ApiError {
     )
 }
 
-fn running_view(state: &ApiState, raw: &str) -> ApiResult<DeploymentView> {
-    let name = parse_name(raw)?;
-    state.host.get(&name).ok_or_else(|| unknown(&name))
+/// The `{name}` of a deployment route, checked. Its rejection is a JSON error, where
+/// axum's own `Path` rejection (a name that is not UTF-8) would be plain text.
+struct NameInPath(DeploymentName);
+
+impl<S: Send + Sync> FromRequestParts<S> for NameInPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> ApiResult<Self> {
+        let Path(raw) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|err| {
+                ApiError(
+                    err.status(),
+                    format!("invalid deployment name in the path: {}", err.body_text()),
+                )
+            })?;
+        parse_name(&raw).map(Self)
+    }
+}
+
+fn running_view(state: &ApiState, name: &DeploymentName) -> ApiResult<DeploymentView> {
+    state.host.get(name).ok_or_else(|| unknown(name))
 }
 
 async fn not_found() -> ApiError {
     ApiError(StatusCode::NOT_FOUND, "no such route".into())
+}
+
+/// axum adds the `Allow` header to this answer.
+async fn method_not_allowed(method: Method) -> ApiError {
+    ApiError(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "method {method} is not allowed on this route; the Allow header lists those that are"
+        ),
+    )
 }
 
 async fn healthz(State(state): State<ApiState>) -> Response {
@@ -234,9 +269,8 @@ async fn list_deployments(State(state): State<ApiState>) -> Response {
 
 async fn get_deployment(
     State(state): State<ApiState>,
-    Path(raw): Path<String>,
+    NameInPath(name): NameInPath,
 ) -> ApiResult<Response> {
-    let name = parse_name(&raw)?;
     let summary = state
         .host
         .deployments()
@@ -249,9 +283,8 @@ async fn get_deployment(
 
 async fn put_deployment(
     State(state): State<ApiState>,
-    Path(raw): Path<String>,
+    NameInPath(name): NameInPath,
 ) -> ApiResult<Response> {
-    let name = parse_name(&raw)?;
     match state.host.add(&name).await {
         Ok(outcome) => {
             let (status, created) = match outcome {
@@ -276,9 +309,8 @@ async fn put_deployment(
 
 async fn delete_deployment(
     State(state): State<ApiState>,
-    Path(raw): Path<String>,
+    NameInPath(name): NameInPath,
 ) -> ApiResult<Response> {
-    let name = parse_name(&raw)?;
     match state.host.remove(&name).await {
         Ok(true) => Ok(StatusCode::NO_CONTENT.into_response()),
         Ok(false) => Err(unknown(&name)),
@@ -305,7 +337,7 @@ struct LeaseJson {
 
 async fn leases(
     State(state): State<ApiState>,
-    Path(raw): Path<String>,
+    NameInPath(name): NameInPath,
     query: Result<Query<LeasesQuery>, QueryRejection>,
 ) -> ApiResult<Response> {
     let Query(query) = query.map_err(|err| {
@@ -318,7 +350,7 @@ async fn leases(
         .limit
         .unwrap_or(DEFAULT_LEASE_LIMIT)
         .min(MAX_LEASE_LIMIT);
-    let view = running_view(&state, &raw)?;
+    let view = running_view(&state, &name)?;
     let manager = view.manager();
     let active = manager.active_leases();
     let leases: Vec<LeaseJson> = manager
@@ -360,10 +392,12 @@ impl WorkerJson {
     }
 }
 
-async fn workers(State(state): State<ApiState>, Path(raw): Path<String>) -> ApiResult<Response> {
-    let view = running_view(&state, &raw)?;
+async fn workers(
+    State(state): State<ApiState>,
+    NameInPath(name): NameInPath,
+) -> ApiResult<Response> {
+    let view = running_view(&state, &name)?;
     let scheduler = view.scheduler().clone();
-    let name = view.name().clone();
     // Do not hold the view (the manager) while waiting for the scheduler.
     drop(view);
     let stopped = |err: String| {
