@@ -4,6 +4,10 @@
 //! Checks run cheapest first (subject, size, decode, identity, sequence), then the event is
 //! matched to the attempt it is about and handed to the observer. Out-of-order events are
 //! held or tombstoned in bounded, short-lived maps (see [`super::reorder`]).
+//!
+//! Every received message is counted exactly once as applied, dropped (by reason) or held
+//! (see [`crate::stats`]); a held event is counted again only when it leaves the hold, as
+//! applied when its admission arrives or as dropped otherwise.
 
 use std::mem;
 use std::sync::Arc;
@@ -20,7 +24,7 @@ use crate::scheduler::Op;
 use crate::stats::{DropReason, IngressStats, PendingCounts};
 use crate::subject::Subjects;
 use crate::types::{DpRank, RequestId, RequestLoad, WorkerId, WorkerWithDpRank};
-use crate::wire::{self, Admitted, Completed, LeaseEvent, Progressed, WorkerReset};
+use crate::wire::{self, Admitted, Completed, EventKind, LeaseEvent, Progressed, WorkerReset};
 
 /// Limits of the ingress's own memory and checks.
 #[derive(Clone, Debug)]
@@ -59,7 +63,8 @@ impl Default for ApplyConfig {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Applied {
     Applied,
-    /// Held until the admission it depends on arrives, or tombstoned.
+    /// Held until the admission it depends on arrives (a `progressed`), or kept as a
+    /// tombstone against it (a `completed`): counted as held until then.
     Held,
     Dropped(DropReason),
 }
@@ -139,6 +144,22 @@ impl EventApplier {
         if let Some(leases) = self.batch.take().and_then(|batch| batch.leases) {
             self.spare_ops = leases.finish();
         }
+        self.flush_counts();
+    }
+
+    /// Adds the pending counts to the stats, with the held events that expired meanwhile
+    /// dropped as `unmatched` and the held gauge brought up to date: the identity holds at
+    /// every flush. One clock read, only while something is held.
+    fn flush_counts(&mut self) {
+        if !self.tombstones.is_empty() || !self.held_progress.is_empty() {
+            let now = tokio::time::Instant::now();
+            self.tombstones.expire(now);
+            self.held_progress.expire(now);
+        }
+        let expired = self.tombstones.take_expired() + self.held_progress.take_expired();
+        self.counts.dropped_n(DropReason::Unmatched, expired);
+        self.counts
+            .set_held(self.tombstones.events() + self.held_progress.events());
         self.counts.flush(&self.stats);
     }
 
@@ -165,12 +186,12 @@ impl EventApplier {
         self.counts.received();
         let outcome = self.apply_inner(subject, payload);
         match outcome {
-            Ok(Applied::Dropped(reason)) => self.stats.dropped(reason),
-            Err(DeliverEventError::ManagerGone) => self.stats.dropped(DropReason::Late),
+            Ok(Applied::Dropped(reason)) => self.counts.dropped(reason),
+            Err(DeliverEventError::ManagerGone) => self.counts.dropped(DropReason::Late),
             Ok(_) => {}
         }
         if self.batch.is_none() {
-            self.counts.flush(&self.stats);
+            self.flush_counts();
         }
         outcome
     }
@@ -202,13 +223,23 @@ impl EventApplier {
         }
         let known_publisher = self.sequences.knows(envelope.publisher_id);
         let evicted_before = self.sequences.evicted();
+        let lost_evicted_before = self.sequences.lost_evicted();
         let verdict = self
             .sequences
             .observe(envelope.publisher_id, envelope.sequence);
         if !known_publisher {
+            if self
+                .sequences
+                .new_publisher_of(subject_worker, envelope.publisher_id)
+            {
+                self.stats.publisher_restart();
+            }
             let evicted = self.sequences.evicted() - evicted_before;
             if evicted > 0 {
                 self.stats.publishers_evicted(evicted);
+                // Numbers still missing from the forgotten windows can no longer be told.
+                self.stats
+                    .gaps(self.sequences.lost_evicted() - lost_evicted_before);
                 self.warn(|| {
                     warn!(
                         evicted,
@@ -220,20 +251,17 @@ impl EventApplier {
             }
         }
         match verdict {
-            SequenceVerdict::Fresh { missing } => {
-                if missing > 0 {
-                    self.stats.gaps(missing);
+            SequenceVerdict::Fresh { lost } => {
+                if lost > 0 {
+                    self.stats.gaps(lost);
                     self.warn(|| {
                         warn!(
                             worker = subject_worker,
                             publisher = envelope.publisher_id,
-                            missing,
+                            lost,
                             "sequence gap: events were lost"
                         )
                     });
-                }
-                if !known_publisher && envelope.sequence == 1 {
-                    self.stats.publisher_restart();
                 }
             }
             SequenceVerdict::Late => {}
@@ -275,18 +303,19 @@ impl EventApplier {
             Hold::Tombstone => &mut self.tombstones,
             Hold::Progress => &mut self.held_progress,
         };
+        self.stats.reorder_held();
         match map.insert(request_id, e) {
-            InsertOutcome::Inserted => {
-                self.stats.reorder_held();
-                Applied::Held
+            InsertOutcome::Inserted => {}
+            // The evicted entry's events are the ones lost; this one is kept.
+            InsertOutcome::EvictedOldest { events } => {
+                self.counts.dropped_n(DropReason::Overflow, events);
             }
-            InsertOutcome::EvictedOldest => {
-                self.stats.reorder_held();
-                // The evicted entry is the one lost; this one is kept.
-                self.stats.dropped(DropReason::Overflow);
-                Applied::Held
+            // Held for the same request on another worker: that attempt is not live.
+            InsertOutcome::Displaced { events } => {
+                self.counts.dropped_n(DropReason::Stale, events);
             }
         }
+        Applied::Held
     }
 
     /// The open lease batch, if any.
@@ -332,9 +361,13 @@ impl EventApplier {
         let worker = e.worker();
         let load = e.load();
         let request_id = e.request_id.as_str();
-        if self.tombstones.take(request_id, worker) {
+        let completions = self.tombstones.take(request_id, worker);
+        if completions > 0 {
             debug!(request_id, worker = %worker, "ignored an admission that arrived after its completion");
-            self.held_progress.take(request_id, worker);
+            // The held completion has done its work: the request it ended stays ended.
+            self.counts.applied_n(EventKind::Completed, completions);
+            let progress = self.held_progress.take(request_id, worker);
+            self.counts.dropped_n(DropReason::Stale, progress);
             return Ok(Applied::Dropped(DropReason::Stale));
         }
         // A re-sent admission of a live lease renews it; otherwise this is a new attempt.
@@ -343,13 +376,25 @@ impl EventApplier {
             AdmitOutcome::Full => {
                 // Refused by the manager's max_active_leases (counted there as refused_full);
                 // progress held for it would wait for nothing.
-                self.held_progress.take(request_id, worker);
+                let progress = self.held_progress.take(request_id, worker);
+                self.counts.dropped_n(DropReason::Overflow, progress);
                 return Ok(Applied::Dropped(DropReason::Overflow));
             }
             AdmitOutcome::Registered | AdmitOutcome::Duplicate | AdmitOutcome::Superseded => {}
         }
-        if self.held_progress.take(request_id, worker) {
-            self.progress_current(request_id, worker)?;
+        let progress = self.held_progress.take(request_id, worker);
+        if progress > 0 {
+            // One touch applies them all, as touches between two scans coalesce.
+            match self.progress_current(request_id, worker) {
+                Ok(Some(ProgressOutcome::Renewed | ProgressOutcome::Coalesced)) => {
+                    self.counts.applied_n(EventKind::Progressed, progress);
+                }
+                Ok(_) => self.counts.dropped_n(DropReason::Stale, progress),
+                Err(error) => {
+                    self.counts.dropped_n(DropReason::Late, progress);
+                    return Err(error);
+                }
+            }
         }
         Ok(Applied::Applied)
     }
@@ -376,7 +421,9 @@ impl EventApplier {
             Some(CompleteOutcome::Released) => Ok(Applied::Applied),
             Some(CompleteOutcome::Stale) => Ok(Applied::Dropped(DropReason::Stale)),
             None => {
-                self.held_progress.take(&e.request_id, worker);
+                // Progress held for a request that ended: there is nothing left to renew.
+                let progress = self.held_progress.take(&e.request_id, worker);
+                self.counts.dropped_n(DropReason::Stale, progress);
                 let request_id = RequestId::from(e.request_id);
                 Ok(self.hold(Hold::Tombstone, request_id, worker))
             }
@@ -387,8 +434,10 @@ impl EventApplier {
         let dropped = self
             .observer
             .worker_reset(WorkerId(e.worker_id), e.dp_rank.map(DpRank))?;
-        self.tombstones.forget_worker(|w| e.covers(w));
-        self.held_progress.forget_worker(|w| e.covers(w));
+        // Held events of the reset worker's requests: their leases are gone.
+        let forgotten = self.tombstones.forget_worker(|w| e.covers(w))
+            + self.held_progress.forget_worker(|w| e.covers(w));
+        self.counts.dropped_n(DropReason::Stale, forgotten);
         debug!(worker = e.worker_id, dropped, "worker reset applied");
         Ok(Applied::Applied)
     }
@@ -397,4 +446,16 @@ impl EventApplier {
 enum Hold {
     Tombstone,
     Progress,
+}
+
+impl Drop for EventApplier {
+    /// The router is gone (or going): what is still held will never be applied, so it is
+    /// counted as `late`, and the held gauge comes back down.
+    fn drop(&mut self) {
+        self.end_batch();
+        let held = self.tombstones.events() + self.held_progress.events();
+        self.counts.dropped_n(DropReason::Late, held);
+        self.counts.set_held(0);
+        self.counts.flush(&self.stats);
+    }
 }
