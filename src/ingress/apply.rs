@@ -459,3 +459,220 @@ impl Drop for EventApplier {
         self.counts.flush(&self.stats);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router::{NoIngress, Router, RouterConfig};
+    use crate::subject::DeploymentName;
+    use crate::wire::{Envelope, Outcome, ProgressStage};
+
+    /// An applier on a live router, fed synchronously, with short hold times.
+    struct Fixture {
+        router: Router,
+        applier: Option<EventApplier>,
+        stats: Arc<IngressStats>,
+        subjects: Subjects,
+        received: u64,
+    }
+
+    const HOLD: Duration = Duration::from_millis(200);
+
+    impl Fixture {
+        async fn new() -> Self {
+            let config = RouterConfig::new("unit").with_scan_interval(Duration::from_secs(3600));
+            let router = Router::start(config, NoIngress).await.expect("starts");
+            let subjects = Subjects::with_default_prefix(DeploymentName::new("unit").unwrap());
+            let stats = Arc::new(IngressStats::new());
+            let config = ApplyConfig {
+                tombstone_ttl: HOLD,
+                held_progress_ttl: HOLD,
+                ..ApplyConfig::default()
+            };
+            let applier =
+                EventApplier::new(subjects.clone(), router.observer(), stats.clone(), config);
+            Self {
+                router,
+                applier: Some(applier),
+                stats,
+                subjects,
+                received: 0,
+            }
+        }
+
+        fn bytes(&mut self, subject: &str, bytes: &[u8]) -> Applied {
+            self.received += 1;
+            let applier = self.applier.as_mut().expect("not dropped");
+            applier.apply(subject, bytes).expect("router alive")
+        }
+
+        fn feed(&mut self, publisher: u64, seq: u64, event: impl Into<LeaseEvent>) -> Applied {
+            let envelope = Envelope::new(publisher, seq, wire::unix_micros_now(), event);
+            let subject = self.subjects.worker_subject(envelope.event.worker_id());
+            self.bytes(&subject, &wire::encode(&envelope).unwrap())
+        }
+
+        /// Checks the counts, and that they add up to what was received.
+        #[track_caller]
+        fn check(&self, applied: u64, dropped: u64, held: u64) {
+            let s = self.stats.snapshot();
+            assert_eq!(s.received, self.received, "{s:?}");
+            assert_eq!(
+                (s.applied_total(), s.dropped_total(), s.held),
+                (applied, dropped, held),
+                "{s:?}"
+            );
+            assert_eq!(s.accounted(), s.received, "the identity: {s:?}");
+        }
+    }
+
+    fn admitted(id: &str, worker: u64) -> Admitted {
+        Admitted {
+            request_id: id.into(),
+            worker_id: worker,
+            dp_rank: 0,
+            prompt_tokens: 10,
+            expected_output_tokens: None,
+        }
+    }
+
+    fn progressed(id: &str, worker: u64) -> Progressed {
+        Progressed {
+            request_id: id.into(),
+            worker_id: worker,
+            dp_rank: 0,
+            stage: ProgressStage::Decoding,
+            output_tokens: 1,
+        }
+    }
+
+    fn completed(id: &str, worker: u64) -> Completed {
+        Completed {
+            request_id: id.into(),
+            worker_id: worker,
+            dp_rank: 0,
+            outcome: Outcome::Finished,
+        }
+    }
+
+    /// Every way into and out of the hold, with received == applied + dropped + held after
+    /// each step.
+    #[tokio::test]
+    async fn every_event_is_applied_dropped_or_held_exactly_once() {
+        use Applied::{Dropped, Held};
+        const APPLIED: Applied = Applied::Applied;
+        let mut f = Fixture::new().await;
+        let mut seq = 0;
+        let mut next = || {
+            seq += 1;
+            seq
+        };
+        assert_eq!(f.feed(1, next(), admitted("a", 1)), APPLIED);
+        assert_eq!(
+            f.feed(1, 1, admitted("a", 1)),
+            Dropped(DropReason::Duplicate)
+        );
+        f.check(1, 1, 0);
+        // Progress before its admission, twice: held, then applied with it.
+        assert_eq!(f.feed(1, next(), progressed("b", 1)), Held);
+        assert_eq!(f.feed(1, next(), progressed("b", 1)), Held);
+        f.check(1, 1, 2);
+        assert_eq!(f.feed(1, next(), admitted("b", 1)), APPLIED);
+        f.check(4, 1, 0);
+        // A completion before its admission: held, applied when the admission comes (which
+        // is dropped as stale).
+        assert_eq!(f.feed(1, next(), completed("c", 1)), Held);
+        f.check(4, 1, 1);
+        assert_eq!(
+            f.feed(1, next(), admitted("c", 1)),
+            Dropped(DropReason::Stale)
+        );
+        f.check(5, 2, 0);
+        assert!(f.router.manager().lease(&"c".into()).is_none());
+        // Held progress of a request that completes before its admission: stale.
+        assert_eq!(f.feed(1, next(), progressed("d", 1)), Held);
+        assert_eq!(f.feed(1, next(), completed("d", 1)), Held);
+        f.check(5, 3, 1);
+        // A worker reset drops what is held for the worker.
+        assert_eq!(f.feed(1, next(), progressed("e", 1)), Held);
+        f.check(5, 3, 2);
+        let reset = WorkerReset {
+            worker_id: 1,
+            dp_rank: None,
+        };
+        assert_eq!(f.feed(1, next(), reset), APPLIED);
+        f.check(6, 5, 0);
+        // What waits in vain for its admission expires as unmatched.
+        assert_eq!(f.feed(1, next(), progressed("f", 2)), Held);
+        assert_eq!(f.feed(1, next(), completed("g", 2)), Held);
+        f.check(6, 5, 2);
+        tokio::time::sleep(HOLD + Duration::from_millis(50)).await;
+        assert_eq!(f.feed(1, next(), admitted("h", 2)), APPLIED);
+        f.check(7, 7, 0);
+        assert_eq!(f.stats.snapshot().dropped(DropReason::Unmatched), 2);
+        // Bad bytes, a forged identity, a subject outside the layout.
+        let subject = f.subjects.worker_subject(3);
+        assert_eq!(f.bytes(&subject, b"\xc1"), Dropped(DropReason::Decode));
+        let forged = Envelope::new(1, next(), 0, admitted("x", 4));
+        let forged = wire::encode(&forged).unwrap();
+        assert_eq!(f.bytes(&subject, &forged), Dropped(DropReason::Identity));
+        assert_eq!(f.bytes("elsewhere", &forged), Dropped(DropReason::Subject));
+        f.check(7, 10, 0);
+        // What is still held when the router goes is late.
+        assert_eq!(f.feed(1, next(), progressed("i", 3)), Held);
+        f.check(7, 10, 1);
+        drop(f.applier.take());
+        f.check(7, 11, 0);
+        assert_eq!(f.stats.snapshot().dropped(DropReason::Late), 1);
+        assert_eq!(f.stats.snapshot().gaps, 0, "nothing was skipped");
+        f.router.shutdown().await.unwrap();
+    }
+
+    /// A completion that overtakes its admission is no gap; numbers that never come are, once
+    /// they leave the window.
+    #[tokio::test]
+    async fn only_numbers_that_never_arrive_are_gaps() {
+        let mut f = Fixture::new().await;
+        f.feed(1, 1, admitted("a", 1));
+        f.feed(1, 3, completed("b", 1));
+        f.feed(1, 2, admitted("b", 1));
+        f.feed(1, 5, progressed("a", 1));
+        f.feed(1, 4, progressed("a", 1));
+        assert_eq!(f.stats.snapshot().gaps, 0);
+        // 6..=8 are lost; counted once 4,096 later numbers have been seen.
+        let applier = f.applier.as_mut().unwrap();
+        applier.begin_batch();
+        for seq in 9..9 + 4096 {
+            let envelope = Envelope::new(1, seq, 0, progressed("a", 1));
+            let subject = f.subjects.worker_subject(1);
+            applier
+                .apply(&subject, &wire::encode(&envelope).unwrap())
+                .unwrap();
+            f.received += 1;
+        }
+        applier.end_batch();
+        let s = f.stats.snapshot();
+        assert_eq!(s.gaps, 3, "{s:?}");
+        assert_eq!(s.accounted(), s.received);
+        f.router.shutdown().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn first_sight_of_publishers_is_no_restart_and_a_new_publisher_for_a_worker_is() {
+        let mut f = Fixture::new().await;
+        for worker in 0..10 {
+            f.feed(100 + worker, 1, admitted(&format!("r{worker}"), worker));
+            f.feed(100 + worker, 2, progressed(&format!("r{worker}"), worker));
+        }
+        assert_eq!(f.stats.snapshot().publisher_restarts, 0);
+        // Worker 4's process restarts: a new publisher id, from 1 again.
+        let reset = WorkerReset {
+            worker_id: 4,
+            dp_rank: None,
+        };
+        f.feed(999, 1, reset);
+        f.feed(999, 2, admitted("again", 4));
+        assert_eq!(f.stats.snapshot().publisher_restarts, 1);
+        f.router.shutdown().await.unwrap();
+    }
+}
