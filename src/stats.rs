@@ -1,6 +1,11 @@
 //! The counters of one deployment's ingress: what arrived, what was applied, what was dropped
 //! and why, and how late events are. Plain atomics, written by one ingress task and read by
 //! the metrics exporter at scrape time.
+//!
+//! The accounting identity, checked by the tests and stated in README.md: every received
+//! message is exactly one of applied (by kind), dropped (by reason) or held (waiting for the
+//! admission it depends on), so `received == applied + dropped + held` whenever the ingress is
+//! between bursts (the counts of a burst are added at its end).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -8,7 +13,8 @@ use serde::Serialize;
 
 use crate::wire::EventKind;
 
-/// Why an event was not applied.
+/// Why an event was not applied. What each reason means for a worker is stated once, in
+/// schemas/README.md (`tests/wire_contract.rs` checks that list against [`DropReason::ALL`]).
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
 pub enum DropReason {
     /// The subject is not `{prefix}.{deployment}.{worker_id}`.
@@ -31,10 +37,13 @@ pub enum DropReason {
     Stale,
     /// A bounded buffer (tombstones, held events, publishers) was full.
     Overflow,
+    /// A `progressed` or `completed` held for an admission that did not arrive in time.
+    Unmatched,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 10] = [
+    /// Every reason, in the order of the metrics' series.
+    pub const ALL: [DropReason; 11] = [
         Self::Subject,
         Self::Oversized,
         Self::Decode,
@@ -45,6 +54,7 @@ impl DropReason {
         Self::Late,
         Self::Stale,
         Self::Overflow,
+        Self::Unmatched,
     ];
 
     /// The metrics label.
@@ -60,7 +70,13 @@ impl DropReason {
             Self::Late => "late",
             Self::Stale => "stale",
             Self::Overflow => "overflow",
+            Self::Unmatched => "unmatched",
         }
+    }
+
+    /// The position in [`DropReason::ALL`] (a match, not a search: this runs per event).
+    fn index(self) -> usize {
+        self as usize
     }
 
     pub(crate) fn from_decode(reason: &crate::wire::DecodeEventError) -> Self {
@@ -156,6 +172,11 @@ impl LagHistogram {
 pub(crate) struct PendingCounts {
     received: u64,
     applied: [u64; EVENT_KINDS.len()],
+    dropped: [u64; DropReason::ALL.len()],
+    /// Events held now by the applier, and what of it [`IngressStats`] shows already: the
+    /// gauge moves by the difference, so appliers that share the stats add up.
+    held: u64,
+    held_shown: u64,
     lag_buckets: [u64; LAG_BUCKETS_US.len() + 1],
     lag_sum_us: u64,
     lag_count: u64,
@@ -168,6 +189,25 @@ impl PendingCounts {
 
     pub(crate) fn applied(&mut self, kind: EventKind) {
         self.applied[kind_index(kind)] += 1;
+    }
+
+    /// `n` events of `kind` applied at once: held ones, when their admission arrives.
+    pub(crate) fn applied_n(&mut self, kind: EventKind, n: u64) {
+        self.applied[kind_index(kind)] += n;
+    }
+
+    pub(crate) fn dropped(&mut self, reason: DropReason) {
+        self.dropped[reason.index()] += 1;
+    }
+
+    /// `n` events dropped at once: held ones, released without being applied.
+    pub(crate) fn dropped_n(&mut self, reason: DropReason, n: u64) {
+        self.dropped[reason.index()] += n;
+    }
+
+    /// How many events the applier holds now (shown at the next flush).
+    pub(crate) fn set_held(&mut self, held: u64) {
+        self.held = held;
     }
 
     pub(crate) fn lag_us(&mut self, lag_us: u64) {
@@ -187,6 +227,19 @@ impl PendingCounts {
         for (counter, n) in stats.applied.iter().zip(&mut self.applied) {
             add(counter, n);
         }
+        for (counter, n) in stats.dropped.iter().zip(&mut self.dropped) {
+            add(counter, n);
+        }
+        if self.held > self.held_shown {
+            stats
+                .held
+                .fetch_add(self.held - self.held_shown, Ordering::Relaxed);
+        } else if self.held < self.held_shown {
+            stats
+                .held
+                .fetch_sub(self.held_shown - self.held, Ordering::Relaxed);
+        }
+        self.held_shown = self.held;
         let lag = &stats.lag;
         for (counter, n) in lag.buckets.iter().zip(&mut self.lag_buckets) {
             add(counter, n);
@@ -202,6 +255,8 @@ pub struct IngressStats {
     received: AtomicU64,
     applied: [AtomicU64; 4],
     dropped: [AtomicU64; DropReason::ALL.len()],
+    /// A gauge: events held now by the appliers writing these stats.
+    held: AtomicU64,
     gaps: AtomicU64,
     reorders_held: AtomicU64,
     publisher_restarts: AtomicU64,
@@ -217,11 +272,16 @@ pub struct IngressStatsSnapshot {
     pub applied: Vec<(&'static str, u64)>,
     /// By drop reason label.
     pub dropped: Vec<(&'static str, u64)>,
-    /// Sequence numbers that never arrived (core NATS is at-most-once).
+    /// Events held now: a `progressed` or `completed` waiting for its admission. Each leaves
+    /// as applied or dropped, so `received == applied + dropped + held`.
+    pub held: u64,
+    /// Sequence numbers that will not arrive any more: they left their publisher's window
+    /// (4,096 numbers) unseen, or the publisher was forgotten with them missing. A number
+    /// that arrives late, within the window, is never counted.
     pub gaps: u64,
-    /// Events that arrived before the admission they depend on and were held or tombstoned.
+    /// Events that entered the hold (cumulative); see `held` for those still in it.
     pub reorders_held: u64,
-    /// New publisher ids seen for a worker that already had one.
+    /// Publisher ids heard on a worker subject that had another publisher id before.
     pub publisher_restarts: u64,
     /// Publishers whose sequence windows were forgotten because `max_publishers` were
     /// tracked: their duplicates are no longer recognised.
@@ -245,6 +305,12 @@ impl IngressStatsSnapshot {
     pub fn dropped_total(&self) -> u64 {
         self.dropped.iter().map(|(_, n)| n).sum()
     }
+
+    /// What the identity adds up to: equal to `received` whenever the ingress is between
+    /// bursts.
+    pub fn accounted(&self) -> u64 {
+        self.applied_total() + self.dropped_total() + self.held
+    }
 }
 
 fn lookup(pairs: &[(&'static str, u64)], key: &str) -> u64 {
@@ -256,12 +322,10 @@ impl IngressStats {
         Self::default()
     }
 
+    /// One drop counted at once (the applier batches its drops in [`PendingCounts`]).
+    #[cfg(test)]
     pub(crate) fn dropped(&self, reason: DropReason) {
-        let index = DropReason::ALL
-            .iter()
-            .position(|r| *r == reason)
-            .expect("every reason is listed");
-        self.dropped[index].fetch_add(1, Ordering::Relaxed);
+        self.dropped[reason.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn gaps(&self, missing: u64) {
@@ -298,6 +362,7 @@ impl IngressStats {
                 .zip(&self.dropped)
                 .map(|(r, c)| (r.as_str(), get(c)))
                 .collect(),
+            held: get(&self.held),
             gaps: get(&self.gaps),
             reorders_held: get(&self.reorders_held),
             publisher_restarts: get(&self.publisher_restarts),
@@ -348,5 +413,28 @@ mod tests {
         assert_eq!(s.dropped_total(), 2);
         assert_eq!(s.applied(EventKind::Completed), 1);
         assert_eq!(s.applied(EventKind::Admitted), 0);
+    }
+
+    #[test]
+    fn reasons_are_listed_in_index_order() {
+        for (i, reason) in DropReason::ALL.into_iter().enumerate() {
+            assert_eq!(reason.index(), i, "{reason:?}");
+        }
+    }
+
+    #[test]
+    fn held_gauge_moves_by_difference_and_appliers_add_up() {
+        let stats = IngressStats::new();
+        let (mut a, mut b) = (PendingCounts::default(), PendingCounts::default());
+        a.set_held(3);
+        b.set_held(2);
+        a.flush(&stats);
+        b.flush(&stats);
+        assert_eq!(stats.snapshot().held, 5);
+        a.set_held(1);
+        a.dropped_n(DropReason::Unmatched, 2);
+        a.flush(&stats);
+        let s = stats.snapshot();
+        assert_eq!((s.held, s.dropped(DropReason::Unmatched)), (3, 2));
     }
 }

@@ -92,6 +92,8 @@ async fn tombstone_flood_stays_at_its_limit_and_counts_overflow() {
     let s = stats.snapshot();
     assert_eq!(s.dropped(DropReason::Overflow), (FLOOD - 100) as u64);
     assert_eq!(s.received, FLOOD as u64);
+    assert_eq!(s.held, 100, "what the tombstones hold is held");
+    assert_eq!(s.accounted(), s.received, "{s:?}");
     assert_eq!(router.manager().active_leases(), 0);
     router.shutdown().await.unwrap();
 }
@@ -113,10 +115,9 @@ async fn held_progress_flood_stays_at_its_limit_and_counts_overflow() {
         assert!(applier.reorder_buffers().1 <= 100);
     }
     assert_eq!(applier.reorder_buffers(), (0, 100));
-    assert_eq!(
-        stats.snapshot().dropped(DropReason::Overflow),
-        (FLOOD - 100) as u64
-    );
+    let s = stats.snapshot();
+    assert_eq!(s.dropped(DropReason::Overflow), (FLOOD - 100) as u64);
+    assert_eq!((s.held, s.accounted()), (100, s.received), "{s:?}");
     assert_eq!(router.manager().active_leases(), 0);
     router.shutdown().await.unwrap();
 }

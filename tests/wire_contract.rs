@@ -475,3 +475,35 @@ fn lease_event_accessors_on_fixtures() {
         }
     }
 }
+
+/// The drop reasons a worker implementer reads about (schemas/README.md, "Drop reasons") are
+/// exactly the ones the router counts, in its order; README.md's metrics point there instead
+/// of listing them again.
+#[test]
+fn documented_drop_reasons_are_the_counted_ones() {
+    use lease_router::stats::DropReason;
+    let contract = fs::read_to_string(schemas_dir().join("README.md")).unwrap();
+    let section = contract
+        .split("\n## Drop reasons\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("schemas/README.md has a Drop reasons section");
+    let documented: Vec<&str> = section
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .map(|l| l.split('`').next().unwrap())
+        .collect();
+    let counted: Vec<&str> = DropReason::ALL.iter().map(|r| r.as_str()).collect();
+    assert_eq!(documented, counted);
+
+    let readme =
+        fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let dropped_row = readme
+        .lines()
+        .find(|l| l.starts_with("| `events_dropped_total`"))
+        .expect("README.md describes events_dropped_total");
+    assert!(
+        dropped_row.contains("(schemas/README.md#drop-reasons)"),
+        "{dropped_row}"
+    );
+}

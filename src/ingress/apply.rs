@@ -4,6 +4,10 @@
 //! Checks run cheapest first (subject, size, decode, identity, sequence), then the event is
 //! matched to the attempt it is about and handed to the observer. Out-of-order events are
 //! held or tombstoned in bounded, short-lived maps (see [`super::reorder`]).
+//!
+//! Every received message is counted exactly once as applied, dropped (by reason) or held
+//! (see [`crate::stats`]); a held event is counted again only when it leaves the hold, as
+//! applied when its admission arrives or as dropped otherwise.
 
 use std::mem;
 use std::sync::Arc;
@@ -20,7 +24,7 @@ use crate::scheduler::Op;
 use crate::stats::{DropReason, IngressStats, PendingCounts};
 use crate::subject::Subjects;
 use crate::types::{DpRank, RequestId, RequestLoad, WorkerId, WorkerWithDpRank};
-use crate::wire::{self, Admitted, Completed, LeaseEvent, Progressed, WorkerReset};
+use crate::wire::{self, Admitted, Completed, EventKind, LeaseEvent, Progressed, WorkerReset};
 
 /// Limits of the ingress's own memory and checks.
 #[derive(Clone, Debug)]
@@ -59,7 +63,8 @@ impl Default for ApplyConfig {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Applied {
     Applied,
-    /// Held until the admission it depends on arrives, or tombstoned.
+    /// Held until the admission it depends on arrives (a `progressed`), or kept as a
+    /// tombstone against it (a `completed`): counted as held until then.
     Held,
     Dropped(DropReason),
 }
@@ -142,6 +147,22 @@ impl EventApplier {
         if let Some(leases) = self.batch.take().and_then(|batch| batch.leases) {
             self.spare_ops = leases.finish();
         }
+        self.flush_counts();
+    }
+
+    /// Adds the pending counts to the stats, with the held events that expired meanwhile
+    /// dropped as `unmatched` and the held gauge brought up to date: the identity holds at
+    /// every flush. One clock read, only while something is held.
+    fn flush_counts(&mut self) {
+        if !self.tombstones.is_empty() || !self.held_progress.is_empty() {
+            let now = tokio::time::Instant::now();
+            self.tombstones.expire(now);
+            self.held_progress.expire(now);
+        }
+        let expired = self.tombstones.take_expired() + self.held_progress.take_expired();
+        self.counts.dropped_n(DropReason::Unmatched, expired);
+        self.counts
+            .set_held(self.tombstones.events() + self.held_progress.events());
         self.counts.flush(&self.stats);
     }
 
@@ -174,8 +195,8 @@ impl EventApplier {
         self.counts.received();
         let outcome = self.apply_inner(subject, payload);
         match outcome {
-            Ok(Applied::Dropped(reason)) => self.stats.dropped(reason),
-            Err(DeliverEventError::ManagerGone) => self.stats.dropped(DropReason::Late),
+            Ok(Applied::Dropped(reason)) => self.counts.dropped(reason),
+            Err(DeliverEventError::ManagerGone) => self.counts.dropped(DropReason::Late),
             Ok(_) => {}
         }
         outcome
@@ -208,13 +229,23 @@ impl EventApplier {
         }
         let known_publisher = self.sequences.knows(envelope.publisher_id);
         let evicted_before = self.sequences.evicted();
+        let lost_evicted_before = self.sequences.lost_evicted();
         let verdict = self
             .sequences
             .observe(envelope.publisher_id, envelope.sequence);
         if !known_publisher {
+            if self
+                .sequences
+                .new_publisher_of(subject_worker, envelope.publisher_id)
+            {
+                self.stats.publisher_restart();
+            }
             let evicted = self.sequences.evicted() - evicted_before;
             if evicted > 0 {
                 self.stats.publishers_evicted(evicted);
+                // Numbers still missing from the forgotten windows can no longer be told.
+                self.stats
+                    .gaps(self.sequences.lost_evicted() - lost_evicted_before);
                 self.warn(|| {
                     warn!(
                         evicted,
@@ -226,20 +257,17 @@ impl EventApplier {
             }
         }
         match verdict {
-            SequenceVerdict::Fresh { missing } => {
-                if missing > 0 {
-                    self.stats.gaps(missing);
+            SequenceVerdict::Fresh { lost } => {
+                if lost > 0 {
+                    self.stats.gaps(lost);
                     self.warn(|| {
                         warn!(
                             worker = subject_worker,
                             publisher = envelope.publisher_id,
-                            missing,
+                            lost,
                             "sequence gap: events were lost"
                         )
                     });
-                }
-                if !known_publisher && envelope.sequence == 1 {
-                    self.stats.publisher_restart();
                 }
             }
             SequenceVerdict::Late => {}
@@ -281,18 +309,19 @@ impl EventApplier {
             Hold::Tombstone => &mut self.tombstones,
             Hold::Progress => &mut self.held_progress,
         };
+        self.stats.reorder_held();
         match map.insert(request_id, e) {
-            InsertOutcome::Inserted => {
-                self.stats.reorder_held();
-                Applied::Held
+            InsertOutcome::Inserted => {}
+            // The evicted entry's events are the ones lost; this one is kept.
+            InsertOutcome::EvictedOldest { events } => {
+                self.counts.dropped_n(DropReason::Overflow, events);
             }
-            InsertOutcome::EvictedOldest => {
-                self.stats.reorder_held();
-                // The evicted entry is the one lost; this one is kept.
-                self.stats.dropped(DropReason::Overflow);
-                Applied::Held
+            // Held for the same request on another worker: that attempt is not live.
+            InsertOutcome::Displaced { events } => {
+                self.counts.dropped_n(DropReason::Stale, events);
             }
         }
+        Applied::Held
     }
 
     /// The open lease batch, or the router is gone.
@@ -332,9 +361,13 @@ impl EventApplier {
         let worker = e.worker();
         let load = e.load();
         let request_id = e.request_id.as_str();
-        if self.tombstones.take(request_id, worker) {
+        let completions = self.tombstones.take(request_id, worker);
+        if completions > 0 {
             debug!(request_id, worker = %worker, "ignored an admission that arrived after its completion");
-            self.held_progress.take(request_id, worker);
+            // The held completion has done its work: the request it ended stays ended.
+            self.counts.applied_n(EventKind::Completed, completions);
+            let progress = self.held_progress.take(request_id, worker);
+            self.counts.dropped_n(DropReason::Stale, progress);
             return Ok(Applied::Dropped(DropReason::Stale));
         }
         // A re-sent admission of a live lease renews it; otherwise this is a new attempt.
@@ -342,13 +375,25 @@ impl EventApplier {
             AdmitOutcome::Full => {
                 // Refused by the manager's max_active_leases (counted there as refused_full);
                 // progress held for it would wait for nothing.
-                self.held_progress.take(request_id, worker);
+                let progress = self.held_progress.take(request_id, worker);
+                self.counts.dropped_n(DropReason::Overflow, progress);
                 return Ok(Applied::Dropped(DropReason::Overflow));
             }
             AdmitOutcome::Registered | AdmitOutcome::Duplicate | AdmitOutcome::Superseded => {}
         }
-        if self.held_progress.take(request_id, worker) {
-            self.progress_current(request_id, worker)?;
+        let progress = self.held_progress.take(request_id, worker);
+        if progress > 0 {
+            // One touch applies them all, as touches between two scans coalesce.
+            match self.progress_current(request_id, worker) {
+                Ok(Some(ProgressOutcome::Renewed | ProgressOutcome::Coalesced)) => {
+                    self.counts.applied_n(EventKind::Progressed, progress);
+                }
+                Ok(_) => self.counts.dropped_n(DropReason::Stale, progress),
+                Err(error) => {
+                    self.counts.dropped_n(DropReason::Late, progress);
+                    return Err(error);
+                }
+            }
         }
         Ok(Applied::Applied)
     }
@@ -375,7 +420,9 @@ impl EventApplier {
             Some(CompleteOutcome::Released) => Ok(Applied::Applied),
             Some(CompleteOutcome::Stale) => Ok(Applied::Dropped(DropReason::Stale)),
             None => {
-                self.held_progress.take(&e.request_id, worker);
+                // Progress held for a request that ended: there is nothing left to renew.
+                let progress = self.held_progress.take(&e.request_id, worker);
+                self.counts.dropped_n(DropReason::Stale, progress);
                 let request_id = RequestId::from(e.request_id);
                 Ok(self.hold(Hold::Tombstone, request_id, worker))
             }
@@ -386,8 +433,10 @@ impl EventApplier {
         let dropped = self
             .leases()?
             .reset_worker(WorkerId(e.worker_id), e.dp_rank.map(DpRank));
-        self.tombstones.forget_worker(|w| e.covers(w));
-        self.held_progress.forget_worker(|w| e.covers(w));
+        // Held events of the reset worker's requests: their leases are gone.
+        let forgotten = self.tombstones.forget_worker(|w| e.covers(w))
+            + self.held_progress.forget_worker(|w| e.covers(w));
+        self.counts.dropped_n(DropReason::Stale, forgotten);
         debug!(worker = e.worker_id, dropped, "worker reset applied");
         Ok(Applied::Applied)
     }
@@ -396,4 +445,238 @@ impl EventApplier {
 enum Hold {
     Tombstone,
     Progress,
+}
+
+impl Drop for EventApplier {
+    /// The router is gone (or going): what is still held will never be applied, so it is
+    /// counted as `late`, and the held gauge comes back down.
+    fn drop(&mut self) {
+        self.end_batch();
+        let held = self.tombstones.events() + self.held_progress.events();
+        self.counts.dropped_n(DropReason::Late, held);
+        self.counts.set_held(0);
+        self.counts.flush(&self.stats);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::router::{NoIngress, Router, RouterConfig};
+    use crate::subject::DeploymentName;
+    use crate::wire::{Envelope, Outcome, ProgressStage};
+
+    /// An applier on a live router, fed synchronously, with short hold times.
+    struct Fixture {
+        router: Router,
+        applier: Option<EventApplier>,
+        stats: Arc<IngressStats>,
+        subjects: Subjects,
+        received: u64,
+    }
+
+    const HOLD: Duration = Duration::from_millis(200);
+
+    impl Fixture {
+        async fn new() -> Self {
+            let config = RouterConfig::new("unit").with_scan_interval(Duration::from_secs(3600));
+            let router = Router::start(config, NoIngress).await.expect("starts");
+            let subjects = Subjects::with_default_prefix(DeploymentName::new("unit").unwrap());
+            let stats = Arc::new(IngressStats::new());
+            let config = ApplyConfig {
+                tombstone_ttl: HOLD,
+                held_progress_ttl: HOLD,
+                ..ApplyConfig::default()
+            };
+            let applier =
+                EventApplier::new(
+                subjects.clone(),
+                router.manager().downgrade(),
+                stats.clone(),
+                config,
+            );
+            Self {
+                router,
+                applier: Some(applier),
+                stats,
+                subjects,
+                received: 0,
+            }
+        }
+
+        fn bytes(&mut self, subject: &str, bytes: &[u8]) -> Applied {
+            self.received += 1;
+            let applier = self.applier.as_mut().expect("not dropped");
+            applier.apply(subject, bytes).expect("router alive")
+        }
+
+        fn feed(&mut self, publisher: u64, seq: u64, event: impl Into<LeaseEvent>) -> Applied {
+            let envelope = Envelope::new(publisher, seq, wire::unix_micros_now(), event);
+            let subject = self.subjects.worker_subject(envelope.event.worker_id());
+            self.bytes(&subject, &wire::encode(&envelope).unwrap())
+        }
+
+        /// Checks the counts, and that they add up to what was received.
+        #[track_caller]
+        fn check(&self, applied: u64, dropped: u64, held: u64) {
+            let s = self.stats.snapshot();
+            assert_eq!(s.received, self.received, "{s:?}");
+            assert_eq!(
+                (s.applied_total(), s.dropped_total(), s.held),
+                (applied, dropped, held),
+                "{s:?}"
+            );
+            assert_eq!(s.accounted(), s.received, "the identity: {s:?}");
+        }
+    }
+
+    fn admitted(id: &str, worker: u64) -> Admitted {
+        Admitted {
+            request_id: id.into(),
+            worker_id: worker,
+            dp_rank: 0,
+            prompt_tokens: 10,
+            expected_output_tokens: None,
+        }
+    }
+
+    fn progressed(id: &str, worker: u64) -> Progressed {
+        Progressed {
+            request_id: id.into(),
+            worker_id: worker,
+            dp_rank: 0,
+            stage: ProgressStage::Decoding,
+            output_tokens: 1,
+        }
+    }
+
+    fn completed(id: &str, worker: u64) -> Completed {
+        Completed {
+            request_id: id.into(),
+            worker_id: worker,
+            dp_rank: 0,
+            outcome: Outcome::Finished,
+        }
+    }
+
+    /// Every way into and out of the hold, with received == applied + dropped + held after
+    /// each step.
+    #[tokio::test]
+    async fn every_event_is_applied_dropped_or_held_exactly_once() {
+        use Applied::{Dropped, Held};
+        const APPLIED: Applied = Applied::Applied;
+        let mut f = Fixture::new().await;
+        let mut seq = 0;
+        let mut next = || {
+            seq += 1;
+            seq
+        };
+        assert_eq!(f.feed(1, next(), admitted("a", 1)), APPLIED);
+        assert_eq!(
+            f.feed(1, 1, admitted("a", 1)),
+            Dropped(DropReason::Duplicate)
+        );
+        f.check(1, 1, 0);
+        // Progress before its admission, twice: held, then applied with it.
+        assert_eq!(f.feed(1, next(), progressed("b", 1)), Held);
+        assert_eq!(f.feed(1, next(), progressed("b", 1)), Held);
+        f.check(1, 1, 2);
+        assert_eq!(f.feed(1, next(), admitted("b", 1)), APPLIED);
+        f.check(4, 1, 0);
+        // A completion before its admission: held, applied when the admission comes (which
+        // is dropped as stale).
+        assert_eq!(f.feed(1, next(), completed("c", 1)), Held);
+        f.check(4, 1, 1);
+        assert_eq!(
+            f.feed(1, next(), admitted("c", 1)),
+            Dropped(DropReason::Stale)
+        );
+        f.check(5, 2, 0);
+        assert!(f.router.manager().lease(&"c".into()).is_none());
+        // Held progress of a request that completes before its admission: stale.
+        assert_eq!(f.feed(1, next(), progressed("d", 1)), Held);
+        assert_eq!(f.feed(1, next(), completed("d", 1)), Held);
+        f.check(5, 3, 1);
+        // A worker reset drops what is held for the worker.
+        assert_eq!(f.feed(1, next(), progressed("e", 1)), Held);
+        f.check(5, 3, 2);
+        let reset = WorkerReset {
+            worker_id: 1,
+            dp_rank: None,
+        };
+        assert_eq!(f.feed(1, next(), reset), APPLIED);
+        f.check(6, 5, 0);
+        // What waits in vain for its admission expires as unmatched.
+        assert_eq!(f.feed(1, next(), progressed("f", 2)), Held);
+        assert_eq!(f.feed(1, next(), completed("g", 2)), Held);
+        f.check(6, 5, 2);
+        tokio::time::sleep(HOLD + Duration::from_millis(50)).await;
+        assert_eq!(f.feed(1, next(), admitted("h", 2)), APPLIED);
+        f.check(7, 7, 0);
+        assert_eq!(f.stats.snapshot().dropped(DropReason::Unmatched), 2);
+        // Bad bytes, a forged identity, a subject outside the layout.
+        let subject = f.subjects.worker_subject(3);
+        assert_eq!(f.bytes(&subject, b"\xc1"), Dropped(DropReason::Decode));
+        let forged = Envelope::new(1, next(), 0, admitted("x", 4));
+        let forged = wire::encode(&forged).unwrap();
+        assert_eq!(f.bytes(&subject, &forged), Dropped(DropReason::Identity));
+        assert_eq!(f.bytes("elsewhere", &forged), Dropped(DropReason::Subject));
+        f.check(7, 10, 0);
+        // What is still held when the router goes is late.
+        assert_eq!(f.feed(1, next(), progressed("i", 3)), Held);
+        f.check(7, 10, 1);
+        drop(f.applier.take());
+        f.check(7, 11, 0);
+        assert_eq!(f.stats.snapshot().dropped(DropReason::Late), 1);
+        assert_eq!(f.stats.snapshot().gaps, 0, "nothing was skipped");
+        f.router.shutdown().await.unwrap();
+    }
+
+    /// A completion that overtakes its admission is no gap; numbers that never come are, once
+    /// they leave the window.
+    #[tokio::test]
+    async fn only_numbers_that_never_arrive_are_gaps() {
+        let mut f = Fixture::new().await;
+        f.feed(1, 1, admitted("a", 1));
+        f.feed(1, 3, completed("b", 1));
+        f.feed(1, 2, admitted("b", 1));
+        f.feed(1, 5, progressed("a", 1));
+        f.feed(1, 4, progressed("a", 1));
+        assert_eq!(f.stats.snapshot().gaps, 0);
+        // 6..=8 are lost; counted once 4,096 later numbers have been seen.
+        let applier = f.applier.as_mut().unwrap();
+        applier.begin_batch();
+        for seq in 9..9 + 4096 {
+            let envelope = Envelope::new(1, seq, 0, progressed("a", 1));
+            let subject = f.subjects.worker_subject(1);
+            applier
+                .apply(&subject, &wire::encode(&envelope).unwrap())
+                .unwrap();
+            f.received += 1;
+        }
+        applier.end_batch();
+        let s = f.stats.snapshot();
+        assert_eq!(s.gaps, 3, "{s:?}");
+        assert_eq!(s.accounted(), s.received);
+        f.router.shutdown().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn first_sight_of_publishers_is_no_restart_and_a_new_publisher_for_a_worker_is() {
+        let mut f = Fixture::new().await;
+        for worker in 0..10 {
+            f.feed(100 + worker, 1, admitted(&format!("r{worker}"), worker));
+            f.feed(100 + worker, 2, progressed(&format!("r{worker}"), worker));
+        }
+        assert_eq!(f.stats.snapshot().publisher_restarts, 0);
+        // Worker 4's process restarts: a new publisher id, from 1 again.
+        let reset = WorkerReset {
+            worker_id: 4,
+            dp_rank: None,
+        };
+        f.feed(999, 1, reset);
+        f.feed(999, 2, admitted("again", 4));
+        assert_eq!(f.stats.snapshot().publisher_restarts, 1);
+        f.router.shutdown().await.unwrap();
+    }
 }

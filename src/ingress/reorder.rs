@@ -1,5 +1,8 @@
 //! Short-lived, bounded memory of requests whose events arrived out of order: tombstones of
 //! requests completed before their admission arrived, and progress held until it does.
+//!
+//! Each entry counts the events it stands for, and every way out (taken, expired, evicted,
+//! displaced, forgotten) reports that count: the applier accounts each held event exactly once.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -14,18 +17,36 @@ use crate::types::{RequestId, WorkerWithDpRank};
 /// Insertion order is expiry order (one TTL for all), so expiring is popping the front.
 #[derive(Debug)]
 pub struct ExpiringMap {
-    entries: HashMap<RequestId, (WorkerWithDpRank, Instant)>,
+    entries: HashMap<RequestId, Entry>,
     order: VecDeque<(RequestId, Instant)>,
     ttl: Duration,
     capacity: usize,
+    /// Events of all entries.
+    events: u64,
+    /// Events of entries that expired, not yet collected by [`ExpiringMap::take_expired`].
+    expired: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    worker: WorkerWithDpRank,
+    expires: Instant,
+    /// Events this entry stands for: the same request held again adds one.
+    events: u64,
 }
 
 /// What [`ExpiringMap::insert`] had to do to stay within its bound.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum InsertOutcome {
     Inserted,
-    /// The oldest entry was evicted to make room.
-    EvictedOldest,
+    /// The oldest entry was evicted to make room; it stood for `events` events.
+    EvictedOldest {
+        events: u64,
+    },
+    /// An entry of the same request on another worker was replaced; it stood for `events`.
+    Displaced {
+        events: u64,
+    },
 }
 
 impl ExpiringMap {
@@ -35,7 +56,19 @@ impl ExpiringMap {
             order: VecDeque::new(),
             ttl,
             capacity: capacity.max(1),
+            events: 0,
+            expired: 0,
         }
+    }
+
+    /// Events held by all entries (expired ones not yet removed included).
+    pub fn events(&self) -> u64 {
+        self.events
+    }
+
+    /// Events of the entries that expired since the last call.
+    pub fn take_expired(&mut self) -> u64 {
+        std::mem::take(&mut self.expired)
     }
 
     pub fn len(&self) -> usize {
@@ -46,40 +79,64 @@ impl ExpiringMap {
         self.entries.is_empty()
     }
 
-    /// Remembers `request_id` on `worker` until the TTL passes.
+    /// Remembers one event of `request_id` on `worker` until the TTL passes (an entry of
+    /// the same request and worker counts one event more and lives on from now).
     pub fn insert(&mut self, request_id: RequestId, worker: WorkerWithDpRank) -> InsertOutcome {
         let now = Instant::now();
         let expires = now + self.ttl;
         self.expire(now);
         let mut outcome = InsertOutcome::Inserted;
-        if self.entries.len() >= self.capacity && !self.entries.contains_key(&request_id) {
-            self.pop_oldest();
-            outcome = InsertOutcome::EvictedOldest;
+        let mut events = 1;
+        match self.entries.get(&request_id) {
+            Some(old) if old.worker == worker => events += old.events,
+            Some(old) => {
+                outcome = InsertOutcome::Displaced { events: old.events };
+                self.events -= old.events;
+            }
+            None if self.entries.len() >= self.capacity => {
+                // Slots of taken or renewed entries are skipped: one live entry must go.
+                let mut evicted = 0;
+                while evicted == 0 && !self.order.is_empty() {
+                    evicted = self.pop_oldest();
+                }
+                outcome = InsertOutcome::EvictedOldest { events: evicted };
+            }
+            None => {}
         }
         if self.order.len() >= 2 * self.capacity {
             // Slots of taken entries pile up under churn: keep the queue bounded too.
             let entries = &self.entries;
             self.order
-                .retain(|(id, e)| entries.get(id).is_some_and(|(_, x)| x == e));
+                .retain(|(id, e)| entries.get(id).is_some_and(|x| x.expires == *e));
         }
         self.order.push_back((request_id.clone(), expires));
-        self.entries.insert(request_id, (worker, expires));
+        // The same worker's earlier events are in `events` already.
+        self.events += 1;
+        let entry = Entry {
+            worker,
+            expires,
+            events,
+        };
+        self.entries.insert(request_id, entry);
         outcome
     }
 
-    /// Takes the live entry of `request_id` if it names `worker`.
-    pub fn take(&mut self, request_id: &str, worker: WorkerWithDpRank) -> bool {
+    /// Takes the live entry of `request_id` if it names `worker`: how many events it stood
+    /// for (0: none).
+    pub fn take(&mut self, request_id: &str, worker: WorkerWithDpRank) -> u64 {
         if self.entries.is_empty() {
             // The common case, on every admission: no clock read.
-            return false;
+            return 0;
         }
         self.expire(Instant::now());
         match self.entries.get(request_id) {
-            Some((w, _)) if *w == worker => {
+            Some(entry) if entry.worker == worker => {
+                let events = entry.events;
                 self.entries.remove(request_id);
-                true
+                self.events -= events;
+                events
             }
-            _ => false,
+            _ => 0,
         }
     }
 
@@ -87,39 +144,55 @@ impl ExpiringMap {
     pub fn contains(&self, request_id: &str, worker: WorkerWithDpRank) -> bool {
         self.entries
             .get(request_id)
-            .is_some_and(|(w, expires)| *w == worker && *expires > Instant::now())
+            .is_some_and(|e| e.worker == worker && e.expires > Instant::now())
     }
 
-    /// Forgets every entry of the workers `reset` covers.
-    pub fn forget_worker(&mut self, reset: impl Fn(WorkerWithDpRank) -> bool) {
-        self.entries.retain(|_, (w, _)| !reset(*w));
+    /// Forgets every entry of the workers `reset` covers; returns how many events they
+    /// stood for.
+    pub fn forget_worker(&mut self, reset: impl Fn(WorkerWithDpRank) -> bool) -> u64 {
+        let mut forgotten = 0;
+        self.entries.retain(|_, e| {
+            let covered = reset(e.worker);
+            if covered {
+                forgotten += e.events;
+            }
+            !covered
+        });
+        self.events -= forgotten;
+        forgotten
     }
 
-    /// Drops expired entries; returns how many.
+    /// Drops expired entries (their events are collected by [`ExpiringMap::take_expired`]);
+    /// returns how many entries.
     pub fn expire(&mut self, now: Instant) -> usize {
         let mut expired = 0;
         while let Some((_, expires)) = self.order.front() {
             if *expires > now {
                 break;
             }
-            expired += usize::from(self.pop_oldest());
+            let events = self.pop_oldest();
+            self.expired += events;
+            expired += usize::from(events > 0);
         }
         expired
     }
 
-    /// Pops the front of the order queue; true if it removed a live entry.
-    fn pop_oldest(&mut self) -> bool {
+    /// Pops the front of the order queue; returns the events of the live entry it removed
+    /// (0: none).
+    fn pop_oldest(&mut self) -> u64 {
         let Some((request_id, expires)) = self.order.pop_front() else {
-            return false;
+            return 0;
         };
         // The queue may hold entries already taken or re-inserted later: only remove the
         // map entry this queue slot stands for.
         match self.entries.get(&request_id) {
-            Some((_, e)) if *e == expires => {
+            Some(e) if e.expires == expires => {
+                let events = e.events;
                 self.entries.remove(&request_id);
-                true
+                self.events -= events;
+                events
             }
-            _ => false,
+            _ => 0,
         }
     }
 }
@@ -141,9 +214,36 @@ mod tests {
         assert!(m.contains("a", w(1)));
         assert!(!m.contains("a", w(2)), "another worker's request");
         tokio::time::advance(Duration::from_secs(6)).await;
-        assert!(!m.take("a", w(1)), "expired");
-        assert!(m.take("b", w(1)));
+        assert_eq!(m.take("a", w(1)), 0, "expired");
+        assert_eq!(m.take_expired(), 1, "the expired event is reported once");
+        assert_eq!(m.take_expired(), 0);
+        assert_eq!(m.take("b", w(1)), 1);
         assert!(m.is_empty());
+        assert_eq!(m.events(), 0);
+    }
+
+    #[tokio::test]
+    async fn every_held_event_leaves_once() {
+        let mut m = ExpiringMap::new(Duration::from_secs(60), 2);
+        assert_eq!(m.insert("a".into(), w(1)), InsertOutcome::Inserted);
+        assert_eq!(m.insert("a".into(), w(1)), InsertOutcome::Inserted);
+        assert_eq!((m.len(), m.events()), (1, 2), "one entry, two events");
+        assert_eq!(
+            m.insert("a".into(), w(2)),
+            InsertOutcome::Displaced { events: 2 },
+            "the same request on another worker"
+        );
+        assert_eq!(m.insert("b".into(), w(3)), InsertOutcome::Inserted);
+        assert_eq!(m.insert("b".into(), w(3)), InsertOutcome::Inserted);
+        assert_eq!(
+            m.insert("c".into(), w(1)),
+            InsertOutcome::EvictedOldest { events: 1 },
+            "a (on worker 2) was the oldest"
+        );
+        assert_eq!(m.events(), 3);
+        assert_eq!(m.forget_worker(|x| x == w(3)), 2);
+        assert_eq!(m.take("c", w(1)), 1);
+        assert_eq!((m.len(), m.events()), (0, 0));
     }
 
     #[tokio::test]
@@ -155,7 +255,10 @@ mod tests {
                 InsertOutcome::Inserted
             );
         }
-        assert_eq!(m.insert("r3".into(), w(1)), InsertOutcome::EvictedOldest);
+        assert_eq!(
+            m.insert("r3".into(), w(1)),
+            InsertOutcome::EvictedOldest { events: 1 }
+        );
         assert_eq!(m.len(), 3);
         assert!(!m.contains("r0", w(1)));
         assert!(m.contains("r3", w(1)));

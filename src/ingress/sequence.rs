@@ -6,6 +6,17 @@
 //! which land behind up to a window of outstanding acknowledgements, and for a stream that
 //! stored a retried event twice during a failover.
 //! A restarted publisher has a new id, so it starts a new window.
+//!
+//! A skipped number is not lost yet: it may be on its way (a `completed` overtaking its
+//! `admitted`, a retry). It is counted lost once it can no longer arrive: when it leaves the
+//! window unseen (any later arrival is too old to tell from a duplicate), or when its
+//! publisher is forgotten. So a late arrival is never counted, and every real loss is, a
+//! window later. (Durable mode applies events even from behind the window: one that late was
+//! counted lost, the one case where an arrival is.)
+//!
+//! A publisher restart is a new publisher id heard on a worker subject that had another one
+//! (schemas/README.md: a restarted process picks a new `pub`). The first publisher of a worker
+//! is not a restart, whatever its first sequence number.
 
 use hashbrown::HashMap;
 
@@ -15,8 +26,9 @@ const WORDS: usize = (WINDOW / 64) as usize;
 /// What one `(publisher, sequence)` means.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum SequenceVerdict {
-    /// The next one, or ahead of it: `missing` numbers were skipped.
-    Fresh { missing: u64 },
+    /// The next one, or ahead of it. `lost`: numbers of this publisher that this one pushed
+    /// out of the window without their having arrived.
+    Fresh { lost: u64 },
     /// Behind the highest, inside the window, not seen yet: fills a hole.
     Late,
     /// Seen already.
@@ -27,6 +39,8 @@ pub enum SequenceVerdict {
 
 #[derive(Debug)]
 struct PublisherWindow {
+    /// The first number heard: numbers below it were before this router listened, never lost.
+    first: u64,
     highest: u64,
     /// Bit `s % WINDOW` set: sequence `s` (within `WINDOW` of `highest`) was seen.
     seen: Box<[u64; WORDS]>,
@@ -40,6 +54,11 @@ pub struct SequenceTracker {
     max_publishers: usize,
     clock: u64,
     evicted: u64,
+    /// Numbers missing from the windows of evicted publishers: they can no longer be told.
+    lost_evicted: u64,
+    /// The last new publisher heard on each worker subject, to tell a restart. Written only
+    /// when a publisher is first heard, bounded by `2 * max_publishers`.
+    worker_publishers: HashMap<u64, u64>,
 }
 
 impl SequenceTracker {
@@ -49,12 +68,36 @@ impl SequenceTracker {
             max_publishers: max_publishers.max(1),
             clock: 0,
             evicted: 0,
+            lost_evicted: 0,
+            worker_publishers: HashMap::new(),
         }
     }
 
     /// Publishers forgotten to stay within the bound.
     pub fn evicted(&self) -> u64 {
         self.evicted
+    }
+
+    /// Numbers that were missing from the windows of the publishers forgotten so far: lost.
+    pub fn lost_evicted(&self) -> u64 {
+        self.lost_evicted
+    }
+
+    /// Records that `publisher`, heard for the first time, speaks for `worker`; true if the
+    /// worker had another publisher before (a restart). Call it once per new publisher, not
+    /// per event.
+    pub fn new_publisher_of(&mut self, worker: u64, publisher: u64) -> bool {
+        if self.worker_publishers.len() >= 2 * self.max_publishers {
+            // Each new publisher adds at most one entry: keeping only those whose publisher
+            // is still tracked halves the map at worst, so this runs once per
+            // `max_publishers` new ones (a flood of forged worker subjects stays bounded).
+            let publishers = &self.publishers;
+            self.worker_publishers
+                .retain(|_, p| publishers.contains_key(p));
+        }
+        self.worker_publishers
+            .insert(worker, publisher)
+            .is_some_and(|before| before != publisher)
     }
 
     pub fn len(&self) -> usize {
@@ -83,7 +126,7 @@ impl SequenceTracker {
         // A publisher first heard mid-stream is not a gap: this router joined late.
         self.publishers
             .insert(publisher, PublisherWindow::starting_at(sequence, clock));
-        SequenceVerdict::Fresh { missing: 0 }
+        SequenceVerdict::Fresh { lost: 0 }
     }
 
     /// Forgets the least recently heard half at once: a flood of new publisher ids then
@@ -94,14 +137,23 @@ impl SequenceTracker {
         let (_, cutoff, _) = ages.select_nth_unstable(middle);
         let cutoff = *cutoff;
         let before = self.publishers.len();
-        self.publishers.retain(|_, w| w.last_used > cutoff);
+        let mut lost = 0;
+        self.publishers.retain(|_, w| {
+            let keep = w.last_used > cutoff;
+            if !keep {
+                lost += w.missing();
+            }
+            keep
+        });
         self.evicted += (before - self.publishers.len()) as u64;
+        self.lost_evicted += lost;
     }
 }
 
 impl PublisherWindow {
     fn starting_at(sequence: u64, clock: u64) -> Self {
         let mut window = Self {
+            first: sequence,
             highest: sequence,
             seen: Box::new([0; WORDS]),
             last_used: clock,
@@ -125,21 +177,68 @@ impl PublisherWindow {
         self.seen[word] & mask != 0
     }
 
+    /// The oldest number the window still tells: `highest` and the `WINDOW - 1` before it,
+    /// none before `first`.
+    fn oldest(&self) -> u64 {
+        (self.highest + 1).saturating_sub(WINDOW).max(self.first)
+    }
+
+    /// Numbers in the window not seen: skipped and not (yet) arrived. A word at a time: an
+    /// eviction asks this of thousands of publishers at once.
+    fn missing(&self) -> u64 {
+        let (from, to) = (self.oldest() % WINDOW, self.highest % WINDOW);
+        let seen = if from <= to {
+            self.count_set(from, to)
+        } else {
+            self.count_set(from, WINDOW - 1) + self.count_set(0, to)
+        };
+        self.highest - self.oldest() + 1 - seen
+    }
+
+    /// Set bits among slots `from..=to`.
+    fn count_set(&self, from: u64, to: u64) -> u64 {
+        let (first_word, last_word) = ((from / 64) as usize, (to / 64) as usize);
+        (first_word..=last_word)
+            .map(|w| {
+                let mut word = self.seen[w];
+                if w == first_word {
+                    word &= u64::MAX << (from % 64);
+                }
+                if w == last_word {
+                    word &= u64::MAX >> (63 - to % 64);
+                }
+                u64::from(word.count_ones())
+            })
+            .sum()
+    }
+
     fn observe(&mut self, sequence: u64) -> SequenceVerdict {
         if sequence > self.highest {
             let shift = sequence - self.highest;
+            let lost;
             if shift >= WINDOW {
+                // The whole window leaves, and the skipped numbers that never enter it.
+                let never_in = (sequence - WINDOW).saturating_sub(self.highest);
+                lost = self.missing() + never_in;
                 self.seen.fill(0);
             } else {
-                // The numbers skipped over reuse slots of ones that fell out of the window.
-                for skipped in self.highest + 1..sequence {
-                    let (word, mask) = Self::slot(skipped);
+                // Each number from `highest + 1` on takes the slot of the one `WINDOW` before
+                // it, which leaves the window: lost if it never arrived. Usually one slot.
+                let mut left_unseen = 0;
+                let oldest = self.oldest();
+                for next in self.highest + 1..=sequence {
+                    let (word, mask) = Self::slot(next);
+                    let leaving = next.checked_sub(WINDOW);
+                    if leaving.is_some_and(|l| l >= oldest) && self.seen[word] & mask == 0 {
+                        left_unseen += 1;
+                    }
                     self.seen[word] &= !mask;
                 }
+                lost = left_unseen;
             }
             self.set(sequence);
             self.highest = sequence;
-            return SequenceVerdict::Fresh { missing: shift - 1 };
+            return SequenceVerdict::Fresh { lost };
         }
         if self.highest - sequence >= WINDOW {
             return SequenceVerdict::TooOld;
@@ -158,20 +257,29 @@ mod tests {
     use super::*;
     use SequenceVerdict::*;
 
+    const NONE_LOST: SequenceVerdict = Fresh { lost: 0 };
+
     #[test]
     fn in_order_duplicates_gaps_and_late_fills() {
         let mut t = SequenceTracker::new(10);
-        assert_eq!(t.observe(1, 1), Fresh { missing: 0 });
-        assert_eq!(t.observe(1, 2), Fresh { missing: 0 });
+        assert_eq!(t.observe(1, 1), NONE_LOST);
+        assert_eq!(t.observe(1, 2), NONE_LOST);
         assert_eq!(t.observe(1, 2), Duplicate);
-        assert_eq!(t.observe(1, 5), Fresh { missing: 2 });
+        assert_eq!(t.observe(1, 5), NONE_LOST, "3 and 4 may still come");
         assert_eq!(t.observe(1, 4), Late);
         assert_eq!(t.observe(1, 4), Duplicate);
         assert_eq!(t.observe(1, 1), Duplicate);
-        assert_eq!(t.observe(1, 1000), Fresh { missing: 994 });
+        assert_eq!(t.observe(1, 1000), NONE_LOST);
         assert_eq!(t.observe(1, 5), Duplicate, "still inside the window");
         assert_eq!(t.observe(1, 999), Late);
-        assert_eq!(t.observe(1, 20_000), Fresh { missing: 18_999 });
+        // 3 and 6..=998 never came: they leave the window with this jump, and so do the
+        // skipped 1001..=15_904 that never enter it.
+        assert_eq!(
+            t.observe(1, 20_000),
+            Fresh {
+                lost: 1 + 993 + (20_000 - 4096 - 1000)
+            }
+        );
         assert_eq!(t.observe(1, 1000), TooOld);
         assert_eq!(
             t.observe(1, 20_000 - 4095),
@@ -180,15 +288,105 @@ mod tests {
         );
         assert_eq!(t.observe(1, 20_000 - 4096), TooOld);
         // Another publisher (a restart) has its own numbering.
-        assert_eq!(t.observe(2, 1), Fresh { missing: 0 });
-        assert_eq!(t.observe(2, 2), Fresh { missing: 0 });
+        assert_eq!(t.observe(2, 1), NONE_LOST);
+        assert_eq!(t.observe(2, 2), NONE_LOST);
     }
 
     #[test]
     fn joining_mid_stream_is_not_a_gap() {
         let mut t = SequenceTracker::new(10);
-        assert_eq!(t.observe(9, 40_000), Fresh { missing: 0 });
-        assert_eq!(t.observe(9, 40_001), Fresh { missing: 0 });
+        assert_eq!(t.observe(9, 40_000), NONE_LOST);
+        assert_eq!(t.observe(9, 40_001), NONE_LOST);
+        // The numbers before 40_000 leave the window: never counted.
+        for s in 40_002..50_000 {
+            assert_eq!(t.observe(9, s), NONE_LOST, "{s}");
+        }
+        assert_eq!(
+            t.observe(9, 49_999 + 4096),
+            NONE_LOST,
+            "a whole window ahead: nothing missing in the one it leaves, nothing skipped past"
+        );
+    }
+
+    /// A number that arrives out of order (a `completed` before its `admitted`) is never lost.
+    #[test]
+    fn a_late_arrival_is_never_counted_lost() {
+        let mut t = SequenceTracker::new(10);
+        assert_eq!(t.observe(1, 1), NONE_LOST);
+        assert_eq!(t.observe(1, 3), NONE_LOST);
+        assert_eq!(t.observe(1, 2), Late);
+        let lost: u64 = (4..10_000)
+            .map(|s| match t.observe(1, s) {
+                Fresh { lost } => lost,
+                other => panic!("{s}: {other:?}"),
+            })
+            .sum();
+        assert_eq!(lost, 0);
+    }
+
+    /// Skipped numbers that never come are counted once each, when they leave the window.
+    #[test]
+    fn a_real_loss_is_counted_when_it_leaves_the_window() {
+        let mut t = SequenceTracker::new(10);
+        let mut lost = 0;
+        for s in (1..=10_000).filter(|s| !(100..105).contains(s)) {
+            let Fresh { lost: l } = t.observe(1, s) else {
+                panic!("{s}")
+            };
+            if l > 0 {
+                assert!(
+                    (100 + 4096..=104 + 4096).contains(&s),
+                    "counted as each leaves: {s}"
+                );
+            }
+            lost += l;
+        }
+        assert_eq!(lost, 5);
+    }
+
+    #[test]
+    fn missing_counts_word_by_word_as_bit_by_bit() {
+        let mut w = PublisherWindow::starting_at(5_000, 0);
+        for s in (5_001..9_500).filter(|s| s % 7 != 0 && s % 64 != 3) {
+            w.observe(s);
+            let slow = (w.oldest()..=w.highest).filter(|&s| !w.is_set(s)).count();
+            assert_eq!(w.missing(), slow as u64, "at {s}");
+        }
+    }
+
+    #[test]
+    fn missing_numbers_of_a_forgotten_publisher_are_lost() {
+        let mut t = SequenceTracker::new(2);
+        t.observe(1, 1);
+        t.observe(1, 5); // 2..=4 missing
+        t.observe(1, 3); // arrived late
+        t.observe(2, 1);
+        t.observe(3, 1); // full: the older half (publisher 1) goes
+        assert!(!t.knows(1));
+        assert_eq!(t.lost_evicted(), 2);
+    }
+
+    #[test]
+    fn a_restart_is_a_new_publisher_on_a_worker_that_had_one() {
+        let mut t = SequenceTracker::new(10);
+        for worker in 0..5 {
+            assert!(!t.new_publisher_of(worker, 100 + worker), "first sight");
+        }
+        assert!(t.new_publisher_of(3, 200), "worker 3's publisher restarted");
+        assert!(
+            !t.new_publisher_of(3, 200),
+            "the same publisher again (forgotten, back)"
+        );
+    }
+
+    #[test]
+    fn workers_are_bounded_under_a_flood_of_new_publishers() {
+        let mut t = SequenceTracker::new(100);
+        for p in 0..10_000 {
+            t.observe(p, 1);
+            t.new_publisher_of(p, p);
+            assert!(t.worker_publishers.len() <= 200);
+        }
     }
 
     #[test]

@@ -2,30 +2,8 @@
 //! a [`Collector`] and written by `prometheus-client`'s OpenMetrics text encoder (nothing is
 //! formatted by hand, nothing is kept in a second set of counters).
 //!
-//! | metric | type | labels |
-//! | --- | --- | --- |
-//! | `lease_router_events_received_total` | counter | `deployment` |
-//! | `lease_router_events_applied_total` | counter | `deployment`, `kind` |
-//! | `lease_router_events_dropped_total` | counter | `deployment`, `reason` (every reason, from 0) |
-//! | `lease_router_active_leases` | gauge | `deployment` (hosted ones) |
-//! | `lease_router_leases_expired_total` | counter | `deployment` |
-//! | `lease_router_sequence_gaps_total` | counter | `deployment` |
-//! | `lease_router_reorders_held_total` | counter | `deployment` |
-//! | `lease_router_publisher_restarts_total` | counter | `deployment` |
-//! | `lease_router_publishers_evicted_total` | counter | `deployment` |
-//! | `lease_router_publish_to_apply_lag_seconds` | histogram | `deployment` |
-//! | `lease_router_catchup_done` | gauge (0 or 1) | `deployment` (durable mode) |
-//! | `lease_router_catchup_replayed_events` | gauge | `deployment` (durable mode) |
-//! | `lease_router_catchup_seconds` | gauge | `deployment` (durable mode) |
-//! | `lease_router_worker_active_bookings` | gauge | `deployment`, `worker_id`, `dp_rank` |
-//! | `lease_router_worker_prompt_tokens` | gauge | `deployment`, `worker_id`, `dp_rank` |
-//! | `lease_router_worker_expected_output_tokens` | gauge | `deployment`, `worker_id`, `dp_rank` |
-//! | `lease_router_nats_connected` | gauge (0 or 1) | |
-//! | `lease_router_nats_reconnects_total` | counter | |
-//! | `lease_router_nats_disconnects_total` | counter | |
-//! | `lease_router_slow_consumer_events_total` | counter | |
-//! | `lease_router_deployments` | gauge | |
-//! | `lease_router_live_tasks` | gauge | |
+//! What each metric counts is stated once, in README.md's Metrics section; a test here keeps
+//! that list and the names this module writes the same.
 //!
 //! The per-deployment counters of a removed deployment stay (its ingress counters are kept
 //! by the host), so the `late` drops of its last events remain visible. The worker gauges
@@ -299,6 +277,12 @@ pub fn encode_snapshot(
         "Events not applied, by reason (late: the deployment's router was gone).",
         &dropped,
     )?;
+    gauge_family(
+        encoder,
+        "events_held",
+        "Events held now for the admission they depend on: received = applied + dropped + held.",
+        &by_deployment(|d| d.ingress.held),
+    )?;
     let active: Vec<_> = deps
         .iter()
         .filter_map(|d| Some(([("deployment", d.name.as_str())], d.active_leases?)))
@@ -346,19 +330,19 @@ pub fn encode_snapshot(
     counter_family(
         encoder,
         "sequence_gaps",
-        "Publisher sequence numbers that never arrived (core NATS is at-most-once).",
+        "Publisher sequence numbers that left the 4096-number window without arriving (lost).",
         &by_deployment(|d| d.ingress.gaps),
     )?;
     counter_family(
         encoder,
         "reorders_held",
-        "Events that arrived before the admission they depend on and were held or tombstoned.",
+        "Events held for the admission they depend on, cumulative (events_held: held now).",
         &by_deployment(|d| d.ingress.reorders_held),
     )?;
     counter_family(
         encoder,
         "publisher_restarts",
-        "New publisher ids seen for a worker that already had one.",
+        "New publisher ids heard on a worker subject that had another publisher id before.",
         &by_deployment(|d| d.ingress.publisher_restarts),
     )?;
     counter_family(
@@ -429,6 +413,7 @@ pub fn encode_snapshot(
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
     use std::sync::Arc;
 
     use super::*;
@@ -454,6 +439,7 @@ mod tests {
         counts.applied(EventKind::Admitted);
         counts.applied(EventKind::Admitted);
         counts.applied(EventKind::Completed);
+        counts.set_held(2);
         counts.flush(&live);
         live.dropped(DropReason::Duplicate);
         live.gaps(3);
@@ -522,6 +508,9 @@ mod tests {
                 );
             }
         }
+        has("# TYPE lease_router_events_held gauge");
+        has("lease_router_events_held{deployment=\"prod\"} 2");
+        has("lease_router_events_held{deployment=\"gone\"} 0");
         has("# TYPE lease_router_active_leases gauge");
         has("lease_router_active_leases{deployment=\"prod\"} 2");
         assert!(
@@ -573,6 +562,7 @@ mod tests {
             "events_received",
             "events_applied",
             "events_dropped",
+            "events_held",
             "active_leases",
             "leases_expired",
             "sequence_gaps",
@@ -592,6 +582,57 @@ mod tests {
             );
         }
         assert!(text.contains("lease_router_nats_connected 0"));
+    }
+
+    /// The metrics README.md describes, by name as scraped and type, from its Metrics table.
+    fn documented_metrics() -> BTreeMap<String, String> {
+        let readme = include_str!("../../README.md");
+        let section = readme
+            .split("\n## Metrics\n")
+            .nth(1)
+            .and_then(|rest| rest.split("\n## ").next())
+            .expect("README.md has a Metrics section");
+        let mut documented = BTreeMap::new();
+        for row in section.lines().filter(|l| l.starts_with("| `")) {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            let (names, kind) = (cells[1], cells[2]);
+            for name in names.split(',').map(|n| n.trim().trim_matches('`')) {
+                let previous = documented.insert(name.to_string(), kind.to_string());
+                assert!(previous.is_none(), "{name} documented twice");
+            }
+        }
+        documented
+    }
+
+    /// Every metric the exporter writes (worker loads included), by name as scraped and type.
+    fn exported_metrics() -> BTreeMap<String, String> {
+        let mut metrics = Metrics::from_source(Fixed(HostMetricsSnapshot::default()));
+        metrics
+            .registry_mut()
+            .register_collector(Box::new(WorkerLoads::default()));
+        let text = metrics.encode();
+        text.lines()
+            .filter_map(|l| l.strip_prefix("# TYPE lease_router_"))
+            .map(|l| {
+                let (name, kind) = l.split_once(' ').expect("name and type");
+                // Counters are scraped with the `_total` suffix the README names them by.
+                let scraped = match kind {
+                    "counter" => format!("{name}_total"),
+                    _ => name.to_string(),
+                };
+                (scraped, kind.to_string())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn readme_documents_exactly_the_exported_metrics() {
+        let (documented, exported) = (documented_metrics(), exported_metrics());
+        assert!(exported.len() > 20, "{exported:?}");
+        assert_eq!(
+            documented, exported,
+            "README.md's Metrics table and the exporter differ"
+        );
     }
 
     #[test]
