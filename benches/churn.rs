@@ -288,7 +288,7 @@ async fn bench() {
 
 fn main() {
     // What the binary runs with.
-    lease_router::allocator::tune_for_latency();
+    common::allocator::tune_for_latency();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

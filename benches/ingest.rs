@@ -414,7 +414,7 @@ async fn bench() {
 
 fn main() {
     // What the binary runs with.
-    lease_router::allocator::tune_for_latency();
+    common::allocator::tune_for_latency();
     // `cargo bench` passes `--bench`; there is nothing to configure from the command line.
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

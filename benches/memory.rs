@@ -89,7 +89,7 @@ async fn bench() {
 
 fn main() {
     // What the binary runs with.
-    lease_router::allocator::tune_for_latency();
+    common::allocator::tune_for_latency();
     // The registering loop runs on the main thread (standing in for the ingress task), the
     // scheduler actor on a runtime worker.
     tokio::runtime::Builder::new_multi_thread()

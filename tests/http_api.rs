@@ -1,8 +1,7 @@
 //! The HTTP API of the service, in process, against a real `nats-server` started by each test
 //! on a free port (the system server on 4222 is never used). Requests go through a minimal
 //! HTTP/1.1 client over a `TcpStream` (below). Every wait is bounded: conditions are polled
-//! until a deadline, never slept on. Skipped with a message when `nats-server` is not
-//! installed (set `LEASE_ROUTER_REQUIRE_NATS=1` to make that a failure).
+//! until a deadline, never slept on. Without `nats-server` they fail with the install hint.
 
 mod common;
 
@@ -13,10 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lease_router::connection::{connect, NatsConnectConfig};
-use lease_router::nats_server::NatsServer;
 use lease_router::retry::RetryPolicy;
 use lease_router::service::{serve, ApiState, DeploymentHost, HostSettings};
 use lease_router::wire::{self, Admitted, Envelope};
+use lease_router_testkit::NatsServer;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};

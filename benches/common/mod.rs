@@ -2,6 +2,10 @@
 //! memory, percentiles, and a few helpers for talking to a private nats-server.
 #![allow(dead_code)]
 
+/// The binary's allocator setting, so the benches measure what it runs (one copy, the CLI's).
+#[path = "../../cli/src/allocator.rs"]
+pub mod allocator;
+
 use std::fs;
 use std::time::{Duration, Instant};
 
@@ -9,11 +13,11 @@ use async_nats::Subject;
 use bytes::Bytes;
 use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
 use lease_router::lease::StepTime;
-use lease_router::nats_server::{NatsServer, NatsServerBuilder};
 use lease_router::subject::{DeploymentName, Subjects};
 use lease_router::wire::{
     self, Admitted, Completed, Envelope, LeaseEvent, Outcome, ProgressStage, Progressed,
 };
+use lease_router_testkit::{NatsServer, NatsServerBuilder};
 
 /// A small, fast, deterministic generator (splitmix64): the benches need repeatable streams,
 /// not cryptographic randomness.

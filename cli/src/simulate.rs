@@ -42,9 +42,9 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
-use crate::publisher::{LeasePublisher, PublisherConfig};
-use crate::subject::Subjects;
-use crate::wire::{
+use lease_router::publisher::{LeasePublisher, PublisherConfig};
+use lease_router::subject::Subjects;
+use lease_router::wire::{
     Admitted, Completed, LeaseEvent, Outcome, ProgressStage, Progressed, WorkerReset,
 };
 
@@ -337,10 +337,10 @@ fn plural(n: u64, word: &str) -> String {
 }
 
 // ---------------------------------------------------------------------------------------
-// Durations, for people. (Parsing is `crate::service::config::parse_duration`.)
+// Durations, for people. (Parsing is `crate::config::parse_duration`.)
 // ---------------------------------------------------------------------------------------
 
-/// Writes a duration the way [`crate::service::config::parse_duration`] reads it, rounded for
+/// Writes a duration the way [`crate::config::parse_duration`] reads it, rounded for
 /// people: `250ms`,
 /// `1.5s`, `5m`, `1h2m`.
 pub fn format_duration(d: Duration) -> String {
@@ -980,9 +980,9 @@ mod tests {
     use futures::StreamExt;
 
     use super::*;
-    use crate::nats_server::{nats_server_available, NatsServerBuilder};
-    use crate::subject::DeploymentName;
-    use crate::wire::{self, EventKind};
+    use lease_router::subject::DeploymentName;
+    use lease_router::wire::{self, EventKind};
+    use lease_router_testkit::NatsServerBuilder;
 
     fn small(seed: u64) -> SimulationConfig {
         SimulationConfig {
@@ -1074,20 +1074,13 @@ mod tests {
         assert_eq!(format_duration(Duration::from_secs(3723)), "1h2m3s");
         for d in [250, 1500, 30_000, 300_000, 3_723_000] {
             let d = Duration::from_millis(d);
-            assert_eq!(
-                crate::service::config::parse_duration(&format_duration(d)),
-                Some(d)
-            );
+            assert_eq!(crate::config::parse_duration(&format_duration(d)), Some(d));
         }
     }
 
     /// Everything a real subscriber sees matches the summary and the lifecycle rules.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lifecycles_on_a_real_server() {
-        if !nats_server_available() {
-            eprintln!("skipped: nats-server is not installed");
-            return;
-        }
         let server = NatsServerBuilder::new().spawn().await.unwrap();
         let client = async_nats::connect(server.url()).await.unwrap();
         let subjects = Subjects::with_default_prefix(DeploymentName::new("sim").unwrap());
@@ -1202,10 +1195,6 @@ mod tests {
 
     #[tokio::test]
     async fn cancel_ends_the_run_early_and_completes_live_requests() {
-        if !nats_server_available() {
-            eprintln!("skipped: nats-server is not installed");
-            return;
-        }
         let server = NatsServerBuilder::new().spawn().await.unwrap();
         let client = async_nats::connect(server.url()).await.unwrap();
         let subjects = Subjects::with_default_prefix(DeploymentName::new("sim").unwrap());

@@ -62,14 +62,13 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::connection::{NatsAuth, NatsConnectConfig, NatsTls, DEFAULT_NATS_URL};
-use crate::durable::LeaseStreamConfig;
-use crate::ingress::ApplyConfig;
-use crate::lease::manager::{DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_SCAN_INTERVAL};
-use crate::subject::{DeploymentName, SubjectPrefix, DEFAULT_SUBJECT_PREFIX};
-use crate::wire::DEFAULT_MAX_EVENT_BYTES;
-
-use super::host::HostSettings;
+use lease_router::connection::{NatsAuth, NatsConnectConfig, NatsTls, DEFAULT_NATS_URL};
+use lease_router::durable::LeaseStreamConfig;
+use lease_router::ingress::ApplyConfig;
+use lease_router::lease::manager::{DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_SCAN_INTERVAL};
+use lease_router::service::HostSettings;
+use lease_router::subject::{DeploymentName, SubjectPrefix, DEFAULT_SUBJECT_PREFIX};
+use lease_router::wire::DEFAULT_MAX_EVENT_BYTES;
 
 /// The default HTTP listen address.
 pub const DEFAULT_HTTP_ADDR: SocketAddr =
@@ -371,7 +370,7 @@ impl fmt::Debug for NatsCredentialArgs {
 /// A comma-separated URL list with any `user:password@` replaced.
 fn redact_url_list(list: &str) -> String {
     list.split(',')
-        .map(crate::connection::redact_url)
+        .map(lease_router::connection::redact_url)
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -551,7 +550,8 @@ pub enum ConfigError {
 }
 
 impl ConfigError {
-    /// The setting (or file key) at fault, if it is one.
+    /// The setting (or file key) at fault, if it is one (the tests check it).
+    #[cfg(test)]
     pub fn setting(&self) -> Option<&str> {
         match self {
             ConfigError::Invalid { setting, .. } => Some(setting),
@@ -941,7 +941,7 @@ fn readable_file(
 fn parse_nats_urls(value: &str, origin: ValueOrigin) -> Result<Vec<String>, ConfigError> {
     let invalid = |value: &str, origin: ValueOrigin| ConfigError::Invalid {
         setting: "nats_url",
-        value: crate::connection::redact_url(value),
+        value: lease_router::connection::redact_url(value),
         origin,
         expected: "expected nats://HOST:PORT, or several separated by commas, such as \
                    nats://10.0.0.1:4222,nats://10.0.0.2:4222"

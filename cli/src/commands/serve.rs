@@ -5,11 +5,13 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use lease_router::connection::NatsConnection;
-use lease_router::service::{resolve, serve, ApiState, DeploymentHost, ServeArgs, ServeSettings};
+use lease_router::service::{serve, ApiState, DeploymentHost};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
+
+use crate::config::{resolve, ServeArgs, ServeSettings};
 
 use super::{connect_or_cancel, init_logging, CliError, Signals};
 

@@ -3,12 +3,10 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+use crate::config::NatsCredentialArgs;
+use crate::simulate::{format_duration, run_simulation, SimulationConfig, SimulationProgress};
 use clap::Args;
 use lease_router::connection::DEFAULT_NATS_URL;
-use lease_router::service::config::NatsCredentialArgs;
-use lease_router::simulate::{
-    format_duration, run_simulation, SimulationConfig, SimulationProgress,
-};
 use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
 
 use super::{

@@ -11,14 +11,9 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use lease_router::connection::NatsConnectConfig;
 use lease_router::connection::{NatsConnection, DEFAULT_NATS_URL};
-use lease_router::nats_server::{NatsServer, NatsServerBuilder, StartNatsServerError};
 use lease_router::service::host::DeploymentMetrics;
-use lease_router::service::{DeploymentHost, ServeSettings};
-use lease_router::simulate::{
-    format_duration, run_simulation, SimulationProgress, SimulationSummary,
-};
-use lease_router::stats::DropReason;
-use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
+use lease_router::service::DeploymentHost;
+use lease_router_testkit::{NatsServer, NatsServerBuilder, StartNatsServerError};
 use parking_lot::Mutex;
 
 use super::serve::{bind, Service};
@@ -26,6 +21,10 @@ use super::simulate::TrafficArgs;
 use super::{
     bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, CliError, Signals, Stream,
 };
+use crate::config::ServeSettings;
+use crate::simulate::{format_duration, run_simulation, SimulationProgress, SimulationSummary};
+use lease_router::stats::DropReason;
+use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
 
 /// The deployment the demo hosts and simulates.
 const DEMO_DEPLOYMENT: &str = "demo";
