@@ -13,7 +13,7 @@ mod simulate;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use commands::{CliError, Signals};
 
@@ -57,7 +57,7 @@ enum Command {
 
 fn main() -> ExitCode {
     allocator::tune_for_latency();
-    let cli = Cli::parse();
+    let cli = parse_command_line();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -98,6 +98,12 @@ fn main() -> ExitCode {
     // Do not wait for tasks that ignore the shutdown (a stuck flush, say).
     runtime.shutdown_timeout(Duration::from_millis(500));
     ExitCode::from(code)
+}
+
+/// The command line, with the `--config` help listing the file keys of the declaration.
+fn parse_command_line() -> Cli {
+    let command = Cli::command().mut_subcommand("serve", config::document_file_keys);
+    Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|error| error.exit())
 }
 
 fn report(result: Result<(), CliError>) -> u8 {

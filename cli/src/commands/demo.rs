@@ -12,7 +12,7 @@ use clap::Args;
 use lease_router::connection::NatsConnectConfig;
 use lease_router::connection::{NatsConnection, DEFAULT_NATS_URL};
 use lease_router::service::host::DeploymentMetrics;
-use lease_router::service::DeploymentHost;
+use lease_router::service::{DeploymentHost, HostSettings};
 use lease_router_testkit::{NatsServer, NatsServerBuilder, StartNatsServerError};
 use parking_lot::Mutex;
 
@@ -21,7 +21,6 @@ use super::simulate::TrafficArgs;
 use super::{
     bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, CliError, Signals, Stream,
 };
-use crate::config::ServeSettings;
 use crate::simulate::{format_duration, run_simulation, SimulationProgress, SimulationSummary};
 use lease_router::stats::DropReason;
 use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
@@ -83,16 +82,21 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
     init_logging(Default::default(), "warn");
 
     let deployment = DeploymentName::new(DEMO_DEPLOYMENT).expect("a valid name");
-    let settings = ServeSettings {
-        deployments: vec![deployment.clone()],
+    let settings = HostSettings {
         lease_scan_interval: args.lease_scan_interval,
-        ..ServeSettings::default()
+        ..HostSettings::default()
     };
     let listener = match bind(args.http_addr).await {
         Ok(listener) => listener,
         Err(_) => bind(SocketAddr::new(args.http_addr.ip(), 0)).await?,
     };
-    let service = Service::start(&settings, connection.clone(), listener).await?;
+    let service = Service::start(
+        settings,
+        std::slice::from_ref(&deployment),
+        connection.clone(),
+        listener,
+    )
+    .await?;
     let base = format!("http://{}", service.http_addr());
     println!("router for deployment {DEMO_DEPLOYMENT:?} is up: {base}");
     println!("  try: curl {base}/v1/deployments/{DEMO_DEPLOYMENT}/workers   curl {base}/metrics");
