@@ -21,7 +21,9 @@ use super::simulate::TrafficArgs;
 use super::{
     bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, CliError, Signals, Stream,
 };
-use crate::simulate::{format_duration, run_simulation, SimulationProgress, SimulationSummary};
+use crate::simulate::{
+    format_duration, run_simulation, SimulationConfig, SimulationProgress, SimulationSummary,
+};
 use lease_router::stats::DropReason;
 use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
 
@@ -33,6 +35,9 @@ const DEMO_HTTP_ADDR: &str = "127.0.0.1:9464";
 const PROBE_DEADLINE: Duration = Duration::from_secs(1);
 /// How long the router may take to catch up with the last events at the end.
 const CATCH_UP_BOUND: Duration = Duration::from_secs(3);
+/// The shortest progress interval that is a real worker's cadence rather than a load test
+/// (the contract asks for "every few seconds").
+const REALISTIC_PROGRESS_EVERY: Duration = Duration::from_secs(1);
 /// Width of the bars of the live view.
 const BAR_WIDTH: usize = 32;
 
@@ -107,6 +112,7 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
         format_duration(config.duration),
         format_duration(args.lease_scan_interval)
     );
+    println!("{}", traffic_note(&config));
     println!();
 
     let progress = Arc::new(Mutex::new(SimulationProgress::default()));
@@ -167,6 +173,7 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
     println!();
     if let Some(summary) = &summary {
         println!("{summary}");
+        println!("{}", events_per_request_note(&config, summary));
     }
     println!(
         "{}",
@@ -380,6 +387,43 @@ fn drops_text(m: &DeploymentMetrics) -> String {
     } else {
         parts.join(", ")
     }
+}
+
+/// What each simulated request sends, and whether that is what a real worker sends.
+fn traffic_note(config: &SimulationConfig) -> String {
+    let every = format_duration(config.progress_every);
+    if config.progress_every >= REALISTIC_PROGRESS_EVERY {
+        format!(
+            "each request: admitted, progressed at prefill and every {every} while it lives, \
+             completed:\n  the cadence schemas/README.md asks of workers, so events/s is what \
+             a real fleet at this request rate sends (a shorter --progress-every is a load test)"
+        )
+    } else {
+        format!(
+            "each request: admitted, progressed every {every}, completed: a LOAD TEST, far \
+             more\n  progress events than real workers send (every few seconds, \
+             schemas/README.md)"
+        )
+    }
+}
+
+/// The closing line that tells the realistic figures from the load test.
+fn events_per_request_note(config: &SimulationConfig, summary: &SimulationSummary) -> String {
+    let per_request = if summary.requests_started == 0 {
+        0.0
+    } else {
+        summary.events_published as f64 / summary.requests_started as f64
+    };
+    let kind = if config.progress_every >= REALISTIC_PROGRESS_EVERY {
+        "realistic"
+    } else {
+        "a load test"
+    };
+    format!(
+        "  per request: {per_request:.1} events with progress every {} ({kind}); the \
+         requests/s, not the events/s, is the figure to compare with a real deployment",
+        format_duration(config.progress_every)
+    )
 }
 
 fn router_summary(
