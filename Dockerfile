@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 #
-# Multi-stage build of the `lease-router` binary.
+# Multi-stage build of the `lease-router` binary (package `lease-router-cli`, in cli/).
 #   docker build -t lease-router .
 #   docker run --rm lease-router --help
 #   docker compose up        (see docker-compose.yml)
@@ -13,7 +13,7 @@ COPY . .
 # of the cache in the same step.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked --bin lease-router \
+    cargo build --release --locked -p lease-router-cli --bin lease-router \
     && cp target/release/lease-router /usr/local/bin/lease-router
 
 FROM debian:bookworm-slim

@@ -101,7 +101,7 @@ impl Fixture {
 }
 
 fn apply(c: &mut Criterion) {
-    lease_router::allocator::tune_for_latency();
+    common::allocator::tune_for_latency();
     let mut group = c.benchmark_group("manager");
     group
         .sample_size(20)

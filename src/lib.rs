@@ -9,8 +9,6 @@
 //! and counted, and nothing leaks.
 //!
 //! # Layout
-//! - [`allocator`]: the glibc setting the binary starts with (no fastbins: no
-//!   millisecond-long merges in the middle of ingest).
 //! - [`types`]: identities: request, worker, data-parallel rank, attempt, booking.
 //! - [`lease`]: the lease clock ([`lease::clock`]), the [`lease::RequestLeaseManager`] and
 //!   its reaper ([`lease::reaper`], whose steps the ingress runs between bursts);
@@ -30,27 +28,25 @@
 //! - [`publisher`]: [`publisher::LeasePublisher`], what workers publish their events with.
 //! - [`connection`]: connecting to NATS with retry, and connection state.
 //! - [`retry`]: exponential backoff, the one module that uses the `backoff` crate.
-//! - [`nats_server`]: starting a real `nats-server` (or a cluster) for tests, benches and
-//!   the demo.
-//! - [`service`]: what `lease-router serve` runs: the multi-deployment host, the HTTP API,
-//!   the Prometheus metrics and the layered configuration.
-//! - [`simulate`]: simulated workers publishing realistic request lifecycles.
+//! - [`service`]: what `lease-router serve` runs: the multi-deployment host, the HTTP API
+//!   and the Prometheus metrics, configured by plain structs.
 //!
-//! The binary (`src/bin/lease-router.rs`) only parses arguments and wires these together.
+//! This package is the library only. Beside it in the workspace: `cli/` (package
+//! `lease-router-cli`, the `lease-router` binary: `serve`, `publish`, `simulate`, `demo`,
+//! the flag/environment/TOML settings, the simulated workers and the allocator setting) and
+//! `testkit/` (`lease-router-testkit`, which starts real `nats-server` processes for the
+//! tests, the benches and `demo`). An embedder compiles neither.
 
-pub mod allocator;
 pub mod connection;
 pub mod durable;
 pub mod ingress;
 pub mod lease;
-pub mod nats_server;
 pub mod observer;
 pub mod publisher;
 pub mod retry;
 pub mod router;
 pub mod scheduler;
 pub mod service;
-pub mod simulate;
 pub mod stats;
 pub mod subject;
 pub mod types;

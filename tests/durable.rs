@@ -17,10 +17,10 @@ use lease_router::durable::{
     ensure_stream, CatchUpState, EnsureStreamError, JetStreamIngress, LeaseStreamConfig,
 };
 use lease_router::ingress::ApplyConfig;
-use lease_router::nats_server::NatsCluster;
 use lease_router::router::{Router, RouterConfig};
 use lease_router::stats::{DropReason, IngressStats};
 use lease_router::subject::SubjectPrefix;
+use lease_router_testkit::NatsCluster;
 
 use lease_router::wire::{self, Envelope, LeaseEvent};
 use tokio_util::task::TaskTracker;
@@ -255,7 +255,7 @@ async fn stream_with_live_leases(
     deployment: &str,
     n: usize,
 ) -> (
-    lease_router::nats_server::NatsServer,
+    lease_router_testkit::NatsServer,
     NatsConnection,
     HashSet<String>,
 ) {

@@ -2,7 +2,8 @@
 //! port (the system server on 4222 is never used). HTTP semantics are tested in process,
 //! through `tower::ServiceExt::oneshot` on the one axum `Router` that `serve` serves; a few
 //! tests go end to end over a socket with reqwest. Every wait is bounded: conditions are
-//! polled until a deadline, never slept on.
+//! polled until a deadline, never slept on. Without `nats-server` they fail with the install
+//! hint.
 
 mod common;
 
@@ -15,10 +16,10 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{header, HeaderMap, Request};
 use lease_router::connection::{connect, NatsConnectConfig};
-use lease_router::nats_server::NatsServer;
 use lease_router::retry::RetryPolicy;
 use lease_router::service::{router, serve, ApiState, DeploymentHost, HostSettings, ReadinessHook};
 use lease_router::wire::{self, Admitted, Envelope};
+use lease_router_testkit::NatsServer;
 use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;

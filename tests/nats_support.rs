@@ -1,7 +1,6 @@
 //! Integration tests of `nats_server`, `connection` and `retry` against real `nats-server`
 //! processes (each test starts its own on free ports; the system server on 4222 is never
-//! used). Every wait is bounded. Skipped with a message when `nats-server` is not installed
-//! (set `LEASE_ROUTER_REQUIRE_NATS=1` to make that a failure).
+//! used). Every wait is bounded. Without `nats-server` they fail with the install hint.
 
 mod common;
 
@@ -9,8 +8,8 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use lease_router::connection::{connect, ConnectNatsError, NatsConnectConfig, NatsConnection};
-use lease_router::nats_server::{pick_free_ports, NatsCluster, NatsServer, NatsServerBuilder};
 use lease_router::retry::RetryPolicy;
+use lease_router_testkit::{pick_free_ports, NatsCluster, NatsServer, NatsServerBuilder};
 use tokio::time::{timeout, Instant};
 
 /// Fast reconnects, so tests do not wait for the production backoff.

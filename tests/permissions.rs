@@ -11,9 +11,9 @@ use bytes::Bytes;
 use common::*;
 use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
 use lease_router::ingress::ApplyConfig;
-use lease_router::nats_server::{NatsServer, NatsServerBuilder};
 use lease_router::stats::DropReason;
 use lease_router::wire;
+use lease_router_testkit::{NatsServer, NatsServerBuilder};
 
 const DEPLOYMENT: &str = "perm";
 

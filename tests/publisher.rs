@@ -1,7 +1,6 @@
 //! `LeasePublisher` against real `nats-server` processes (each test starts its own on a free
-//! port; the system server on 4222 is never used). Every wait is bounded. Skipped with a
-//! message when `nats-server` is not installed (set `LEASE_ROUTER_REQUIRE_NATS=1` to make that
-//! a failure).
+//! port; the system server on 4222 is never used). Every wait is bounded. Without
+//! `nats-server` they fail with the install hint.
 
 mod common;
 

@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use lease_router::connection::{connect, NatsConnectConfig, NatsTls};
-use lease_router::nats_server::NatsServerBuilder;
+use lease_router_testkit::NatsServerBuilder;
 
 fn openssl(dir: &Path, args: &[&str]) {
     let status = Command::new("openssl")

@@ -2,6 +2,10 @@
 //! memory, percentiles, and a few helpers for talking to a private nats-server.
 #![allow(dead_code)]
 
+/// The binary's allocator setting, so the benches measure what it runs (one copy, the CLI's).
+#[path = "../../cli/src/allocator.rs"]
+pub mod allocator;
+
 use std::fs;
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -10,11 +14,11 @@ use async_nats::Subject;
 use bytes::Bytes;
 use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
 use lease_router::lease::StepTime;
-use lease_router::nats_server::{NatsServer, NatsServerBuilder};
 use lease_router::subject::{DeploymentName, Subjects};
 use lease_router::wire::{
     self, Admitted, Completed, Envelope, LeaseEvent, Outcome, ProgressStage, Progressed,
 };
+use lease_router_testkit::{NatsServer, NatsServerBuilder};
 
 /// A small, fast, deterministic generator (splitmix64): the benches need repeatable streams,
 /// not cryptographic randomness.
@@ -71,7 +75,7 @@ pub fn rss_bytes() -> u64 {
 /// Runs a bench's `main` as the `lease-router` binary runs: its allocator setting, and a
 /// two-worker multi-thread tokio runtime (the 2-core machine BENCHMARKS.md figures come from).
 pub fn run<F: Future>(main: F) -> F::Output {
-    lease_router::allocator::tune_for_latency();
+    allocator::tune_for_latency();
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

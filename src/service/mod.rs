@@ -10,23 +10,24 @@
 //!   figure from the routers' atomics at scrape time (`lease_router_*`).
 //! - [`http`]: the axum routes (`/healthz`, `/readyz`, `/metrics`, `/v1/deployments/...`)
 //!   over an [`ApiState`], and [`serve`] with graceful shutdown.
-//! - [`config`]: [`ServeArgs`] (clap flags with environment fallbacks) and [`resolve`], which
-//!   layers flags over environment over the `--config` TOML file over defaults into
-//!   [`ServeSettings`].
+//!
+//! The settings come in as plain structs ([`HostSettings`],
+//! [`crate::connection::NatsConnectConfig`]); reading them from flags, the environment and a
+//! TOML file is the `lease-router` binary's job (the `lease-router-cli` package), so an
+//! embedder compiles no argument parser.
 //!
 //! # Putting it together
 //! ```no_run
-//! # async fn run(args: lease_router::service::ServeArgs) -> anyhow::Result<()> {
-//! use lease_router::service::{resolve, serve, ApiState, DeploymentHost};
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use lease_router::connection::{connect, NatsConnectConfig};
+//! use lease_router::service::{serve, ApiState, DeploymentHost, HostSettings};
+//! use lease_router::subject::DeploymentName;
 //! use tokio_util::sync::CancellationToken;
 //!
-//! let settings = resolve(&args)?;
-//! let connection = lease_router::connection::connect(&settings.nats_connect_config()).await?;
-//! let host = DeploymentHost::new(connection, settings.host_settings());
-//! for name in &settings.deployments {
-//!     host.add(name).await?;
-//! }
-//! let listener = tokio::net::TcpListener::bind(settings.http_addr).await?;
+//! let connection = connect(&NatsConnectConfig::new(["nats://127.0.0.1:4222"])).await?;
+//! let host = DeploymentHost::new(connection, HostSettings::default());
+//! host.add(&DeploymentName::new("llama-70b")?).await?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:9464").await?;
 //! let shutdown = CancellationToken::new();
 //! // Fire `shutdown` on SIGTERM; then:
 //! serve(listener, ApiState::new(host.clone()), shutdown).await?;
@@ -35,12 +36,10 @@
 //! # }
 //! ```
 
-pub mod config;
 pub mod host;
 pub mod http;
 pub mod metrics;
 
-pub use config::{resolve, ConfigError, LogFormat, ServeArgs, ServeSettings};
 pub use host::{
     AddDeploymentError, AddOutcome, DeploymentHost, DeploymentPhase, DeploymentSummary,
     DeploymentView, HostSettings, RemoveDeploymentError, ShutdownAllError,

@@ -5,11 +5,12 @@ use std::time::Duration;
 use clap::{Args, Subcommand, ValueEnum};
 use lease_router::connection::DEFAULT_NATS_URL;
 use lease_router::publisher::{LeasePublisher, PublisherConfig};
-use lease_router::service::config::NatsCredentialArgs;
 use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
 use lease_router::wire::{
     Admitted, Completed, LeaseEvent, Outcome, ProgressStage, Progressed, WorkerReset,
 };
+
+use crate::config::NatsCredentialArgs;
 
 use super::{connect_or_cancel, duration_arg, init_logging, CliError, Signals};
 

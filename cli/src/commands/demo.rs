@@ -11,14 +11,9 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use lease_router::connection::NatsConnectConfig;
 use lease_router::connection::{NatsConnection, DEFAULT_NATS_URL};
-use lease_router::nats_server::{NatsServer, NatsServerBuilder, StartNatsServerError};
 use lease_router::service::host::DeploymentMetrics;
-use lease_router::service::{DeploymentHost, ServeSettings};
-use lease_router::simulate::{
-    format_duration, run_simulation, SimulationProgress, SimulationSummary,
-};
-use lease_router::stats::DropReason;
-use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
+use lease_router::service::{DeploymentHost, HostSettings};
+use lease_router_testkit::{NatsServer, NatsServerBuilder, StartNatsServerError};
 use parking_lot::Mutex;
 
 use super::serve::{bind, Service};
@@ -26,6 +21,11 @@ use super::simulate::TrafficArgs;
 use super::{
     bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, CliError, Signals, Stream,
 };
+use crate::simulate::{
+    format_duration, run_simulation, SimulationConfig, SimulationProgress, SimulationSummary,
+};
+use lease_router::stats::DropReason;
+use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
 
 /// The deployment the demo hosts and simulates.
 const DEMO_DEPLOYMENT: &str = "demo";
@@ -35,6 +35,9 @@ const DEMO_HTTP_ADDR: &str = "127.0.0.1:9464";
 const PROBE_DEADLINE: Duration = Duration::from_secs(1);
 /// How long the router may take to catch up with the last events at the end.
 const CATCH_UP_BOUND: Duration = Duration::from_secs(3);
+/// The shortest progress interval that is a real worker's cadence rather than a load test
+/// (the contract asks for "every few seconds").
+const REALISTIC_PROGRESS_EVERY: Duration = Duration::from_secs(1);
 /// Width of the bars of the live view.
 const BAR_WIDTH: usize = 32;
 
@@ -84,16 +87,21 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
     init_logging(Default::default(), "warn");
 
     let deployment = DeploymentName::new(DEMO_DEPLOYMENT).expect("a valid name");
-    let settings = ServeSettings {
-        deployments: vec![deployment.clone()],
+    let settings = HostSettings {
         lease_scan_interval: args.lease_scan_interval,
-        ..ServeSettings::default()
+        ..HostSettings::default()
     };
     let listener = match bind(args.http_addr).await {
         Ok(listener) => listener,
         Err(_) => bind(SocketAddr::new(args.http_addr.ip(), 0)).await?,
     };
-    let service = Service::start(&settings, connection.clone(), listener).await?;
+    let service = Service::start(
+        settings,
+        std::slice::from_ref(&deployment),
+        connection.clone(),
+        listener,
+    )
+    .await?;
     let base = format!("http://{}", service.http_addr());
     println!("router for deployment {DEMO_DEPLOYMENT:?} is up: {base}");
     println!("  try: curl {base}/v1/deployments/{DEMO_DEPLOYMENT}/workers   curl {base}/metrics");
@@ -104,6 +112,7 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
         format_duration(config.duration),
         format_duration(args.lease_scan_interval)
     );
+    println!("{}", traffic_note(&config));
     println!();
 
     let progress = Arc::new(Mutex::new(SimulationProgress::default()));
@@ -164,6 +173,7 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
     println!();
     if let Some(summary) = &summary {
         println!("{summary}");
+        println!("{}", events_per_request_note(&config, summary));
     }
     println!(
         "{}",
@@ -377,6 +387,43 @@ fn drops_text(m: &DeploymentMetrics) -> String {
     } else {
         parts.join(", ")
     }
+}
+
+/// What each simulated request sends, and whether that is what a real worker sends.
+fn traffic_note(config: &SimulationConfig) -> String {
+    let every = format_duration(config.progress_every);
+    if config.progress_every >= REALISTIC_PROGRESS_EVERY {
+        format!(
+            "each request: admitted, progressed at prefill and every {every} while it lives, \
+             completed:\n  the cadence schemas/README.md asks of workers, so events/s is what \
+             a real fleet at this request rate sends (a shorter --progress-every is a load test)"
+        )
+    } else {
+        format!(
+            "each request: admitted, progressed every {every}, completed: a LOAD TEST, far \
+             more\n  progress events than real workers send (every few seconds, \
+             schemas/README.md)"
+        )
+    }
+}
+
+/// The closing line that tells the realistic figures from the load test.
+fn events_per_request_note(config: &SimulationConfig, summary: &SimulationSummary) -> String {
+    let per_request = if summary.requests_started == 0 {
+        0.0
+    } else {
+        summary.events_published as f64 / summary.requests_started as f64
+    };
+    let kind = if config.progress_every >= REALISTIC_PROGRESS_EVERY {
+        "realistic"
+    } else {
+        "a load test"
+    };
+    format!(
+        "  per request: {per_request:.1} events with progress every {} ({kind}); the \
+         requests/s, not the events/s, is the figure to compare with a real deployment",
+        format_duration(config.progress_every)
+    )
 }
 
 fn router_summary(

@@ -5,11 +5,14 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use lease_router::connection::NatsConnection;
-use lease_router::service::{resolve, serve, ApiState, DeploymentHost, ServeArgs, ServeSettings};
+use lease_router::service::{serve, ApiState, DeploymentHost, HostSettings};
+use lease_router::subject::DeploymentName;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
+
+use crate::config::{resolve, ServeArgs};
 
 use super::{connect_or_cancel, init_logging, CliError, Signals};
 
@@ -25,18 +28,19 @@ pub struct Service {
 }
 
 impl Service {
-    /// Hosts `settings.deployments` over `connection` and serves the API on `listener`.
+    /// Hosts `deployments` over `connection` and serves the API on `listener`.
     /// Started means subscribed: events published from now on are seen.
     pub async fn start(
-        settings: &ServeSettings,
+        settings: HostSettings,
+        deployments: &[DeploymentName],
         connection: NatsConnection,
         listener: TcpListener,
     ) -> Result<Service, CliError> {
         let http_addr = listener
             .local_addr()
             .map_err(|e| CliError::failed(format!("the HTTP listener has no address: {e}")))?;
-        let host = DeploymentHost::new(connection, settings.host_settings());
-        for name in &settings.deployments {
+        let host = DeploymentHost::new(connection, settings);
+        for name in deployments {
             if let Err(error) = host.add(name).await {
                 let _ = host.shutdown_all().await;
                 return Err(CliError::failed(error));
@@ -101,17 +105,19 @@ pub async fn run(args: ServeArgs, signals: &Signals) -> Result<(), CliError> {
     init_logging(settings.log_format, "info");
     // Bind first: a taken port is reported before anything else happens.
     let listener = bind(settings.http_addr).await?;
-    let Some(connection) = connect_or_cancel(
-        settings.nats_connect_config(),
-        "lease-router serve",
-        &signals.first,
-    )
-    .await?
+    let Some(connection) =
+        connect_or_cancel(settings.nats.clone(), "lease-router serve", &signals.first).await?
     else {
         info!("stopped before NATS answered");
         return Ok(());
     };
-    let mut service = Service::start(&settings, connection, listener).await?;
+    let mut service = Service::start(
+        settings.host.clone(),
+        &settings.deployments,
+        connection,
+        listener,
+    )
+    .await?;
     let addr = service.http_addr();
     info!(%addr, deployments = settings.deployments.len(), "serving");
     // The one line on stdout, for people and scripts (port 0 picks a free port).

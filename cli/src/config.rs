@@ -1,37 +1,28 @@
 //! The settings of `lease-router serve`, and where they come from.
 //!
-//! Every setting can be given in four places; the first one that has it wins:
+//! Each setting is declared once, as a field of [`ServeArgs`] (or of [`NatsCredentialArgs`]):
+//! the field's name is its TOML key, its `long` the flag, its `env` the environment variable,
+//! its doc comment the help. The keys a config file accepts, and the `--config` help that
+//! lists them ([`document_file_keys`]), are read from that declaration; a test checks that
+//! README's settings table names the same keys, flags and variables.
+//!
+//! A setting can be given in four places; the first one that has it wins:
 //!
 //! 1. a command-line flag (`--http-addr 0.0.0.0:9464`),
 //! 2. an environment variable (`LEASE_ROUTER_HTTP_ADDR`, or `NATS_URL` for the NATS servers),
+//!    which clap reads into the same field,
 //! 3. the TOML file named by `--config FILE` (or `LEASE_ROUTER_CONFIG`),
-//! 4. the default.
+//! 4. the default (the library's, for what the library runs).
 //!
-//! | setting | flag | environment | file key | default |
-//! | --- | --- | --- | --- | --- |
-//! | NATS servers (comma separated) | `--nats-url` | `NATS_URL` | `nats_url` | `nats://127.0.0.1:4222` |
-//! | deployments | `--deployment` (repeatable) | `LEASE_ROUTER_DEPLOYMENTS` (comma separated) | `deployments` | none |
-//! | HTTP listen address | `--http-addr` | `LEASE_ROUTER_HTTP_ADDR` | `http_addr` | `127.0.0.1:9464` |
-//! | subject prefix | `--subject-prefix` | `LEASE_ROUTER_SUBJECT_PREFIX` | `subject_prefix` | `leases` |
-//! | lease scan interval | `--lease-scan-interval` | `LEASE_ROUTER_LEASE_SCAN_INTERVAL` | `lease_scan_interval` | `300s` |
-//! | log format | `--log-format` | `LEASE_ROUTER_LOG_FORMAT` | `log_format` | `text` |
-//! | NATS connect deadline | `--connect-deadline` | `LEASE_ROUTER_CONNECT_DEADLINE` | `connect_deadline` | `30s` |
-//! | largest event accepted | `--max-event-bytes` | `LEASE_ROUTER_MAX_EVENT_BYTES` | `max_event_bytes` | `4096` |
-//! | live leases per deployment | `--max-active-leases` | `LEASE_ROUTER_MAX_ACTIVE_LEASES` | `max_active_leases` | `1000000` |
-//! | tombstones per deployment | `--max-tombstones` | `LEASE_ROUTER_MAX_TOMBSTONES` | `max_tombstones` | `100000` |
-//! | held progress per deployment | `--max-held-progress` | `LEASE_ROUTER_MAX_HELD_PROGRESS` | `max_held_progress` | `100000` |
-//! | tracked publishers per deployment | `--max-publishers` | `LEASE_ROUTER_MAX_PUBLISHERS` | `max_publishers` | `10000` |
-//! | messages buffered per subscription | `--subscription-capacity` | `LEASE_ROUTER_SUBSCRIPTION_CAPACITY` | `subscription_capacity` | `262144` |
-//! | durable mode (JetStream replay) | `--durable` | `LEASE_ROUTER_DURABLE` | `durable` | off |
-//! | lease stream replicas (durable) | `--stream-replicas` | `LEASE_ROUTER_STREAM_REPLICAS` | `stream_replicas` | `1` |
-//! | NATS user (with a password) | `--nats-user` | `NATS_USER` | `nats_user` | none |
-//! | NATS password | `--nats-password` | `NATS_PASSWORD` | `nats_password` | none |
-//! | NATS token | `--nats-token` | `NATS_TOKEN` | `nats_token` | none |
-//! | NKey seed file | `--nats-nkey` | `NATS_NKEY` | `nats_nkey` | none |
-//! | credentials file (JWT + seed) | `--nats-creds` | `NATS_CREDS` | `nats_creds` | none |
-//! | TLS: CA certificates (PEM) | `--nats-tls-ca` | `NATS_TLS_CA` | `nats_tls_ca` | system roots |
-//! | TLS: client certificate (PEM) | `--nats-tls-cert` | `NATS_TLS_CERT` | `nats_tls_cert` | none |
-//! | TLS: client key (PEM) | `--nats-tls-key` | `NATS_TLS_KEY` | `nats_tls_key` | none |
+//! [`resolve`] merges the layers in one place (`Layers`), then turns each value into its
+//! typed setting, so that every mistake reads the same way, naming the setting, the value,
+//! where it came from and what is accepted:
+//!
+//! ```text
+//! invalid setting http_addr = "abc" from --http-addr: expected HOST:PORT such as 127.0.0.1:9464
+//! ```
+//!
+//! A key of the file that is not a setting is an error naming the key.
 //!
 //! # Credentials
 //! At most one authentication method: user and password (both), a token, an NKey seed file
@@ -46,69 +37,37 @@
 //! Durations are a number of seconds (`300`) or a number with a unit, `ms`, `s`, `m` or `h`,
 //! possibly several (`5m`, `1m30s`, `250ms`). A flag or variable given replaces the list of
 //! the file, it does not add to it (that holds for `--deployment` too).
-//!
-//! Values are validated in [`resolve`], not by clap, so that every mistake reads the same
-//! way, naming the setting, the value and what is accepted:
-//!
-//! ```text
-//! invalid setting http_addr = "abc": expected HOST:PORT such as 127.0.0.1:9464
-//! ```
-//!
-//! A key of the file that is not a setting is an error naming the key.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::connection::{NatsAuth, NatsConnectConfig, NatsTls, DEFAULT_NATS_URL};
-use crate::durable::LeaseStreamConfig;
-use crate::ingress::ApplyConfig;
-use crate::lease::manager::{DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_SCAN_INTERVAL};
-use crate::subject::{DeploymentName, SubjectPrefix, DEFAULT_SUBJECT_PREFIX};
-use crate::wire::DEFAULT_MAX_EVENT_BYTES;
-
-use super::host::HostSettings;
+use lease_router::connection::{NatsAuth, NatsConnectConfig, NatsTls, DEFAULT_NATS_URL};
+use lease_router::durable::LeaseStreamConfig;
+use lease_router::service::HostSettings;
+use lease_router::subject::{DeploymentName, SubjectPrefix, DEFAULT_SUBJECT_PREFIX};
+use lease_router::wire::DEFAULT_MAX_EVENT_BYTES;
 
 /// The default HTTP listen address.
 pub const DEFAULT_HTTP_ADDR: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 9464);
-
-/// The default bound on the first NATS connect.
-pub const DEFAULT_CONNECT_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The smallest accepted `max_event_bytes`: an `admitted` event with a short request id.
 pub const MIN_MAX_EVENT_BYTES: usize = 64;
 /// The largest accepted `max_event_bytes`: the NATS server's hard payload limit.
 pub const MAX_MAX_EVENT_BYTES: usize = 64 * 1024 * 1024;
 
-/// The keys a config file may hold.
-pub const FILE_KEYS: [&str; 23] = [
-    "nats_url",
-    "deployments",
-    "http_addr",
-    "subject_prefix",
-    "lease_scan_interval",
-    "log_format",
-    "connect_deadline",
-    "max_event_bytes",
-    "max_active_leases",
-    "max_tombstones",
-    "max_held_progress",
-    "max_publishers",
-    "subscription_capacity",
-    "durable",
-    "stream_replicas",
-    "nats_user",
-    "nats_password",
-    "nats_token",
-    "nats_nkey",
-    "nats_creds",
-    "nats_tls_ca",
-    "nats_tls_cert",
-    "nats_tls_key",
-];
+/// The largest accepted memory limit: any more is not a limit.
+pub const MAX_LIMIT: usize = 100_000_000;
+
+/// Four times async-nats' default: a router takes bursts from many workers at once.
+pub const DEFAULT_SUBSCRIPTION_CAPACITY: usize = 262_144;
+
+/// The largest accepted `stream_replicas`: JetStream's limit.
+const MAX_STREAM_REPLICAS: usize = 5;
 
 /// What error messages show instead of a secret value.
 const REDACTED: &str = "<redacted>";
@@ -118,13 +77,11 @@ const REDACTED: &str = "<redacted>";
 /// Every field is optional: what is not given on the command line or in the environment is
 /// taken from the config file, else from the defaults, by [`resolve`].
 /// `Debug` is written by hand: it shows whether a password or token was given, never which.
-#[derive(Clone, Default, PartialEq, Eq, clap::Args)]
+#[derive(Clone, Default, PartialEq, Eq, clap::Args, serde::Serialize)]
 pub struct ServeArgs {
-    /// TOML file with settings (keys: nats_url, deployments, http_addr, subject_prefix,
-    /// lease_scan_interval, log_format, connect_deadline, max_event_bytes, max_active_leases,
-    /// max_tombstones, max_held_progress, max_publishers, nats_user, nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, nats_tls_cert,
-    /// nats_tls_key).
+    /// TOML file with settings (`document_file_keys` lists its keys here).
     #[arg(long = "config", value_name = "FILE", env = "LEASE_ROUTER_CONFIG")]
+    #[serde(skip)]
     pub config: Option<PathBuf>,
 
     /// NATS server URL, or several separated by commas [default: nats://127.0.0.1:4222].
@@ -261,6 +218,7 @@ pub struct ServeArgs {
 
     /// Authentication and TLS to NATS (boxed: they make the struct large).
     #[command(flatten)]
+    #[serde(flatten)]
     pub nats_credentials: Box<NatsCredentialArgs>,
 }
 
@@ -300,13 +258,13 @@ impl NatsCredentialArgs {
             nats_credentials: Box::new(self.clone()),
             ..ServeArgs::default()
         };
-        Ok(resolve(&args)?.nats_connect_config())
+        Ok(resolve(&args)?.nats)
     }
 }
 
 /// The authentication and TLS flags of [`ServeArgs`]. `Debug` shows whether a password or
 /// token was given, never which.
-#[derive(Clone, Default, PartialEq, Eq, clap::Args)]
+#[derive(Clone, Default, PartialEq, Eq, clap::Args, serde::Serialize)]
 pub struct NatsCredentialArgs {
     /// NATS user name; needs --nats-password.
     #[arg(long = "nats-user", value_name = "USER", env = "NATS_USER")]
@@ -371,7 +329,7 @@ impl fmt::Debug for NatsCredentialArgs {
 /// A comma-separated URL list with any `user:password@` replaced.
 fn redact_url_list(list: &str) -> String {
     list.split(',')
-        .map(crate::connection::redact_url)
+        .map(lease_router::connection::redact_url)
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -413,95 +371,63 @@ impl FromStr for LogFormat {
     }
 }
 
-/// The resolved settings of `lease-router serve`.
-#[derive(Clone, Debug, PartialEq)]
+/// The settings as declared: the arguments of [`ServeArgs`], whose ids are the file keys.
+fn declared() -> clap::Command {
+    <ServeArgs as clap::Args>::augment_args(clap::Command::new("serve"))
+}
+
+/// The declared settings but `--config` itself.
+fn declared_settings() -> Vec<clap::Arg> {
+    declared()
+        .get_arguments()
+        .filter(|arg| arg.get_id() != "config")
+        .cloned()
+        .collect()
+}
+
+/// The keys a config file may hold, in the order of the declaration.
+pub fn file_keys() -> Vec<String> {
+    declared_settings()
+        .iter()
+        .map(|arg| arg.get_id().to_string())
+        .collect()
+}
+
+/// Adds the accepted file keys to the help of `--config` of the `serve` command: generated
+/// from the declaration, so the list cannot drift from what the file accepts.
+pub fn document_file_keys(serve: clap::Command) -> clap::Command {
+    let help = format!(
+        "TOML file with settings; its keys: {}",
+        file_keys().join(", ")
+    );
+    serve.mut_arg("config", |arg| arg.help(help.clone()).long_help(help))
+}
+
+/// The resolved settings of `lease-router serve`: the library's own settings structs, with
+/// what only the binary uses beside them.
+#[derive(Clone, Debug)]
 pub struct ServeSettings {
-    /// The NATS servers (setting `nats_url`), at least one.
-    pub nats_urls: Vec<String>,
+    /// How to connect to NATS (its `Debug` redacts secrets).
+    pub nats: NatsConnectConfig,
+    /// What each deployment's router runs with.
+    pub host: HostSettings,
     /// Deployments hosted from the start, without duplicates, in the order given.
     pub deployments: Vec<DeploymentName>,
     pub http_addr: SocketAddr,
-    pub subject_prefix: SubjectPrefix,
-    pub lease_scan_interval: Duration,
     pub log_format: LogFormat,
-    pub connect_deadline: Duration,
-    pub max_event_bytes: usize,
-    /// Live leases per deployment (the lease manager's `max_active_leases`).
-    pub max_active_leases: usize,
-    pub max_tombstones: usize,
-    pub max_held_progress: usize,
-    pub max_publishers: usize,
-    /// Messages buffered per subscription.
-    pub subscription_capacity: usize,
-    /// Durable mode on JetStream.
-    pub durable: bool,
-    /// Replicas of the lease stream (durable mode).
-    pub stream_replicas: usize,
-    /// How to authenticate to NATS (its `Debug` redacts secrets).
-    pub nats_auth: NatsAuth,
-    /// TLS to NATS; `None`: plain TCP unless the URL or the server asks for TLS.
-    pub nats_tls: Option<NatsTls>,
-    /// The config file that was read, if any.
-    pub config_file: Option<PathBuf>,
-}
-
-impl Default for ServeSettings {
-    fn default() -> Self {
-        Self {
-            nats_urls: vec![DEFAULT_NATS_URL.to_string()],
-            deployments: Vec::new(),
-            http_addr: DEFAULT_HTTP_ADDR,
-            subject_prefix: SubjectPrefix::default(),
-            lease_scan_interval: DEFAULT_SCAN_INTERVAL,
-            log_format: LogFormat::Text,
-            connect_deadline: DEFAULT_CONNECT_DEADLINE,
-            max_event_bytes: DEFAULT_MAX_EVENT_BYTES,
-            max_active_leases: DEFAULT_MAX_ACTIVE_LEASES,
-            max_tombstones: ApplyConfig::default().max_tombstones,
-            max_held_progress: ApplyConfig::default().max_held_progress,
-            max_publishers: ApplyConfig::default().max_publishers,
-            subscription_capacity: DEFAULT_SUBSCRIPTION_CAPACITY,
-            durable: false,
-            stream_replicas: 1,
-            nats_auth: NatsAuth::None,
-            nats_tls: None,
-            config_file: None,
-        }
-    }
 }
 
 impl ServeSettings {
-    /// How to connect to NATS.
-    pub fn nats_connect_config(&self) -> NatsConnectConfig {
-        let config = NatsConnectConfig::new(self.nats_urls.iter().cloned())
-            .with_connect_deadline(self.connect_deadline)
-            .with_name("lease-router serve")
-            .with_subscription_capacity(self.subscription_capacity)
-            .with_auth(self.nats_auth.clone());
-        match &self.nats_tls {
-            Some(tls) => config.with_tls(tls.clone()),
-            None => config,
-        }
-    }
-
-    /// The settings of the [`super::DeploymentHost`].
-    pub fn host_settings(&self) -> HostSettings {
-        HostSettings {
-            subject_prefix: self.subject_prefix.clone(),
-            lease_scan_interval: self.lease_scan_interval,
-            apply: ApplyConfig {
-                max_event_bytes: self.max_event_bytes,
-                max_tombstones: self.max_tombstones,
-                max_held_progress: self.max_held_progress,
-                max_publishers: self.max_publishers,
-                ..ApplyConfig::default()
-            },
-            max_active_leases: self.max_active_leases,
-            durable: self.durable.then(|| {
-                LeaseStreamConfig::new(self.subject_prefix.clone(), self.lease_scan_interval)
-                    .with_replicas(self.stream_replicas)
-            }),
-            ..HostSettings::default()
+    /// The defaults: the library's, and the binary's own for the rest.
+    fn defaults() -> Self {
+        Self {
+            nats: NatsConnectConfig::new([DEFAULT_NATS_URL])
+                .with_name("lease-router serve")
+                .with_subscription_capacity(DEFAULT_SUBSCRIPTION_CAPACITY),
+            host: HostSettings::default(),
+            deployments: Vec::new(),
+            http_addr: DEFAULT_HTTP_ADDR,
+            log_format: LogFormat::default(),
         }
     }
 }
@@ -509,8 +435,10 @@ impl ServeSettings {
 /// Where a rejected value came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ValueOrigin {
-    /// A command-line flag or an environment variable.
-    CommandLineOrEnvironment,
+    /// The command-line flag of this name (`--http-addr`).
+    Flag(String),
+    /// The environment variable of this name.
+    Environment(String),
     /// The config file at this path.
     File(PathBuf),
 }
@@ -518,18 +446,20 @@ pub enum ValueOrigin {
 impl fmt::Display for ValueOrigin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ValueOrigin::CommandLineOrEnvironment => Ok(()),
+            ValueOrigin::Flag(flag) => write!(f, " from {flag}"),
+            ValueOrigin::Environment(name) => write!(f, " from environment variable {name}"),
             ValueOrigin::File(path) => write!(f, " in config file {}", path.display()),
         }
     }
 }
 
-/// A setting that cannot be used. The message names the setting, the value and the fix.
+/// A setting that cannot be used. The message names the setting, the value, where it came
+/// from and the fix.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("invalid setting {setting} = {value:?}{origin}: {expected}")]
     Invalid {
-        setting: &'static str,
+        setting: String,
         value: String,
         origin: ValueOrigin,
         expected: String,
@@ -545,13 +475,14 @@ pub enum ConfigError {
     #[error(
         "unknown setting {key:?} in config file {}: the accepted keys are {}",
         path.display(),
-        FILE_KEYS.join(", ")
+        file_keys().join(", ")
     )]
     UnknownKey { path: PathBuf, key: String },
 }
 
 impl ConfigError {
-    /// The setting (or file key) at fault, if it is one.
+    /// The setting (or file key) at fault, if it is one (the tests check it).
+    #[cfg(test)]
     pub fn setting(&self) -> Option<&str> {
         match self {
             ConfigError::Invalid { setting, .. } => Some(setting),
@@ -561,81 +492,119 @@ impl ConfigError {
     }
 }
 
-/// The raw values of the config file, as strings, each validated like a flag. No `Debug`: it
-/// holds secrets.
-#[derive(Default)]
-struct FileValues {
-    nats_url: Option<String>,
-    deployments: Option<Vec<String>>,
-    http_addr: Option<String>,
-    subject_prefix: Option<String>,
-    lease_scan_interval: Option<String>,
-    log_format: Option<String>,
-    connect_deadline: Option<String>,
-    max_event_bytes: Option<String>,
-    max_active_leases: Option<String>,
-    max_tombstones: Option<String>,
-    max_held_progress: Option<String>,
-    max_publishers: Option<String>,
-    subscription_capacity: Option<String>,
-    durable: Option<String>,
-    stream_replicas: Option<String>,
-    nats_user: Option<String>,
-    nats_password: Option<String>,
-    nats_token: Option<String>,
-    nats_nkey: Option<String>,
-    nats_creds: Option<String>,
-    nats_tls_ca: Option<String>,
-    nats_tls_cert: Option<String>,
-    nats_tls_key: Option<String>,
+/// A raw value: one string, or a list (a setting with a value delimiter, `deployments`).
+enum Raw {
+    One(String),
+    List(Vec<String>),
 }
 
-/// Resolves the settings: flags, then environment (both already in `args`, clap reads the
-/// environment), then the config file, then the defaults.
+/// The given values of every layer, merged: key -> (value, origin). No `Debug`: it holds
+/// secrets.
+struct Layers {
+    values: BTreeMap<String, (Raw, ValueOrigin)>,
+}
+
+impl Layers {
+    /// The file's values, then the flags' and the environment's over them.
+    fn merge(args: &ServeArgs) -> Result<Self, ConfigError> {
+        let settings = declared_settings();
+        let mut values = BTreeMap::new();
+        if let Some(path) = &args.config {
+            for (key, raw) in read_file(path, &settings)? {
+                values.insert(key, (raw, ValueOrigin::File(path.clone())));
+            }
+        }
+        // clap has put each flag, or else its environment variable, into `args`.
+        let given = match serde_json::to_value(args) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => unreachable!("ServeArgs serializes as a map of strings"),
+        };
+        for (key, value) in given {
+            let raw = match value {
+                serde_json::Value::Null => continue,
+                serde_json::Value::String(s) => Raw::One(s),
+                serde_json::Value::Array(items) => Raw::List(
+                    items
+                        .into_iter()
+                        .filter_map(|item| item.as_str().map(str::to_owned))
+                        .collect(),
+                ),
+                other => unreachable!("a setting is a string or a list, not {other}"),
+            };
+            let arg = settings
+                .iter()
+                .find(|arg| arg.get_id() == key.as_str())
+                .expect("every field is a declared setting");
+            let origin = command_line_origin(arg, &raw);
+            values.insert(key, (raw, origin));
+        }
+        Ok(Self { values })
+    }
+
+    /// The value of one setting, as one string, and where it came from.
+    fn one(&mut self, key: &str) -> Option<(String, ValueOrigin)> {
+        debug_assert!(
+            file_keys().iter().any(|k| k == key),
+            "{key} is not declared"
+        );
+        self.values.remove(key).map(|(raw, origin)| match raw {
+            Raw::One(value) => (value, origin),
+            Raw::List(items) => (items.join(","), origin),
+        })
+    }
+
+    /// The value of a list setting, and where it came from.
+    fn list(&mut self, key: &str) -> Option<(Vec<String>, ValueOrigin)> {
+        debug_assert!(
+            file_keys().iter().any(|k| k == key),
+            "{key} is not declared"
+        );
+        self.values.remove(key).map(|(raw, origin)| match raw {
+            Raw::One(value) => (value.split(',').map(str::to_owned).collect(), origin),
+            Raw::List(items) => (items, origin),
+        })
+    }
+}
+
+/// A value clap took: from the environment if it is the variable's value, else from the
+/// flag. (A flag that repeats the variable's value is named as the variable: the same value.)
+fn command_line_origin(arg: &clap::Arg, raw: &Raw) -> ValueOrigin {
+    let from_env = arg
+        .get_env()
+        .and_then(|name| Some((name.to_str()?, std::env::var(name).ok()?)))
+        .filter(|(_, env)| match raw {
+            Raw::One(value) => env == value,
+            Raw::List(items) => env.split(',').eq(items.iter().map(String::as_str)),
+        });
+    match from_env {
+        Some((name, _)) => ValueOrigin::Environment(name.to_owned()),
+        None => ValueOrigin::Flag(format!("--{}", arg.get_long().unwrap_or_default())),
+    }
+}
+
+/// Resolves the settings: flags, then environment, then the config file, then the defaults.
 ///
 /// # Errors
-/// [`ConfigError`] naming the first setting that is invalid, the bad value and the accepted
-/// values; or the config file that cannot be read or parsed, or holds an unknown key.
+/// [`ConfigError`] naming the first setting that is invalid, the bad value, its origin and
+/// the accepted values; or the config file that cannot be read or parsed, or holds an unknown
+/// key.
 pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
-    let file = match &args.config {
-        Some(path) => read_file(path)?,
-        None => FileValues::default(),
-    };
-    let file_origin = || match &args.config {
-        Some(path) => ValueOrigin::File(path.clone()),
-        None => ValueOrigin::CommandLineOrEnvironment,
-    };
-    // The value to use and where it came from.
-    let pick = |cli: &Option<String>, file: &Option<String>| -> Option<(String, ValueOrigin)> {
-        match (cli, file) {
-            (Some(v), _) => Some((v.clone(), ValueOrigin::CommandLineOrEnvironment)),
-            (None, Some(v)) => Some((v.clone(), file_origin())),
-            (None, None) => None,
-        }
-    };
-    let mut settings = ServeSettings {
-        config_file: args.config.clone(),
-        ..ServeSettings::default()
-    };
+    let mut given = Layers::merge(args)?;
+    let mut settings = ServeSettings::defaults();
 
-    if let Some((value, origin)) = pick(&args.nats_url, &file.nats_url) {
-        settings.nats_urls = parse_nats_urls(&value, origin)?;
+    if let Some((value, origin)) = given.one("nats_url") {
+        settings.nats.urls = parse_nats_urls(&value, origin)?;
     }
-    let deployments = match (&args.deployments, &file.deployments) {
-        (Some(list), _) => Some((list.clone(), ValueOrigin::CommandLineOrEnvironment)),
-        (None, Some(list)) => Some((list.clone(), file_origin())),
-        (None, None) => None,
-    };
-    if let Some((list, origin)) = deployments {
+    if let Some((list, origin)) = given.list("deployments") {
         settings.deployments = parse_deployments(&list, &origin)?;
     }
-    if let Some((value, origin)) = pick(&args.http_addr, &file.http_addr) {
+    if let Some((value, origin)) = given.one("http_addr") {
         settings.http_addr = parse_http_addr(&value, origin)?;
     }
-    if let Some((value, origin)) = pick(&args.subject_prefix, &file.subject_prefix) {
-        settings.subject_prefix =
+    if let Some((value, origin)) = given.one("subject_prefix") {
+        settings.host.subject_prefix =
             SubjectPrefix::new(value.trim()).map_err(|err| ConfigError::Invalid {
-                setting: "subject_prefix",
+                setting: "subject_prefix".into(),
                 value,
                 origin,
                 expected: format!(
@@ -646,12 +615,12 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
                 ),
             })?;
     }
-    if let Some((value, origin)) = pick(&args.lease_scan_interval, &file.lease_scan_interval) {
-        settings.lease_scan_interval = match parse_duration(&value) {
+    if let Some((value, origin)) = given.one("lease_scan_interval") {
+        settings.host.lease_scan_interval = match parse_duration(&value) {
             Some(d) if !d.is_zero() => d,
             _ => {
                 return Err(ConfigError::Invalid {
-                    setting: "lease_scan_interval",
+                    setting: "lease_scan_interval".into(),
                     value,
                     origin,
                     expected: "expected a positive duration: seconds (300) or a number with a \
@@ -661,30 +630,31 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
             }
         };
     }
-    if let Some((value, origin)) = pick(&args.log_format, &file.log_format) {
+    if let Some((value, origin)) = given.one("log_format") {
         settings.log_format = value.parse().map_err(|()| ConfigError::Invalid {
-            setting: "log_format",
+            setting: "log_format".into(),
             value,
             origin,
             expected: "expected text or json".into(),
         })?;
     }
-    if let Some((value, origin)) = pick(&args.connect_deadline, &file.connect_deadline) {
-        settings.connect_deadline = parse_duration(&value).ok_or_else(|| ConfigError::Invalid {
-            setting: "connect_deadline",
-            value,
-            origin,
-            expected: "expected a duration: seconds (30) or a number with a unit ms, s, m or h \
-                       (30s, 2m)"
-                .into(),
-        })?;
+    if let Some((value, origin)) = given.one("connect_deadline") {
+        settings.nats.connect_deadline =
+            parse_duration(&value).ok_or_else(|| ConfigError::Invalid {
+                setting: "connect_deadline".into(),
+                value,
+                origin,
+                expected: "expected a duration: seconds (30) or a number with a unit ms, s, m \
+                           or h (30s, 2m)"
+                    .into(),
+            })?;
     }
-    if let Some((value, origin)) = pick(&args.max_event_bytes, &file.max_event_bytes) {
-        settings.max_event_bytes = match value.trim().parse::<usize>() {
+    if let Some((value, origin)) = given.one("max_event_bytes") {
+        settings.host.apply.max_event_bytes = match value.trim().parse::<usize>() {
             Ok(n) if (MIN_MAX_EVENT_BYTES..=MAX_MAX_EVENT_BYTES).contains(&n) => n,
             _ => {
                 return Err(ConfigError::Invalid {
-                    setting: "max_event_bytes",
+                    setting: "max_event_bytes".into(),
                     value,
                     origin,
                     expected: format!(
@@ -696,49 +666,28 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
             }
         };
     }
-    for (setting, cli, file, slot) in [
-        (
-            "max_active_leases",
-            &args.max_active_leases,
-            &file.max_active_leases,
-            &mut settings.max_active_leases,
-        ),
-        (
-            "max_tombstones",
-            &args.max_tombstones,
-            &file.max_tombstones,
-            &mut settings.max_tombstones,
-        ),
-        (
-            "max_held_progress",
-            &args.max_held_progress,
-            &file.max_held_progress,
-            &mut settings.max_held_progress,
-        ),
-        (
-            "max_publishers",
-            &args.max_publishers,
-            &file.max_publishers,
-            &mut settings.max_publishers,
-        ),
-        (
-            "subscription_capacity",
-            &args.subscription_capacity,
-            &file.subscription_capacity,
-            &mut settings.subscription_capacity,
-        ),
+    let mut capacity = DEFAULT_SUBSCRIPTION_CAPACITY;
+    let host = &mut settings.host;
+    for (setting, slot) in [
+        ("max_active_leases", &mut host.max_active_leases),
+        ("max_tombstones", &mut host.apply.max_tombstones),
+        ("max_held_progress", &mut host.apply.max_held_progress),
+        ("max_publishers", &mut host.apply.max_publishers),
+        ("subscription_capacity", &mut capacity),
     ] {
-        if let Some((value, origin)) = pick(cli, file) {
+        if let Some((value, origin)) = given.one(setting) {
             *slot = parse_limit(setting, value, origin, *slot)?;
         }
     }
-    if let Some((value, origin)) = pick(&args.durable, &file.durable) {
-        settings.durable = match value.trim().to_ascii_lowercase().as_str() {
+    settings.nats = settings.nats.with_subscription_capacity(capacity);
+    let mut durable = false;
+    if let Some((value, origin)) = given.one("durable") {
+        durable = match value.trim().to_ascii_lowercase().as_str() {
             "true" | "yes" | "on" | "1" => true,
             "false" | "no" | "off" | "0" => false,
             _ => {
                 return Err(ConfigError::Invalid {
-                    setting: "durable",
+                    setting: "durable".into(),
                     value,
                     origin,
                     expected: "expected true or false".into(),
@@ -746,37 +695,47 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
             }
         };
     }
-    if let Some((value, origin)) = pick(&args.stream_replicas, &file.stream_replicas) {
-        settings.stream_replicas = match value.trim().parse::<usize>() {
-            Ok(n) if (1..=5).contains(&n) => n,
+    let mut replicas = 1;
+    if let Some((value, origin)) = given.one("stream_replicas") {
+        replicas = match value.trim().parse::<usize>() {
+            Ok(n) if (1..=MAX_STREAM_REPLICAS).contains(&n) => n,
             _ => {
                 return Err(ConfigError::Invalid {
-                    setting: "stream_replicas",
+                    setting: "stream_replicas".into(),
                     value,
                     origin,
-                    expected: "expected a whole number from 1 to 5 (JetStream's limit),                                at most the number of NATS servers in the cluster"
-                        .into(),
+                    expected: format!(
+                        "expected a whole number from 1 to {MAX_STREAM_REPLICAS} (JetStream's \
+                         limit), at most the number of NATS servers in the cluster"
+                    ),
                 })
             }
         };
     }
-    resolve_credentials(args, &file, &pick, &mut settings)?;
+    settings.host.durable = durable.then(|| {
+        LeaseStreamConfig::new(
+            settings.host.subject_prefix.clone(),
+            settings.host.lease_scan_interval,
+        )
+        .with_replicas(replicas)
+    });
+    resolve_credentials(&mut given, &mut settings.nats)?;
+    debug_assert!(
+        given.values.is_empty(),
+        "declared but not resolved: {:?}",
+        given.values.keys().collect::<Vec<_>>()
+    );
     Ok(settings)
 }
 
-type Pick<'a> = dyn Fn(&Option<String>, &Option<String>) -> Option<(String, ValueOrigin)> + 'a;
-
 /// The authentication and TLS settings. Secret values never enter an error.
 fn resolve_credentials(
-    args: &ServeArgs,
-    file: &FileValues,
-    pick: &Pick<'_>,
-    settings: &mut ServeSettings,
+    given: &mut Layers,
+    nats: &mut NatsConnectConfig,
 ) -> Result<(), ConfigError> {
-    let args = &*args.nats_credentials;
     let secret = |setting: &'static str, value: Option<(String, ValueOrigin)>| match value {
         Some((v, origin)) if v.is_empty() => Err(ConfigError::Invalid {
-            setting,
+            setting: setting.into(),
             value: String::new(),
             origin,
             expected: "expected a non-empty value".into(),
@@ -784,14 +743,11 @@ fn resolve_credentials(
         Some((v, origin)) => Ok(Some((v, origin))),
         None => Ok(None),
     };
-    let user = secret("nats_user", pick(&args.nats_user, &file.nats_user))?;
-    let password = secret(
-        "nats_password",
-        pick(&args.nats_password, &file.nats_password),
-    )?;
-    let token = secret("nats_token", pick(&args.nats_token, &file.nats_token))?;
-    let nkey = readable_file("nats_nkey", pick(&args.nats_nkey, &file.nats_nkey))?;
-    let creds = readable_file("nats_creds", pick(&args.nats_creds, &file.nats_creds))?;
+    let user = secret("nats_user", given.one("nats_user"))?;
+    let password = secret("nats_password", given.one("nats_password"))?;
+    let token = secret("nats_token", given.one("nats_token"))?;
+    let nkey = readable_file("nats_nkey", given.one("nats_nkey"))?;
+    let creds = readable_file("nats_creds", given.one("nats_creds"))?;
 
     let mut methods: Vec<(&'static str, NatsAuth, ValueOrigin)> = Vec::new();
     match (user, password) {
@@ -802,7 +758,7 @@ fn resolve_credentials(
         )),
         (Some((user, origin)), None) => {
             return Err(ConfigError::Invalid {
-                setting: "nats_user",
+                setting: "nats_user".into(),
                 value: user,
                 origin,
                 expected: "a user needs a password: give nats_password too".into(),
@@ -810,7 +766,7 @@ fn resolve_credentials(
         }
         (None, Some((_, origin))) => {
             return Err(ConfigError::Invalid {
-                setting: "nats_password",
+                setting: "nats_password".into(),
                 value: REDACTED.into(),
                 origin,
                 expected: "a password needs a user: give nats_user too".into(),
@@ -834,7 +790,7 @@ fn resolve_credentials(
             _ => REDACTED.into(),
         };
         return Err(ConfigError::Invalid {
-            setting,
+            setting: setting.into(),
             value,
             origin,
             expected: format!(
@@ -845,21 +801,18 @@ fn resolve_credentials(
         });
     }
     if let Some((_, auth, _)) = methods.pop() {
-        settings.nats_auth = auth;
+        nats.auth = auth;
     }
 
-    let ca = readable_file("nats_tls_ca", pick(&args.nats_tls_ca, &file.nats_tls_ca))?;
-    let cert = readable_file(
-        "nats_tls_cert",
-        pick(&args.nats_tls_cert, &file.nats_tls_cert),
-    )?;
-    let key = readable_file("nats_tls_key", pick(&args.nats_tls_key, &file.nats_tls_key))?;
+    let ca = readable_file("nats_tls_ca", given.one("nats_tls_ca"))?;
+    let cert = readable_file("nats_tls_cert", given.one("nats_tls_cert"))?;
+    let key = readable_file("nats_tls_key", given.one("nats_tls_key"))?;
     let (cert_file, key_file) = match (cert, key) {
         (Some((cert, _)), Some((key, _))) => (Some(cert), Some(key)),
         (None, None) => (None, None),
         (Some((path, origin)), None) => {
             return Err(ConfigError::Invalid {
-                setting: "nats_tls_cert",
+                setting: "nats_tls_cert".into(),
                 value: path.display().to_string(),
                 origin,
                 expected: "a client certificate needs its key: give nats_tls_key too".into(),
@@ -867,7 +820,7 @@ fn resolve_credentials(
         }
         (None, Some((path, origin))) => {
             return Err(ConfigError::Invalid {
-                setting: "nats_tls_key",
+                setting: "nats_tls_key".into(),
                 value: path.display().to_string(),
                 origin,
                 expected: "a client key needs its certificate: give nats_tls_cert too".into(),
@@ -876,7 +829,7 @@ fn resolve_credentials(
     };
     let ca_file = ca.map(|(path, _)| path);
     if ca_file.is_some() || cert_file.is_some() {
-        settings.nats_tls = Some(NatsTls {
+        nats.tls = Some(NatsTls {
             ca_file,
             cert_file,
             key_file,
@@ -884,12 +837,6 @@ fn resolve_credentials(
     }
     Ok(())
 }
-
-/// The largest accepted memory limit: any more is not a limit.
-pub const MAX_LIMIT: usize = 100_000_000;
-
-/// Four times async-nats' default: a router takes bursts from many workers at once.
-pub const DEFAULT_SUBSCRIPTION_CAPACITY: usize = 262_144;
 
 /// A memory limit: a whole number from 1 to [`MAX_LIMIT`].
 fn parse_limit(
@@ -901,7 +848,7 @@ fn parse_limit(
     match value.trim().replace('_', "").parse::<usize>() {
         Ok(n) if (1..=MAX_LIMIT).contains(&n) => Ok(n),
         _ => Err(ConfigError::Invalid {
-            setting,
+            setting: setting.into(),
             value,
             origin,
             expected: format!(
@@ -924,13 +871,13 @@ fn readable_file(
     match std::fs::File::open(&path) {
         Ok(_) if path.is_file() => Ok(Some((path, origin))),
         Ok(_) => Err(ConfigError::Invalid {
-            setting,
+            setting: setting.into(),
             value,
             origin,
             expected: "expected a file, not a directory".into(),
         }),
         Err(err) => Err(ConfigError::Invalid {
-            setting,
+            setting: setting.into(),
             value,
             origin,
             expected: format!("expected a readable file ({})", err.kind()),
@@ -940,8 +887,8 @@ fn readable_file(
 
 fn parse_nats_urls(value: &str, origin: ValueOrigin) -> Result<Vec<String>, ConfigError> {
     let invalid = |value: &str, origin: ValueOrigin| ConfigError::Invalid {
-        setting: "nats_url",
-        value: crate::connection::redact_url(value),
+        setting: "nats_url".into(),
+        value: lease_router::connection::redact_url(value),
         origin,
         expected: "expected nats://HOST:PORT, or several separated by commas, such as \
                    nats://10.0.0.1:4222,nats://10.0.0.2:4222"
@@ -975,7 +922,7 @@ fn parse_deployments(
             continue;
         }
         let name = DeploymentName::new(raw).map_err(|_| ConfigError::Invalid {
-            setting: "deployments",
+            setting: "deployments".into(),
             value: raw.to_owned(),
             origin: origin.clone(),
             expected: "a deployment name may hold only ASCII letters, digits, '-' and '_' \
@@ -996,7 +943,7 @@ fn parse_http_addr(value: &str, origin: ValueOrigin) -> Result<SocketAddr, Confi
         Some(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port))
     });
     parsed.ok_or_else(|| ConfigError::Invalid {
-        setting: "http_addr",
+        setting: "http_addr".into(),
         value: value.to_owned(),
         origin,
         expected: "expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; port \
@@ -1042,134 +989,83 @@ pub fn parse_duration(value: &str) -> Option<Duration> {
     Some(total)
 }
 
-/// Reads the config file: a TOML table whose keys are in [`FILE_KEYS`].
-fn read_file(path: &Path) -> Result<FileValues, ConfigError> {
+/// Reads the config file: a TOML table whose keys are declared settings.
+fn read_file(path: &Path, settings: &[clap::Arg]) -> Result<Vec<(String, Raw)>, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
         path: path.to_owned(),
         source,
     })?;
-    parse_file(path, &text)
+    parse_file(path, &text, settings)
 }
 
-fn parse_file(path: &Path, text: &str) -> Result<FileValues, ConfigError> {
+/// Each value as the string a flag would give (a list for a list setting). A key that is not
+/// declared is an error; so is a value of a type the setting cannot take, and a secret of the
+/// wrong type is reported without its value.
+fn parse_file(
+    path: &Path,
+    text: &str,
+    settings: &[clap::Arg],
+) -> Result<Vec<(String, Raw)>, ConfigError> {
     let table: toml::Table = toml::from_str(text).map_err(|err| ConfigError::ParseFile {
         path: path.to_owned(),
         message: err.message().to_owned() + &location(text, err.span()),
     })?;
-    let origin = ValueOrigin::File(path.to_owned());
-    let mut values = FileValues::default();
+    let mut values = Vec::with_capacity(table.len());
     for (key, value) in table {
-        let scalar = |setting: &'static str, value: toml::Value| -> Result<String, ConfigError> {
-            match value {
-                toml::Value::String(s) => Ok(s),
-                toml::Value::Integer(n) => Ok(n.to_string()),
-                other => Err(ConfigError::Invalid {
-                    setting,
-                    value: other.to_string(),
-                    origin: origin.clone(),
-                    expected: format!("expected a string or a number, not {}", other.type_str()),
-                }),
+        let Some(arg) = settings.iter().find(|arg| arg.get_id() == key.as_str()) else {
+            return Err(ConfigError::UnknownKey {
+                path: path.to_owned(),
+                key,
+            });
+        };
+        // The declaration says what the setting takes: a list (a value delimiter), a switch
+        // (a flag that may stand alone), a secret (its value hidden from the help).
+        let is_list = arg.get_value_delimiter().is_some();
+        let is_switch = arg.get_num_args().is_some_and(|n| n.min_values() == 0);
+        let is_secret = arg.is_hide_env_values_set();
+        let invalid = |value: &toml::Value, expected: String| ConfigError::Invalid {
+            setting: key.clone(),
+            value: if is_secret {
+                REDACTED.into()
+            } else {
+                value.to_string()
+            },
+            origin: ValueOrigin::File(path.to_owned()),
+            expected,
+        };
+        let raw = match value {
+            toml::Value::String(s) => Raw::One(s),
+            toml::Value::Integer(n) if !is_secret => Raw::One(n.to_string()),
+            toml::Value::Boolean(b) if is_switch => Raw::One(b.to_string()),
+            toml::Value::Array(items) if !is_secret => Raw::List(
+                items
+                    .into_iter()
+                    .map(|item| match item {
+                        toml::Value::String(s) => Ok(s),
+                        other => Err(invalid(
+                            &other,
+                            format!("expected a list of strings, not of {}", other.type_str()),
+                        )),
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+            other => {
+                let expected = if is_secret {
+                    format!("expected a string, not {}", other.type_str())
+                } else if is_list {
+                    format!(
+                        "expected a list of names, such as [\"llama-70b\", \"mixtral\"], not {}",
+                        other.type_str()
+                    )
+                } else {
+                    format!("expected a string or a number, not {}", other.type_str())
+                };
+                return Err(invalid(&other, expected));
             }
         };
-        // A secret must be a string; a wrong type is reported without its value.
-        let secret = |setting: &'static str, value: toml::Value| -> Result<String, ConfigError> {
-            match value {
-                toml::Value::String(s) => Ok(s),
-                other => Err(ConfigError::Invalid {
-                    setting,
-                    value: REDACTED.into(),
-                    origin: origin.clone(),
-                    expected: format!("expected a string, not {}", other.type_str()),
-                }),
-            }
-        };
-        match key.as_str() {
-            "nats_url" => {
-                values.nats_url = Some(match value {
-                    toml::Value::Array(items) => string_list("nats_url", items, &origin)?.join(","),
-                    other => scalar("nats_url", other)?,
-                })
-            }
-            "deployments" => {
-                values.deployments = Some(match value {
-                    toml::Value::Array(items) => string_list("deployments", items, &origin)?,
-                    toml::Value::String(s) => s.split(',').map(str::to_owned).collect(),
-                    other => {
-                        return Err(ConfigError::Invalid {
-                            setting: "deployments",
-                            value: other.to_string(),
-                            origin,
-                            expected: "expected a list of names, such as [\"llama-70b\", \
-                                       \"mixtral\"]"
-                                .into(),
-                        })
-                    }
-                })
-            }
-            "http_addr" => values.http_addr = Some(scalar("http_addr", value)?),
-            "subject_prefix" => values.subject_prefix = Some(scalar("subject_prefix", value)?),
-            "lease_scan_interval" => {
-                values.lease_scan_interval = Some(scalar("lease_scan_interval", value)?)
-            }
-            "log_format" => values.log_format = Some(scalar("log_format", value)?),
-            "connect_deadline" => {
-                values.connect_deadline = Some(scalar("connect_deadline", value)?)
-            }
-            "max_event_bytes" => values.max_event_bytes = Some(scalar("max_event_bytes", value)?),
-            "max_active_leases" => {
-                values.max_active_leases = Some(scalar("max_active_leases", value)?)
-            }
-            "max_tombstones" => values.max_tombstones = Some(scalar("max_tombstones", value)?),
-            "max_held_progress" => {
-                values.max_held_progress = Some(scalar("max_held_progress", value)?)
-            }
-            "max_publishers" => values.max_publishers = Some(scalar("max_publishers", value)?),
-            "subscription_capacity" => {
-                values.subscription_capacity = Some(scalar("subscription_capacity", value)?)
-            }
-            "durable" => {
-                values.durable = Some(match value {
-                    toml::Value::Boolean(b) => b.to_string(),
-                    other => scalar("durable", other)?,
-                })
-            }
-            "stream_replicas" => values.stream_replicas = Some(scalar("stream_replicas", value)?),
-            "nats_user" => values.nats_user = Some(scalar("nats_user", value)?),
-            "nats_password" => values.nats_password = Some(secret("nats_password", value)?),
-            "nats_token" => values.nats_token = Some(secret("nats_token", value)?),
-            "nats_nkey" => values.nats_nkey = Some(scalar("nats_nkey", value)?),
-            "nats_creds" => values.nats_creds = Some(scalar("nats_creds", value)?),
-            "nats_tls_ca" => values.nats_tls_ca = Some(scalar("nats_tls_ca", value)?),
-            "nats_tls_cert" => values.nats_tls_cert = Some(scalar("nats_tls_cert", value)?),
-            "nats_tls_key" => values.nats_tls_key = Some(scalar("nats_tls_key", value)?),
-            _ => {
-                return Err(ConfigError::UnknownKey {
-                    path: path.to_owned(),
-                    key,
-                })
-            }
-        }
+        values.push((key, raw));
     }
     Ok(values)
-}
-
-fn string_list(
-    setting: &'static str,
-    items: Vec<toml::Value>,
-    origin: &ValueOrigin,
-) -> Result<Vec<String>, ConfigError> {
-    items
-        .into_iter()
-        .map(|item| match item {
-            toml::Value::String(s) => Ok(s),
-            other => Err(ConfigError::Invalid {
-                setting,
-                value: other.to_string(),
-                origin: origin.clone(),
-                expected: format!("expected a list of strings, not of {}", other.type_str()),
-            }),
-        })
-        .collect()
 }
 
 /// " at line L, column C" for a byte span of `text`.
@@ -1188,6 +1084,9 @@ mod tests {
     use std::io::Write;
 
     use clap::Parser;
+
+    use lease_router::ingress::ApplyConfig;
+    use lease_router::lease::manager::DEFAULT_MAX_ACTIVE_LEASES;
 
     use super::*;
 
@@ -1214,7 +1113,7 @@ mod tests {
             config: Some(f.path().to_owned()),
             ..ServeArgs::default()
         };
-        let host = resolve(&args).unwrap().host_settings();
+        let host = resolve(&args).unwrap().host;
         let stream = host.durable.expect("durable from the file");
         assert_eq!(stream.replicas, 3);
         assert!(
@@ -1227,10 +1126,10 @@ mod tests {
             durable: Some("false".into()),
             ..args
         };
-        assert!(resolve(&off).unwrap().host_settings().durable.is_none());
+        assert!(resolve(&off).unwrap().host.durable.is_none());
         assert!(resolve(&ServeArgs::default())
             .unwrap()
-            .host_settings()
+            .host
             .durable
             .is_none());
 
@@ -1255,19 +1154,21 @@ mod tests {
     #[test]
     fn defaults() {
         let s = resolve(&ServeArgs::default()).unwrap();
-        assert_eq!(s, ServeSettings::default());
-        assert_eq!(s.nats_urls, vec!["nats://127.0.0.1:4222".to_string()]);
+        assert_eq!(s.nats.urls, vec!["nats://127.0.0.1:4222".to_string()]);
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:9464");
-        assert_eq!(s.subject_prefix.as_str(), "leases");
-        assert_eq!(s.lease_scan_interval, Duration::from_secs(300));
+        assert_eq!(s.host.subject_prefix.as_str(), "leases");
+        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(300));
         assert_eq!(s.log_format, LogFormat::Text);
-        assert_eq!(s.connect_deadline, Duration::from_secs(30));
-        assert_eq!(s.max_event_bytes, 4096);
+        assert_eq!(s.nats.connect_deadline, Duration::from_secs(30));
+        assert_eq!(s.host.apply.max_event_bytes, 4096);
         assert!(s.deployments.is_empty());
-        let host = s.host_settings();
+        let host = &s.host;
         assert_eq!(host.apply.max_event_bytes, 4096);
         assert_eq!(host.lease_scan_interval, Duration::from_secs(300));
-        assert_eq!(s.nats_connect_config().urls, s.nats_urls);
+        assert_eq!(
+            s.nats.subscription_capacity,
+            Some(DEFAULT_SUBSCRIPTION_CAPACITY)
+        );
     }
 
     #[test]
@@ -1290,18 +1191,17 @@ mod tests {
         };
         let s = resolve(&from_file).unwrap();
         assert_eq!(
-            s.nats_urls,
+            s.nats.urls,
             vec!["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]
         );
         let names: Vec<&str> = s.deployments.iter().map(|d| d.as_str()).collect();
         assert_eq!(names, ["a", "b"], "duplicates are dropped");
         assert_eq!(s.http_addr.to_string(), "0.0.0.0:0");
-        assert_eq!(s.subject_prefix.as_str(), "acme.leases");
-        assert_eq!(s.lease_scan_interval, Duration::from_secs(300));
+        assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
+        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(300));
         assert_eq!(s.log_format, LogFormat::Json);
-        assert_eq!(s.connect_deadline, Duration::from_secs(10));
-        assert_eq!(s.max_event_bytes, 8192);
-        assert_eq!(s.config_file.as_deref(), Some(f.path()));
+        assert_eq!(s.nats.connect_deadline, Duration::from_secs(10));
+        assert_eq!(s.host.apply.max_event_bytes, 8192);
 
         // Flags (or the environment: clap puts both in the same field) beat the file.
         let flags = ServeArgs {
@@ -1313,14 +1213,14 @@ mod tests {
             ..from_file.clone()
         };
         let s = resolve(&flags).unwrap();
-        assert_eq!(s.nats_urls, vec!["nats://a:1", "nats://b:2"]);
+        assert_eq!(s.nats.urls, vec!["nats://a:1", "nats://b:2"]);
         assert_eq!(s.deployments, vec![DeploymentName::new("c").unwrap()]);
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:8080");
-        assert_eq!(s.lease_scan_interval, Duration::from_secs(90));
+        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(90));
         assert_eq!(s.log_format, LogFormat::Text);
         // Not given as flags: still from the file.
-        assert_eq!(s.subject_prefix.as_str(), "acme.leases");
-        assert_eq!(s.max_event_bytes, 8192);
+        assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
+        assert_eq!(s.host.apply.max_event_bytes, 8192);
     }
 
     /// The one test that touches the process environment, and only variables that nothing
@@ -1335,23 +1235,33 @@ mod tests {
         let flag_and_env =
             Cli::try_parse_from(["serve", "--config", &path, "--http-addr", "127.0.0.1:3333"])
                 .map(|c| c.serve);
+        // A bad value from the environment is named as such.
+        std::env::set_var("LEASE_ROUTER_LOG_FORMAT", "yaml");
+        let bad_env = Cli::try_parse_from(["serve"]).unwrap().serve;
+        let bad_env = resolve(&bad_env).unwrap_err().to_string();
+        std::env::remove_var("LEASE_ROUTER_LOG_FORMAT");
         std::env::remove_var("LEASE_ROUTER_HTTP_ADDR");
         std::env::remove_var("LEASE_ROUTER_LEASE_SCAN_INTERVAL");
+        assert_eq!(
+            bad_env,
+            "invalid setting log_format = \"yaml\" from environment variable \
+             LEASE_ROUTER_LOG_FORMAT: expected text or json"
+        );
         let file_only = Cli::try_parse_from(["serve", "--config", &path])
             .unwrap()
             .serve;
 
         let s = resolve(&file_only).unwrap();
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:1111");
-        assert_eq!(s.lease_scan_interval, Duration::from_secs(3600));
+        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(3600));
 
         let s = resolve(&env_only.unwrap()).unwrap();
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:2222", "env beats file");
-        assert_eq!(s.lease_scan_interval, Duration::from_secs(120));
+        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(120));
 
         let s = resolve(&flag_and_env.unwrap()).unwrap();
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:3333", "flag beats env");
-        assert_eq!(s.lease_scan_interval, Duration::from_secs(120));
+        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(120));
     }
 
     #[test]
@@ -1380,50 +1290,52 @@ mod tests {
         };
         assert_eq!(
             message(&args(|a| a.http_addr = Some("abc".into()))),
-            "invalid setting http_addr = \"abc\": expected HOST:PORT such as 127.0.0.1:9464 \
+            "invalid setting http_addr = \"abc\" from --http-addr: expected HOST:PORT such as 127.0.0.1:9464 \
              (an IP address or localhost; port 0 picks a free port)"
         );
         assert_eq!(
             message(&args(
                 |a| a.deployments = Some(vec!["ok".into(), "a.b".into()])
             )),
-            "invalid setting deployments = \"a.b\": a deployment name may hold only ASCII \
+            "invalid setting deployments = \"a.b\" from --deployment: a deployment name may hold only ASCII \
              letters, digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod"
         );
         assert_eq!(
             message(&args(|a| a.log_format = Some("xml".into()))),
-            "invalid setting log_format = \"xml\": expected text or json"
+            "invalid setting log_format = \"xml\" from --log-format: expected text or json"
         );
         let m = message(&args(|a| a.lease_scan_interval = Some("0s".into())));
         assert!(
-            m.starts_with("invalid setting lease_scan_interval = \"0s\": expected a positive"),
+            m.starts_with("invalid setting lease_scan_interval = \"0s\" from --lease-scan-interval: expected a positive"),
             "{m}"
         );
         let m = message(&args(|a| a.lease_scan_interval = Some("5 minutes".into())));
         assert!(m.contains("= \"5 minutes\"") && m.contains("5m"), "{m}");
         let m = message(&args(|a| a.connect_deadline = Some("soon".into())));
         assert!(
-            m.starts_with("invalid setting connect_deadline = \"soon\": expected a duration"),
+            m.starts_with("invalid setting connect_deadline = \"soon\" from --connect-deadline: expected a duration"),
             "{m}"
         );
         let m = message(&args(|a| a.max_event_bytes = Some("10".into())));
         assert!(
             m.starts_with(
-                "invalid setting max_event_bytes = \"10\": expected a whole number of \
+                "invalid setting max_event_bytes = \"10\" from --max-event-bytes: expected a whole number of \
                  bytes from 64 to 67108864"
             ),
             "{m}"
         );
         let m = message(&args(|a| a.subject_prefix = Some("a.*".into())));
         assert!(
-            m.starts_with("invalid setting subject_prefix = \"a.*\": one or more tokens"),
+            m.starts_with("invalid setting subject_prefix = \"a.*\" from --subject-prefix: one or more tokens"),
             "{m}"
         );
         let m = message(&args(|a| {
             a.nats_url = Some("nats://ok:4222,http://u:secret@bad:1".into())
         }));
         assert!(
-            m.starts_with("invalid setting nats_url = \"http://***@bad:1\": expected nats://"),
+            m.starts_with(
+                "invalid setting nats_url = \"http://***@bad:1\" from --nats-url: expected nats://"
+            ),
             "the bad URL is named, its password is not: {m}"
         );
         let m = message(&args(|a| a.nats_url = Some(" , ".into())));
@@ -1446,8 +1358,9 @@ mod tests {
                     "the accepted keys are nats_url, deployments, http_addr, subject_prefix, \
                      lease_scan_interval, log_format, connect_deadline, max_event_bytes, \
                      max_active_leases, max_tombstones, max_held_progress, max_publishers, \
-                     subscription_capacity, durable, stream_replicas, nats_user, nats_password, nats_token, nats_nkey, nats_creds, \
-                     nats_tls_ca, nats_tls_cert, nats_tls_key"
+                     subscription_capacity, durable, stream_replicas, nats_user, \
+                     nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, \
+                     nats_tls_cert, nats_tls_key"
                 ),
             "{m}"
         );
@@ -1497,6 +1410,117 @@ mod tests {
         );
     }
 
+    /// The settings named in README's table, row by row: (flag, variable, file key).
+    fn readme_settings() -> Vec<(String, String, String)> {
+        let code = |cell: &str| -> String {
+            let inner = cell.split('`').nth(1).unwrap_or_default();
+            inner
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        include_str!("../../README.md")
+            .lines()
+            .skip_while(|line| !line.starts_with("| flag | environment | TOML key | default |"))
+            .skip(2)
+            .take_while(|line| line.starts_with('|'))
+            .map(|row| {
+                let cells: Vec<&str> = row.split('|').collect();
+                (code(cells[1]), code(cells[2]), code(cells[3]))
+            })
+            .collect()
+    }
+
+    /// Fails when README documents other settings (keys, flags or variables) than `serve`
+    /// accepts, or in another order.
+    #[test]
+    fn readme_documents_exactly_the_declared_settings() {
+        let declared: Vec<(String, String, String)> = declared_settings()
+            .iter()
+            .map(|arg| {
+                (
+                    format!("--{}", arg.get_long().unwrap()),
+                    arg.get_env().unwrap().to_str().unwrap().to_owned(),
+                    arg.get_id().to_string(),
+                )
+            })
+            .collect();
+        assert_eq!(declared.len(), 23);
+        assert_eq!(
+            readme_settings(),
+            declared,
+            "README's settings table (flag, environment, TOML key) must list exactly the \
+             settings declared in ServeArgs, in their order"
+        );
+    }
+
+    /// The `--config` help is generated from the declaration: every key, in order.
+    #[test]
+    fn config_help_lists_every_file_key() {
+        let serve = document_file_keys(declared());
+        let config = serve
+            .get_arguments()
+            .find(|arg| arg.get_id() == "config")
+            .unwrap();
+        let help = config.get_help().unwrap().to_string();
+        assert_eq!(
+            help,
+            format!(
+                "TOML file with settings; its keys: {}",
+                file_keys().join(", ")
+            )
+        );
+        for key in [
+            "subscription_capacity",
+            "durable",
+            "stream_replicas",
+            "nats_tls_key",
+        ] {
+            assert!(help.contains(key), "{help}");
+        }
+    }
+
+    /// A file may hold every declared setting, and each one is resolved (the `debug_assert`
+    /// at the end of `resolve` fails for a declared setting nothing reads).
+    #[test]
+    fn a_file_with_every_setting_resolves() {
+        let ca = file("-----BEGIN CERTIFICATE-----\n");
+        let mut text = String::new();
+        for key in file_keys() {
+            let value = match key.as_str() {
+                "nats_url" => "\"nats://10.0.0.1:4222\"".to_owned(),
+                "deployments" => "[\"a\", \"b\"]".to_owned(),
+                "http_addr" => "\"0.0.0.0:9000\"".to_owned(),
+                "subject_prefix" => "\"acme.leases\"".to_owned(),
+                "lease_scan_interval" | "connect_deadline" => "\"7s\"".to_owned(),
+                "log_format" => "\"json\"".to_owned(),
+                "durable" => "true".to_owned(),
+                "stream_replicas" => "3".to_owned(),
+                // One way to authenticate: user and password; the other ways stay unset.
+                "nats_user" | "nats_password" => "\"router\"".to_owned(),
+                "nats_token" | "nats_nkey" | "nats_creds" | "nats_tls_cert" | "nats_tls_key" => {
+                    continue
+                }
+                "nats_tls_ca" => format!("{:?}", ca.path()),
+                _ => "4242".to_owned(),
+            };
+            text.push_str(&format!("{key} = {value}\n"));
+        }
+        let f = file(&text);
+        let s = resolve(&ServeArgs {
+            config: Some(f.path().to_owned()),
+            ..ServeArgs::default()
+        })
+        .unwrap();
+        assert_eq!(s.host.apply.max_event_bytes, 4242);
+        assert_eq!(s.host.max_active_leases, 4242);
+        assert_eq!(s.nats.subscription_capacity, Some(4242));
+        assert_eq!(s.host.durable.unwrap().replicas, 3);
+        assert_eq!(s.nats.connect_deadline, Duration::from_secs(7));
+        assert!(s.nats.tls.is_some());
+    }
+
     #[test]
     fn durations() {
         let d = |s| parse_duration(s);
@@ -1534,15 +1558,15 @@ mod tests {
         assert_no_secret(&format!("{:?}", cli.serve));
         let s = resolve(&cli.serve).unwrap();
         assert_eq!(
-            s.nats_auth,
+            s.nats.auth,
             NatsAuth::UserPassword {
                 user: "router".into(),
                 password: SECRETS[0].into()
             }
         );
-        assert_eq!(s.nats_tls, None);
-        let config = s.nats_connect_config();
-        assert_eq!(config.auth, s.nats_auth);
+        assert_eq!(s.nats.tls, None);
+        let config = s.nats.clone();
+        assert_eq!(config.auth, s.nats.auth);
         assert_no_secret(&format!("{s:?} {config:?}"));
         assert!(format!("{s:?}").contains("router"));
 
@@ -1562,17 +1586,17 @@ mod tests {
             ..ServeArgs::default()
         })
         .unwrap();
-        assert_eq!(s.nats_auth, NatsAuth::NKeySeedFile(seed.path().to_owned()));
+        assert_eq!(s.nats.auth, NatsAuth::NKeySeedFile(seed.path().to_owned()));
         assert_eq!(
-            s.nats_tls,
+            s.nats.tls,
             Some(NatsTls {
                 ca_file: Some(ca.path().to_owned()),
                 cert_file: Some(cert.path().to_owned()),
                 key_file: Some(key.path().to_owned()),
             })
         );
-        let config = s.nats_connect_config();
-        assert_eq!(config.tls, s.nats_tls);
+        let config = s.nats.clone();
+        assert_eq!(config.tls, s.nats.tls);
 
         // A flag beats the file: the token replaces nothing, it conflicts with the nkey.
         let m = message(&ServeArgs {
@@ -1597,11 +1621,11 @@ mod tests {
         let cases: Vec<(ServeArgs, &str)> = vec![
             (
                 args(&|a| a.nats_credentials.nats_password = Some(SECRETS[0].into())),
-                "invalid setting nats_password = \"<redacted>\": a password needs a user",
+                "invalid setting nats_password = \"<redacted>\" from --nats-password: a password needs a user",
             ),
             (
                 args(&|a| a.nats_credentials.nats_user = Some("router".into())),
-                "invalid setting nats_user = \"router\": a user needs a password",
+                "invalid setting nats_user = \"router\" from --nats-user: a user needs a password",
             ),
             (
                 args(&|a| {
@@ -1609,19 +1633,19 @@ mod tests {
                     a.nats_credentials.nats_password = Some(SECRETS[0].into());
                     a.nats_credentials.nats_token = Some(SECRETS[1].into());
                 }),
-                "invalid setting nats_token = \"<redacted>\": give only one way",
+                "invalid setting nats_token = \"<redacted>\" from --nats-token: give only one way",
             ),
             (
                 args(&|a| a.nats_credentials.nats_token = Some(String::new())),
-                "invalid setting nats_token = \"\": expected a non-empty value",
+                "invalid setting nats_token = \"\" from --nats-token: expected a non-empty value",
             ),
             (
                 args(&|a| a.nats_credentials.nats_creds = Some("/nonexistent/router.creds".into())),
-                "invalid setting nats_creds = \"/nonexistent/router.creds\": expected a readable file",
+                "invalid setting nats_creds = \"/nonexistent/router.creds\" from --nats-creds: expected a readable file",
             ),
             (
                 args(&|a| a.nats_credentials.nats_tls_cert = Some("/nonexistent/cert.pem".into())),
-                "invalid setting nats_tls_cert = \"/nonexistent/cert.pem\": expected a readable",
+                "invalid setting nats_tls_cert = \"/nonexistent/cert.pem\" from --nats-tls-cert: expected a readable",
             ),
         ];
         for (a, start) in cases {
@@ -1666,8 +1690,8 @@ mod tests {
     #[test]
     fn memory_limits() {
         let s = resolve(&ServeArgs::default()).unwrap();
-        assert_eq!(s.max_active_leases, DEFAULT_MAX_ACTIVE_LEASES);
-        let apply = s.host_settings().apply;
+        assert_eq!(s.host.max_active_leases, DEFAULT_MAX_ACTIVE_LEASES);
+        let apply = &s.host.apply;
         assert_eq!(apply.max_tombstones, ApplyConfig::default().max_tombstones);
 
         let f = file("max_tombstones = 10\nmax_publishers = \"20\"\nmax_active_leases = 5\n");
@@ -1682,8 +1706,8 @@ mod tests {
         ])
         .unwrap();
         let s = resolve(&cli.serve).unwrap();
-        assert_eq!(s.max_active_leases, 5);
-        let apply = s.host_settings().apply;
+        assert_eq!(s.host.max_active_leases, 5);
+        let apply = &s.host.apply;
         assert_eq!(
             (
                 apply.max_tombstones,
@@ -1699,7 +1723,8 @@ mod tests {
             });
             assert!(
                 m.starts_with(&format!(
-                    "invalid setting max_tombstones = {bad:?}: expected a whole number from 1"
+                    "invalid setting max_tombstones = {bad:?} from --max-tombstones: expected a whole \
+                     number from 1"
                 )),
                 "{m}"
             );

@@ -1,9 +1,40 @@
 //! The `lease-router` binary end to end, as spawned processes, against real nats-servers that
 //! the tests start on free ports (the system server on 4222 is never used). Every wait is
-//! bounded; children are killed when their handle is dropped. Skipped with a message when
-//! `nats-server` is not installed (set `LEASE_ROUTER_REQUIRE_NATS=1` to make that a failure).
+//! bounded; children are killed when their handle is dropped. Without `nats-server` the
+//! tests fail with the install hint.
 
-mod common;
+/// The nats-servers of the tests, from the test kit.
+mod common {
+    use lease_router_testkit::{NatsServer, NatsServerBuilder};
+
+    /// Logs of the test kit, shown for failing tests (`RUST_LOG` filters them).
+    pub fn init_tracing() {
+        let _ = tracing_subscriber::fmt()
+            .with_test_writer()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .try_init();
+    }
+
+    /// A nats-server of the test's own on a free port; a missing `nats-server` fails the test
+    /// with the install hint.
+    pub async fn server() -> NatsServer {
+        init_tracing();
+        NatsServerBuilder::new()
+            .spawn()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A nats-server with JetStream, for durable mode.
+    pub async fn js_server() -> NatsServer {
+        init_tracing();
+        NatsServerBuilder::new()
+            .jetstream(true)
+            .spawn()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+}
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -692,8 +723,8 @@ async fn durable_serve_replays_what_was_published_while_it_was_down() {
 async fn wrong_credentials_fail_serve_and_publish_clearly_without_the_secret() {
     common::init_tracing();
     let conf =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/nats/permissions.conf");
-    let server = lease_router::nats_server::NatsServerBuilder::new()
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nats/permissions.conf");
+    let server = lease_router_testkit::NatsServerBuilder::new()
         .config_file(conf)
         .spawn()
         .await

@@ -6,8 +6,10 @@
 //! lifecycles at [`SimulationConfig::rate`] per second overall, handing each to a worker:
 //!
 //! - `admitted` (prompt 100 to 4,000 tokens; the expected output is sometimes unknown),
-//! - `progressed` every [`SimulationConfig::progress_every`] while the request lives (first
-//!   `prefill_done`, then `decoding` with a growing output token count),
+//! - `progressed` when prefill is done, then every [`SimulationConfig::progress_every`] while
+//!   the request lives (`decoding`, with a growing output token count): by default every 2 s,
+//!   as the wire contract (`schemas/README.md`) asks of workers; a few milliseconds only for a
+//!   load test,
 //! - `completed`, mostly `finished`, some `cancelled` or `failed`.
 //!
 //! What a real bus does to the router is simulated too:
@@ -42,11 +44,19 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
-use crate::publisher::{LeasePublisher, PublisherConfig};
-use crate::subject::Subjects;
-use crate::wire::{
+use lease_router::publisher::{LeasePublisher, PublisherConfig};
+use lease_router::subject::Subjects;
+use lease_router::wire::{
     Admitted, Completed, LeaseEvent, Outcome, ProgressStage, Progressed, WorkerReset,
 };
+
+/// How often a live request renews its lease by default: "every few seconds while decoding",
+/// as `schemas/README.md` tells workers (not one event per token).
+pub const DEFAULT_PROGRESS_EVERY: Duration = Duration::from_secs(2);
+
+/// The clock of a simulated worker: request lifetimes are counted in these steps, whatever
+/// the progress interval (unless that is shorter).
+const STEP: Duration = Duration::from_millis(10);
 
 /// The smallest accepted [`SimulationConfig::progress_every`].
 pub const MIN_PROGRESS_EVERY: Duration = Duration::from_millis(1);
@@ -107,7 +117,7 @@ impl Default for SimulationConfig {
             dp_ranks: 2,
             rate: 200.0,
             duration: Duration::from_secs(30),
-            progress_every: Duration::from_millis(10),
+            progress_every: DEFAULT_PROGRESS_EVERY,
             mean_request_time: Duration::from_secs(1),
             crash_share: 0.02,
             duplicate_share: 0.02,
@@ -124,6 +134,17 @@ impl Default for SimulationConfig {
 }
 
 impl SimulationConfig {
+    /// One step of a worker's clock: [`STEP`], or the progress interval if that is shorter.
+    fn step(&self) -> Duration {
+        self.progress_every.min(STEP)
+    }
+
+    /// Steps between two `progressed` of one request (at least 1).
+    fn steps_per_progress(&self) -> u32 {
+        let steps = self.progress_every.as_secs_f64() / self.step().as_secs_f64();
+        steps.round().clamp(1.0, f64::from(u32::MAX)) as u32
+    }
+
     /// Checks every setting; the error names the setting and what is accepted.
     pub fn validate(&self) -> Result<(), SimulateError> {
         let invalid = |setting: &'static str, accepted: &'static str, value: String| {
@@ -337,10 +358,10 @@ fn plural(n: u64, word: &str) -> String {
 }
 
 // ---------------------------------------------------------------------------------------
-// Durations, for people. (Parsing is `crate::service::config::parse_duration`.)
+// Durations, for people. (Parsing is `crate::config::parse_duration`.)
 // ---------------------------------------------------------------------------------------
 
-/// Writes a duration the way [`crate::service::config::parse_duration`] reads it, rounded for
+/// Writes a duration the way [`crate::config::parse_duration`] reads it, rounded for
 /// people: `250ms`,
 /// `1.5s`, `5m`, `1h2m`.
 pub fn format_duration(d: Duration) -> String {
@@ -399,9 +420,9 @@ struct RequestPlan {
     dp_rank: u32,
     prompt_tokens: u32,
     expected_output_tokens: Option<u32>,
-    /// Progress intervals the request lives (at least 1).
+    /// Steps of the worker's clock the request lives (at least 1).
     ticks: u32,
-    /// Output tokens added per progress.
+    /// Output tokens added per step.
     tokens_per_tick: u32,
     fate: Fate,
     duplicate: Option<Duplicate>,
@@ -446,7 +467,7 @@ impl Planner {
         let u: f64 = rng.random();
         let mean = c.mean_request_time.as_secs_f64();
         let life = (-(1.0 - u).ln() * mean).clamp(0.0, 10.0 * mean);
-        let ticks = (life / c.progress_every.as_secs_f64()).round().max(1.0);
+        let ticks = (life / c.step().as_secs_f64()).round().max(1.0);
         let ticks = ticks.min(f64::from(u32::MAX)) as u32;
         let tokens_per_tick = rng.random_range(1..=4);
         let fate = if rng.random_bool(c.crash_share) {
@@ -533,6 +554,8 @@ fn load(counter: &AtomicU64) -> u64 {
 struct LiveRequest {
     plan: RequestPlan,
     ticks_left: u32,
+    /// Steps until the next `progressed`.
+    ticks_to_progress: u32,
     output_tokens: u32,
     progressed_once: bool,
 }
@@ -543,8 +566,10 @@ struct Worker {
     counters: Arc<Counters>,
     live_here: Arc<AtomicU64>,
     live: Vec<LiveRequest>,
-    /// Events sent at the next progress tick (delayed duplicates and late admits).
+    /// Events sent at the next step (delayed duplicates and late admits).
     deferred: VecDeque<LeaseEvent>,
+    /// Steps between two `progressed` of one request.
+    steps_per_progress: u32,
 }
 
 impl Worker {
@@ -629,6 +654,7 @@ impl Worker {
                 let mut request = LiveRequest {
                     plan,
                     ticks_left: 0,
+                    ticks_to_progress: self.steps_per_progress,
                     output_tokens: 0,
                     progressed_once: false,
                 };
@@ -644,6 +670,7 @@ impl Worker {
                 self.add_live(LiveRequest {
                     plan,
                     ticks_left: ticks,
+                    ticks_to_progress: 0,
                     output_tokens: 0,
                     progressed_once: false,
                 });
@@ -669,7 +696,8 @@ impl Worker {
         self.live.swap_remove(index)
     }
 
-    /// One progress interval: the deferred events, then every live request moves on or ends.
+    /// One step: the deferred events, then every live request moves on (renewing its lease
+    /// when its progress interval is up) or ends.
     fn tick(&mut self) {
         while let Some(event) = self.deferred.pop_front() {
             self.send(event);
@@ -688,9 +716,14 @@ impl Worker {
                     .output_tokens
                     .saturating_add(request.plan.tokens_per_tick);
             }
-            let event = self.progressed(&self.live[i]);
-            self.live[i].progressed_once = true;
-            self.send(event);
+            // The first step: prefill is done; then one `progressed` per progress interval.
+            if request.ticks_to_progress == 0 {
+                request.ticks_to_progress = self.steps_per_progress;
+                let event = self.progressed(&self.live[i]);
+                self.live[i].progressed_once = true;
+                self.send(event);
+            }
+            self.live[i].ticks_to_progress -= 1;
             i += 1;
         }
     }
@@ -731,7 +764,7 @@ impl Worker {
     async fn run(
         mut self,
         mut requests: mpsc::Receiver<RequestPlan>,
-        progress_every: Duration,
+        step: Duration,
         reset: bool,
         close_timeout: Duration,
     ) -> Result<(), String> {
@@ -741,7 +774,7 @@ impl Worker {
                 dp_rank: None,
             });
         }
-        let mut ticker = tokio::time::interval(progress_every);
+        let mut ticker = tokio::time::interval(step);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -832,12 +865,13 @@ pub async fn run_simulation(
             live_here: live_here.clone(),
             live: Vec::new(),
             deferred: VecDeque::new(),
+            steps_per_progress: config.steps_per_progress(),
         };
-        let progress_every = config.progress_every;
+        let step = config.step();
         let reset = config.reset_workers_on_start;
         let close_timeout = config.close_timeout;
         tasks.spawn(async move {
-            let result = worker.run(rx, progress_every, reset, close_timeout).await;
+            let result = worker.run(rx, step, reset, close_timeout).await;
             (worker_id, result)
         });
         senders.push(tx);
@@ -980,9 +1014,9 @@ mod tests {
     use futures::StreamExt;
 
     use super::*;
-    use crate::nats_server::{nats_server_available, NatsServerBuilder};
-    use crate::subject::DeploymentName;
-    use crate::wire::{self, EventKind};
+    use lease_router::subject::DeploymentName;
+    use lease_router::wire::{self, EventKind};
+    use lease_router_testkit::NatsServerBuilder;
 
     fn small(seed: u64) -> SimulationConfig {
         SimulationConfig {
@@ -1048,7 +1082,8 @@ mod tests {
         for plan in &a {
             assert!((100..=4000).contains(&plan.prompt_tokens));
             assert!(plan.dp_rank < 2);
-            assert!(plan.ticks >= 1 && plan.ticks <= 100, "{}", plan.ticks);
+            // At most ten mean lifetimes (200 ms) in steps of 10 ms.
+            assert!(plan.ticks >= 1 && plan.ticks <= 200, "{}", plan.ticks);
             if plan.reorder == Some(Reorder::CompleteFirst) {
                 assert!(matches!(plan.fate, Fate::Complete(_)));
             }
@@ -1074,20 +1109,38 @@ mod tests {
         assert_eq!(format_duration(Duration::from_secs(3723)), "1h2m3s");
         for d in [250, 1500, 30_000, 300_000, 3_723_000] {
             let d = Duration::from_millis(d);
-            assert_eq!(
-                crate::service::config::parse_duration(&format_duration(d)),
-                Some(d)
-            );
+            assert_eq!(crate::config::parse_duration(&format_duration(d)), Some(d));
         }
+    }
+
+    /// The defaults follow the wire contract: `progressed` at prefill, then every few seconds,
+    /// not every few milliseconds (a request of the default mean lifetime sends about one).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn default_traffic_renews_leases_every_few_seconds() {
+        assert!(SimulationConfig::default().progress_every >= Duration::from_secs(1));
+        let server = NatsServerBuilder::new().spawn().await.unwrap();
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let subjects = Subjects::with_default_prefix(DeploymentName::new("sim").unwrap());
+        let config = SimulationConfig {
+            workers: 2,
+            duration: Duration::from_secs(2),
+            seed: Some(3),
+            ..SimulationConfig::default()
+        };
+        let summary = run_simulation(client, subjects, config, CancellationToken::new(), |_| {})
+            .await
+            .unwrap();
+        assert!(summary.requests_started > 100, "{summary}");
+        let per_request = summary.progressed_sent as f64 / summary.requests_started as f64;
+        assert!(
+            (0.5..2.0).contains(&per_request),
+            "{per_request} progressed per request: {summary}"
+        );
     }
 
     /// Everything a real subscriber sees matches the summary and the lifecycle rules.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lifecycles_on_a_real_server() {
-        if !nats_server_available() {
-            eprintln!("skipped: nats-server is not installed");
-            return;
-        }
         let server = NatsServerBuilder::new().spawn().await.unwrap();
         let client = async_nats::connect(server.url()).await.unwrap();
         let subjects = Subjects::with_default_prefix(DeploymentName::new("sim").unwrap());
@@ -1202,10 +1255,6 @@ mod tests {
 
     #[tokio::test]
     async fn cancel_ends_the_run_early_and_completes_live_requests() {
-        if !nats_server_available() {
-            eprintln!("skipped: nats-server is not installed");
-            return;
-        }
         let server = NatsServerBuilder::new().spawn().await.unwrap();
         let client = async_nats::connect(server.url()).await.unwrap();
         let subjects = Subjects::with_default_prefix(DeploymentName::new("sim").unwrap());

@@ -3,12 +3,10 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+use crate::config::NatsCredentialArgs;
+use crate::simulate::{format_duration, run_simulation, SimulationConfig, SimulationProgress};
 use clap::Args;
 use lease_router::connection::DEFAULT_NATS_URL;
-use lease_router::service::config::NatsCredentialArgs;
-use lease_router::simulate::{
-    format_duration, run_simulation, SimulationConfig, SimulationProgress,
-};
 use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
 
 use super::{
@@ -28,8 +26,9 @@ pub struct TrafficArgs {
     /// Id of the first simulated worker; the others follow.
     #[arg(long, value_name = "ID", default_value_t = 1)]
     pub first_worker_id: u64,
-    /// How often a live request publishes `progressed`.
-    #[arg(long, value_name = "DURATION", default_value = "10ms", value_parser = duration_arg)]
+    /// How often a live request publishes `progressed` after its prefill: every few seconds,
+    /// as the wire contract asks of workers; a few milliseconds makes it a load test.
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = duration_arg)]
     pub progress_every: Duration,
     /// Mean lifetime of a request (exponentially distributed).
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = duration_arg)]

@@ -1,19 +1,24 @@
-//! The `lease-router` command: argument parsing and wiring. The logic lives in the library
-//! (`lease_router::service`, `lease_router::simulate`, `lease_router::publisher`); the
-//! modules under `cli/` connect it to the terminal, the signals and the exit codes.
+//! The `lease-router` command. The router lives in the library (`lease_router::service`,
+//! `lease_router::publisher`); this package holds what only the command needs: the
+//! subcommands and what connects them to the terminal, the signals and the exit codes
+//! (`commands`), the `serve` settings from flags, environment and TOML (`config`), the
+//! simulated workers of `simulate` and `demo` (`simulate`) and the allocator setting
+//! (`allocator`, which the benches include too).
 //!
 //! Exit codes: 0 success (also after a first SIGINT/SIGTERM), 1 failure at run time, 2
 //! invalid arguments or configuration, 130 a second signal (exit at once).
 
-#[path = "cli/mod.rs"]
-mod cli;
+mod allocator;
+mod commands;
+mod config;
+mod simulate;
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use cli::{CliError, Signals};
+use commands::{CliError, Signals};
 
 /// Mirror LLM request leases published on NATS into one router per deployment.
 #[derive(Debug, Parser)]
@@ -37,11 +42,11 @@ enum Command {
     /// Settings: flags, then environment, then the --config file, then defaults. A first
     /// SIGINT/SIGTERM stops taking events, shuts every router down and exits 0; a second one
     /// exits at once (130). Invalid settings exit 2.
-    Serve(lease_router::service::ServeArgs),
+    Serve(config::ServeArgs),
     /// Publish one lease event and wait until the NATS server has it.
-    Publish(cli::publish::PublishArgs),
+    Publish(commands::publish::PublishArgs),
     /// Simulated workers publishing realistic request lifecycles at a target rate.
-    Simulate(cli::simulate::SimulateArgs),
+    Simulate(commands::simulate::SimulateArgs),
     /// A router, simulated workers and a live view in one process (starts nats-server if
     /// none answers).
     ///
@@ -50,12 +55,12 @@ enum Command {
     /// directory, stopped on exit). Then hosts deployment `demo` with the HTTP API, runs
     /// simulated workers against it, and shows a live view (a plain line per second when
     /// stdout is not a terminal) until Ctrl-C or --duration, then a summary.
-    Demo(cli::demo::DemoArgs),
+    Demo(commands::demo::DemoArgs),
 }
 
 fn main() -> ExitCode {
-    lease_router::allocator::tune_for_latency();
-    let cli = Cli::parse();
+    allocator::tune_for_latency();
+    let cli = parse_command_line();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -77,10 +82,10 @@ fn main() -> ExitCode {
         let force = signals.force.clone();
         let run = async {
             match cli.command {
-                Command::Serve(args) => cli::serve::run(args, &signals).await,
-                Command::Publish(args) => cli::publish::run(args, &signals).await,
-                Command::Simulate(args) => cli::simulate::run(args, &signals).await,
-                Command::Demo(args) => cli::demo::run(args, &signals).await,
+                Command::Serve(args) => commands::serve::run(args, &signals).await,
+                Command::Publish(args) => commands::publish::run(args, &signals).await,
+                Command::Simulate(args) => commands::simulate::run(args, &signals).await,
+                Command::Demo(args) => commands::demo::run(args, &signals).await,
             }
         };
         // A second signal drops whatever is running (children such as a demo's nats-server
@@ -96,6 +101,12 @@ fn main() -> ExitCode {
     // Do not wait for tasks that ignore the shutdown (a stuck flush, say).
     runtime.shutdown_timeout(Duration::from_millis(500));
     ExitCode::from(code)
+}
+
+/// The command line, with the `--config` help listing the file keys of the declaration.
+fn parse_command_line() -> Cli {
+    let command = Cli::command().mut_subcommand("serve", config::document_file_keys);
+    Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|error| error.exit())
 }
 
 fn report(result: Result<(), CliError>) -> u8 {

@@ -10,8 +10,8 @@ use std::fmt;
 use std::io::{self, IsTerminal};
 use std::time::Duration;
 
+use crate::config::LogFormat;
 use lease_router::connection::{connect, ConnectNatsError, NatsConnectConfig, NatsConnection};
-use lease_router::service::LogFormat;
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
@@ -119,7 +119,7 @@ pub fn init_logging(format: LogFormat, default_filter: &str) {
 
 /// A duration argument: `500ms`, `30s`, `5m`, `1h`, `1m30s` (a bare number is seconds).
 pub fn duration_arg(value: &str) -> Result<Duration, String> {
-    lease_router::service::config::parse_duration(value).ok_or_else(|| {
+    crate::config::parse_duration(value).ok_or_else(|| {
         "expected a duration such as 500ms, 30s, 5m or 1h (units ms, s, m, h; a bare number is \
          seconds)"
             .to_owned()
