@@ -22,11 +22,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use lease_router::ingress::{ApplyConfig, NatsIngress};
-use lease_router::router::{Router, RouterConfig};
-use lease_router::stats::IngressStats;
-use lease_router::subject::Subjects;
 use lease_router::wire::{self, Envelope};
+use lease_router::IngressStats;
+use lease_router::Subjects;
+use lease_router::{ApplyConfig, NatsIngress};
+use lease_router::{Router, RouterConfig};
 use tokio_util::task::TaskTracker;
 
 use common::{nats, rss_bytes, subjects, LifecycleGen, LifecycleShape};

@@ -20,13 +20,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use lease_router::connection::NatsConnection;
-use lease_router::ingress::{ApplyConfig, EventApplier, NatsIngress};
-use lease_router::lease::{LeaseConfig, RequestLeaseManager};
-use lease_router::router::{Router, RouterConfig};
-use lease_router::scheduler::Scheduler;
-use lease_router::stats::IngressStats;
 use lease_router::wire::{self, LeaseEvent, DEFAULT_MAX_EVENT_BYTES};
+use lease_router::IngressStats;
+use lease_router::NatsConnection;
+use lease_router::Scheduler;
+use lease_router::{ApplyConfig, EventApplier, NatsIngress};
+use lease_router::{LeaseConfig, RequestLeaseManager};
+use lease_router::{Router, RouterConfig};
 use tokio_util::task::TaskTracker;
 
 use common::{cpu_time, encoded_stream, nats, subjects, wait_for_count, Encoded, LifecycleShape};

@@ -27,13 +27,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use lease_router::ingress::{ApplyConfig, NatsIngress};
-use lease_router::lease::{RequestLeaseManager, StepTime};
-use lease_router::router::{Router, RouterConfig};
-use lease_router::stats::{IngressStats, LagSnapshot};
-use lease_router::subject::Subjects;
-use lease_router::types::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
 use lease_router::wire::{self, Envelope};
+use lease_router::Subjects;
+use lease_router::{ApplyConfig, NatsIngress};
+use lease_router::{IngressStats, LagSnapshot};
+use lease_router::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
+use lease_router::{RequestLeaseManager, StepTime};
+use lease_router::{Router, RouterConfig};
 use tokio_util::task::TaskTracker;
 
 use common::{nats, percentile, subjects, LifecycleGen, LifecycleShape, StepStats};

@@ -12,9 +12,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode};
-use lease_router::lease::{LeaseConfig, RequestLeaseManager};
-use lease_router::scheduler::{Scheduler, SchedulerHandle};
-use lease_router::types::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
+use lease_router::{LeaseConfig, RequestLeaseManager};
+use lease_router::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
+use lease_router::{Scheduler, SchedulerHandle};
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;

@@ -10,9 +10,9 @@ mod common;
 
 use std::time::Instant;
 
-use lease_router::lease::{LeaseConfig, RequestLeaseManager, INLINE_KEY_BYTES};
-use lease_router::scheduler::Scheduler;
-use lease_router::types::{RequestLoad, WorkerWithDpRank};
+use lease_router::Scheduler;
+use lease_router::{LeaseConfig, RequestLeaseManager, INLINE_KEY_BYTES};
+use lease_router::{RequestLoad, WorkerWithDpRank};
 use tokio_util::task::TaskTracker;
 
 use common::{rss_bytes, uuid_like};

@@ -441,10 +441,6 @@ impl LogRateLimiter {
         }
     }
 
-    pub fn interval(&self) -> Duration {
-        Duration::from_nanos(self.interval_nanos)
-    }
-
     /// `Some(suppressed since the last allowed line)` when a line may be logged now.
     pub fn check(&self) -> Option<u64> {
         let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -472,7 +468,8 @@ impl LogRateLimiter {
     }
 
     /// Held back since the last allowed line.
-    pub fn suppressed(&self) -> u64 {
+    #[cfg(test)]
+    fn suppressed(&self) -> u64 {
         self.suppressed.load(Ordering::Relaxed)
     }
 }

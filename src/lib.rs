@@ -9,25 +9,25 @@
 //! and counted, and nothing leaks.
 //!
 //! # Layout
-//! - [`types`]: identities: request, worker, data-parallel rank, attempt, booking.
-//! - [`lease`]: the lease clock ([`lease::clock`]), the [`lease::RequestLeaseManager`] and
-//!   its reaper ([`lease::reaper`], whose steps the ingress runs between bursts);
-//!   [`lease::LeaseBatch`] applies a burst of events at once.
-//! - [`observer`]: [`observer::ReplicaRequestLeaseObserver`] and the weak observer that
-//!   breaks the router's ownership cycle.
-//! - [`scheduler`]: the actor that owns per-worker load (sums only: the leases are the
-//!   per-booking record), and its handles.
-//! - [`router`]: one deployment's [`router::Router`]: construction under a drop guard,
-//!   teardown, shutdown.
+//! The API is what this page re-exports; the modules are private, one concept each:
+//! - `types`: identities: request, worker, data-parallel rank, attempt, booking.
+//! - `lease`: the lease clock, the [`RequestLeaseManager`], its scan cursor ([`Reaper`],
+//!   run by the task that applies ingest) and [`LeaseBatch`] (a burst of events at once).
+//! - `observer`: the [`ReplicaRequestLeaseObserver`] contract; the weak implementation that
+//!   breaks the router's ownership cycle lives beside the manager.
+//! - `scheduler`: the actor that owns per-worker load (sums only: the leases are the
+//!   per-booking record): [`Scheduler`], [`SchedulerHandle`].
+//! - `router`: one deployment's [`Router`]: one-pass wiring under a drop guard, teardown,
+//!   shutdown; [`IngressStart`] for whatever feeds it.
 //! - [`wire`]: the MessagePack wire contract (documented in `schemas/`).
-//! - [`subject`]: NATS subjects and the validation of the names in them.
-//! - [`durable`]: durable mode on JetStream: the lease stream and the replaying ingress.
-//! - [`ingress`]: the core-NATS ingress (a receiving and an applying task, which also runs
-//!   the reaper's steps) and the per-event path shared with durable mode.
-//! - [`stats`]: the counters of one deployment's ingress.
-//! - [`publisher`]: [`publisher::LeasePublisher`], what workers publish their events with.
-//! - [`connection`]: connecting to NATS with retry, and connection state.
-//! - [`retry`]: exponential backoff, the one module that uses the `backoff` crate.
+//! - `subject`: NATS subjects and the validation of the names in them ([`Subjects`]).
+//! - `ingress`: the core-NATS ingress ([`NatsIngress`]) and the per-event path shared with
+//!   durable mode ([`EventApplier`]).
+//! - `durable`: durable mode on JetStream: the lease stream and [`JetStreamIngress`].
+//! - `stats`: the counters of one deployment's ingress ([`IngressStats`]).
+//! - `publisher`: [`LeasePublisher`], what workers publish their events with.
+//! - `connection`: [`connect`]ing to NATS with retry, and connection state.
+//! - `retry`: exponential backoff, the one module that uses the `backoff` crate.
 //! - [`service`]: what `lease-router serve` runs: the multi-deployment host, the HTTP API
 //!   and the Prometheus metrics, configured by plain structs.
 //!
@@ -37,20 +37,61 @@
 //! `testkit/` (`lease-router-testkit`, which starts real `nats-server` processes for the
 //! tests, the benches and `demo`). An embedder compiles neither.
 
-pub mod connection;
-pub mod durable;
-pub mod ingress;
-pub mod lease;
-pub mod observer;
-pub mod publisher;
-pub mod retry;
-pub mod router;
-pub mod scheduler;
+mod connection;
+mod durable;
+mod ingress;
+mod lease;
+mod observer;
+mod publisher;
+mod retry;
+mod router;
+mod scheduler;
 pub mod service;
-pub mod stats;
-pub mod subject;
-pub mod types;
+mod stats;
+mod subject;
+mod types;
 pub mod wire;
+
+pub use connection::{
+    connect, redact_url, ConnectNatsError, ConnectionStats, NatsAuth, NatsConnectConfig,
+    NatsConnection, NatsTls, DEFAULT_NATS_URL,
+};
+pub use durable::{
+    ensure_stream, require_stream, stream_name, CatchUpState, EnsureStreamError, JetStreamIngress,
+    LeaseStreamConfig, StartDurableIngressError,
+};
+pub use ingress::{
+    Applied, AppliedHook, ApplyConfig, EventApplier, NatsIngress, StartIngressError,
+};
+pub use lease::{
+    LeaseBatch, LeaseConfig, LeaseRecord, LeaseState, LeaseStats, Reaper, RequestLeaseManager,
+    ScanReport, StepTime, WeakRequestLeaseManager, DEFAULT_MAX_ACTIVE_LEASES,
+    DEFAULT_SCAN_INTERVAL, INLINE_KEY_BYTES,
+};
+pub use observer::{
+    AdmitOutcome, CompleteOutcome, DeliverEventError, ProgressOutcome, ReplicaRequestLeaseObserver,
+};
+pub use publisher::{
+    FlushPublisherError, LeasePublisher, PublishEventError, PublisherConfig, PublisherStatsSnapshot,
+};
+pub use retry::RetryPolicy;
+pub use router::{
+    IngressContext, IngressStart, NoIngress, Router, RouterConfig, RouterTask, ShutdownRouterError,
+    StartRouterError, TaskError, TaskFailure,
+};
+pub use scheduler::{
+    QuerySchedulerError, ReleaseReason, ScheduleRequestError, Scheduler, SchedulerBookingCleanup,
+    SchedulerHandle, SchedulerStatsSnapshot, WorkerLoad,
+};
+pub use stats::{DropReason, IngressStats, IngressStatsSnapshot, LagSnapshot};
+pub use subject::{
+    DeploymentName, InvalidSubjectError, SubjectPrefix, Subjects, DEFAULT_SUBJECT_PREFIX,
+    MAX_TOKEN_LEN,
+};
+pub use types::{
+    AttemptId, DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId,
+    WorkerWithDpRank,
+};
 
 /// The README's Rust examples, compiled by `cargo test` so they cannot rot.
 #[cfg(doctest)]

@@ -190,7 +190,7 @@ impl PublisherStats {
     }
 }
 
-/// A copy of [`PublisherStats`].
+/// A copy of the publisher's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PublisherStatsSnapshot {
     /// Events accepted into the queue.

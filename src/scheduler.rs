@@ -121,7 +121,7 @@ pub struct SchedulerStats {
     released_reset: AtomicU64,
 }
 
-/// A point-in-time copy of [`SchedulerStats`].
+/// A point-in-time copy of the scheduler's counters.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize)]
 pub struct SchedulerStatsSnapshot {
     /// Times the actor woke to apply queued bookings and releases.

@@ -124,7 +124,7 @@ pub struct LagHistogram {
     count: AtomicU64,
 }
 
-/// A copy of a [`LagHistogram`], buckets cumulative as Prometheus wants them.
+/// A copy of the lag histogram, buckets cumulative as Prometheus wants them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct LagSnapshot {
     pub sum_seconds: f64,

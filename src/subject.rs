@@ -38,29 +38,21 @@ pub enum InvalidSubjectError {
         Shown(.value)
     )]
     SubjectPrefix { value: String },
-    #[error(
-        "invalid worker id {}: expected an unsigned 64-bit decimal integer without sign or leading zeros",
-        Shown(.value)
-    )]
-    WorkerId { value: String },
 }
 
 impl InvalidSubjectError {
     /// The rejected value.
     pub fn value(&self) -> &str {
         match self {
-            Self::DeploymentName { value }
-            | Self::SubjectPrefix { value }
-            | Self::WorkerId { value } => value,
+            Self::DeploymentName { value } | Self::SubjectPrefix { value } => value,
         }
     }
 
-    /// Which setting the value was for: "deployment name", "subject prefix" or "worker id".
+    /// Which setting the value was for: "deployment name" or "subject prefix".
     pub fn setting(&self) -> &'static str {
         match self {
             Self::DeploymentName { .. } => "deployment name",
             Self::SubjectPrefix { .. } => "subject prefix",
-            Self::WorkerId { .. } => "worker id",
         }
     }
 }
@@ -104,13 +96,6 @@ fn parse_canonical_u64(s: &str) -> Option<u64> {
         value = value.checked_mul(10)?.checked_add(u64::from(b - b'0'))?;
     }
     Some(value)
-}
-
-/// Parses a worker id as written in a subject or a setting (canonical decimal).
-pub fn parse_worker_id(value: &str) -> Result<u64, InvalidSubjectError> {
-    parse_canonical_u64(value).ok_or_else(|| InvalidSubjectError::WorkerId {
-        value: value.to_owned(),
-    })
 }
 
 macro_rules! validated_string {
@@ -387,11 +372,6 @@ mod tests {
             "invalid subject prefix \"a..b\": one or more tokens separated by '.', in each only \
              ASCII letters, digits, '-' and '_' are allowed (1 to 128 characters)"
         );
-        assert_eq!(
-            parse_worker_id("-1").unwrap_err().to_string(),
-            "invalid worker id \"-1\": expected an unsigned 64-bit decimal integer without sign \
-             or leading zeros"
-        );
     }
 
     #[test]
@@ -414,8 +394,8 @@ mod tests {
 
     #[test]
     fn worker_ids() {
-        assert_eq!(parse_worker_id("0").unwrap(), 0);
-        assert_eq!(parse_worker_id("18446744073709551615").unwrap(), u64::MAX);
+        assert_eq!(parse_canonical_u64("0"), Some(0));
+        assert_eq!(parse_canonical_u64("18446744073709551615"), Some(u64::MAX));
         for bad in [
             "",
             "01",
@@ -428,9 +408,7 @@ mod tests {
             "x",
             "٣",
         ] {
-            let err = parse_worker_id(bad).unwrap_err();
-            assert_eq!(err.setting(), "worker id");
-            assert_eq!(err.value(), bad);
+            assert_eq!(parse_canonical_u64(bad), None, "{bad}");
         }
     }
 

@@ -12,14 +12,14 @@ use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
 use common::*;
 use futures::StreamExt;
-use lease_router::connection::NatsConnection;
-use lease_router::durable::{
+use lease_router::ApplyConfig;
+use lease_router::NatsConnection;
+use lease_router::SubjectPrefix;
+use lease_router::{
     ensure_stream, CatchUpState, EnsureStreamError, JetStreamIngress, LeaseStreamConfig,
 };
-use lease_router::ingress::ApplyConfig;
-use lease_router::router::{Router, RouterConfig};
-use lease_router::stats::{DropReason, IngressStats};
-use lease_router::subject::SubjectPrefix;
+use lease_router::{DropReason, IngressStats};
+use lease_router::{Router, RouterConfig};
 use lease_router_testkit::NatsCluster;
 
 use lease_router::wire::{self, Envelope, LeaseEvent};
@@ -222,9 +222,7 @@ fn live_ids(router: &Router) -> HashSet<String> {
 async fn raw_replay_rate(client: &async_nats::Client, deployment: &str, expected: u64) -> f64 {
     let js = jetstream::new(client.clone());
     let stream = js
-        .get_stream(lease_router::durable::stream::stream_name(
-            &SubjectPrefix::default(),
-        ))
+        .get_stream(lease_router::stream_name(&SubjectPrefix::default()))
         .await
         .unwrap();
     let consumer = stream
@@ -580,8 +578,8 @@ async fn cluster_failover_core_counts_gap_and_converges_after_expiry() {
 }
 
 async fn client_of(urls: &[String]) -> NatsConnection {
-    lease_router::connection::connect(
-        &lease_router::connection::NatsConnectConfig::new(urls.iter().cloned())
+    lease_router::connect(
+        &lease_router::NatsConnectConfig::new(urls.iter().cloned())
             .with_connect_deadline(Duration::from_secs(10)),
     )
     .await
@@ -590,7 +588,7 @@ async fn client_of(urls: &[String]) -> NatsConnection {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_published_while_no_router_ran_are_there_when_one_starts() {
-    use lease_router::publisher::{LeasePublisher, PublisherConfig};
+    use lease_router::{LeasePublisher, PublisherConfig};
     let server = js_server().await;
     let conn = client(&server.url()).await;
     ensure_stream(&jetstream::new(conn.client().clone()), &stream_config(1))
@@ -634,8 +632,8 @@ async fn leases_published_while_no_router_ran_are_there_when_one_starts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hosted_durable_deployment_is_not_ready_until_caught_up() {
-    use lease_router::service::host::{DeploymentHost, HostSettings};
-    use lease_router::subject::DeploymentName;
+    use lease_router::service::{DeploymentHost, HostSettings};
+    use lease_router::DeploymentName;
     const EVENTS: usize = 60_000;
     let (_server, conn, live) = stream_with_live_leases("hosted", EVENTS).await;
 

@@ -15,10 +15,10 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{header, HeaderMap, Request};
-use lease_router::connection::{connect, NatsConnectConfig};
-use lease_router::retry::RetryPolicy;
 use lease_router::service::{router, serve, ApiState, DeploymentHost, HostSettings, ReadinessHook};
 use lease_router::wire::{self, Admitted, Envelope};
+use lease_router::RetryPolicy;
+use lease_router::{connect, NatsConnectConfig};
 use lease_router_testkit::NatsServer;
 use serde_json::Value;
 use tokio::net::TcpListener;

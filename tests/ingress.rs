@@ -7,13 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use lease_router::connection::{connect, ConnectNatsError, NatsConnectConfig};
-use lease_router::ingress::{ApplyConfig, NatsIngress};
-use lease_router::router::{Router, RouterConfig};
-use lease_router::scheduler::WorkerLoad;
-use lease_router::stats::{DropReason, IngressStats};
-use lease_router::types::{RequestId, WorkerWithDpRank};
 use lease_router::wire::{self, EventKind, WorkerReset};
+use lease_router::WorkerLoad;
+use lease_router::{connect, ConnectNatsError, NatsConnectConfig};
+use lease_router::{ApplyConfig, NatsIngress};
+use lease_router::{DropReason, IngressStats};
+use lease_router::{RequestId, WorkerWithDpRank};
+use lease_router::{Router, RouterConfig};
 use lease_router_testkit::{pick_free_ports, NatsServerBuilder};
 
 const NO_EXPIRY: Duration = Duration::from_secs(3600);

@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use futures::StreamExt;
-use lease_router::connection::{connect, ConnectNatsError, NatsConnectConfig, NatsConnection};
-use lease_router::retry::RetryPolicy;
+use lease_router::RetryPolicy;
+use lease_router::{connect, ConnectNatsError, NatsConnectConfig, NatsConnection};
 use lease_router_testkit::{pick_free_ports, NatsCluster, NatsServer, NatsServerBuilder};
 use tokio::time::{timeout, Instant};
 
@@ -62,7 +62,7 @@ async fn wait_stats(
     conn: &NatsConnection,
     within: Duration,
     what: &str,
-    pred: impl Fn(&lease_router::connection::ConnectionStats) -> bool,
+    pred: impl Fn(&lease_router::ConnectionStats) -> bool,
 ) {
     let ok = conn.stats().wait_until(within, pred).await;
     assert!(

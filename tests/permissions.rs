@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
-use lease_router::ingress::ApplyConfig;
-use lease_router::stats::DropReason;
 use lease_router::wire;
+use lease_router::ApplyConfig;
+use lease_router::DropReason;
+use lease_router::{connect, NatsConnectConfig, NatsConnection};
 use lease_router_testkit::{NatsServer, NatsServerBuilder};
 
 const DEPLOYMENT: &str = "perm";

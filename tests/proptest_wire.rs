@@ -5,11 +5,11 @@
 //! Case counts are modest so that the suite stays fast; the cargo-fuzz target under `fuzz/`
 //! is the place for long runs.
 
-use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects, MAX_TOKEN_LEN};
 use lease_router::wire::{
     self, Admitted, Completed, Envelope, LeaseEvent, Outcome, ProgressStage, Progressed,
     WorkerReset, DEFAULT_MAX_EVENT_BYTES, WIRE_VERSION,
 };
+use lease_router::{DeploymentName, SubjectPrefix, Subjects, MAX_TOKEN_LEN};
 use proptest::prelude::*;
 
 /// Large enough for every generated envelope (request ids are bounded below).

@@ -8,11 +8,11 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use futures::StreamExt;
-use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
-use lease_router::publisher::{LeasePublisher, PublishEventError, PublisherConfig};
-use lease_router::retry::RetryPolicy;
-use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
 use lease_router::wire::{self, Envelope, LeaseEvent, Outcome, ProgressStage};
+use lease_router::RetryPolicy;
+use lease_router::{connect, NatsConnectConfig, NatsConnection};
+use lease_router::{DeploymentName, SubjectPrefix, Subjects};
+use lease_router::{LeasePublisher, PublishEventError, PublisherConfig};
 use tokio::time::timeout;
 
 /// The bound of one whole test.

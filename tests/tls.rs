@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use lease_router::connection::{connect, NatsConnectConfig, NatsTls};
+use lease_router::{connect, NatsConnectConfig, NatsTls};
 use lease_router_testkit::NatsServerBuilder;
 
 fn openssl(dir: &Path, args: &[&str]) {

@@ -481,7 +481,7 @@ fn lease_event_accessors_on_fixtures() {
 /// of listing them again.
 #[test]
 fn documented_drop_reasons_are_the_counted_ones() {
-    use lease_router::stats::DropReason;
+    use lease_router::DropReason;
     let contract = fs::read_to_string(schemas_dir().join("README.md")).unwrap();
     let section = contract
         .split("\n## Drop reasons\n")

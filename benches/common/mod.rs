@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 
 use async_nats::Subject;
 use bytes::Bytes;
-use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
-use lease_router::lease::StepTime;
-use lease_router::subject::{DeploymentName, Subjects};
 use lease_router::wire::{
     self, Admitted, Completed, Envelope, LeaseEvent, Outcome, ProgressStage, Progressed,
 };
+use lease_router::StepTime;
+use lease_router::{connect, NatsConnectConfig, NatsConnection};
+use lease_router::{DeploymentName, Subjects};
 use lease_router_testkit::{NatsServer, NatsServerBuilder};
 
 /// A small, fast, deterministic generator (splitmix64): the benches need repeatable streams,

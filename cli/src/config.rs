@@ -45,11 +45,11 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use lease_router::connection::{NatsAuth, NatsConnectConfig, NatsTls, DEFAULT_NATS_URL};
-use lease_router::durable::LeaseStreamConfig;
 use lease_router::service::HostSettings;
-use lease_router::subject::{DeploymentName, SubjectPrefix, DEFAULT_SUBJECT_PREFIX};
 use lease_router::wire::DEFAULT_MAX_EVENT_BYTES;
+use lease_router::LeaseStreamConfig;
+use lease_router::{DeploymentName, SubjectPrefix, DEFAULT_SUBJECT_PREFIX};
+use lease_router::{NatsAuth, NatsConnectConfig, NatsTls, DEFAULT_NATS_URL};
 
 /// The default HTTP listen address.
 pub const DEFAULT_HTTP_ADDR: SocketAddr =
@@ -329,7 +329,7 @@ impl fmt::Debug for NatsCredentialArgs {
 /// A comma-separated URL list with any `user:password@` replaced.
 fn redact_url_list(list: &str) -> String {
     list.split(',')
-        .map(lease_router::connection::redact_url)
+        .map(lease_router::redact_url)
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -888,7 +888,7 @@ fn readable_file(
 fn parse_nats_urls(value: &str, origin: ValueOrigin) -> Result<Vec<String>, ConfigError> {
     let invalid = |value: &str, origin: ValueOrigin| ConfigError::Invalid {
         setting: "nats_url".into(),
-        value: lease_router::connection::redact_url(value),
+        value: lease_router::redact_url(value),
         origin,
         expected: "expected nats://HOST:PORT, or several separated by commas, such as \
                    nats://10.0.0.1:4222,nats://10.0.0.2:4222"
@@ -1085,8 +1085,8 @@ mod tests {
 
     use clap::Parser;
 
-    use lease_router::ingress::ApplyConfig;
-    use lease_router::lease::manager::DEFAULT_MAX_ACTIVE_LEASES;
+    use lease_router::ApplyConfig;
+    use lease_router::DEFAULT_MAX_ACTIVE_LEASES;
 
     use super::*;
 

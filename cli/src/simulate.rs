@@ -44,11 +44,11 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
-use lease_router::publisher::{LeasePublisher, PublisherConfig};
-use lease_router::subject::Subjects;
 use lease_router::wire::{
     Admitted, Completed, LeaseEvent, Outcome, ProgressStage, Progressed, WorkerReset,
 };
+use lease_router::Subjects;
+use lease_router::{LeasePublisher, PublisherConfig};
 
 /// How often a live request renews its lease by default: "every few seconds while decoding",
 /// as `schemas/README.md` tells workers (not one event per token).
@@ -1014,8 +1014,8 @@ mod tests {
     use futures::StreamExt;
 
     use super::*;
-    use lease_router::subject::DeploymentName;
     use lease_router::wire::{self, EventKind};
+    use lease_router::DeploymentName;
     use lease_router_testkit::NatsServerBuilder;
 
     fn small(seed: u64) -> SimulationConfig {

@@ -7,9 +7,11 @@
 //!   subjects and then keeps following them, so there is no seam between catch-up and live
 //!   events; recreated from the last applied stream sequence when it is lost.
 
-pub mod ingress;
+mod ingress;
 pub(crate) mod publish;
-pub mod stream;
+mod stream;
 
 pub use ingress::{CatchUpState, JetStreamIngress, StartDurableIngressError};
-pub use stream::{ensure_stream, require_stream, EnsureStreamError, LeaseStreamConfig};
+pub use stream::{
+    ensure_stream, require_stream, stream_name, EnsureStreamError, LeaseStreamConfig,
+};

@@ -10,9 +10,9 @@
 //! stops. Either way it unsubscribes and hands over what was already buffered (bounded): on a
 //! router torn down those reach the dead observer and are counted as late, never lost silently.
 
-pub mod apply;
-pub mod reorder;
-pub mod sequence;
+mod apply;
+mod reorder;
+mod sequence;
 
 use std::sync::Arc;
 use std::time::Duration;

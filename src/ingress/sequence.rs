@@ -100,12 +100,9 @@ impl SequenceTracker {
             .is_some_and(|before| before != publisher)
     }
 
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.publishers.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.publishers.is_empty()
     }
 
     /// Whether `publisher` has been heard from (and not forgotten).
@@ -400,5 +397,18 @@ mod tests {
         assert!(t.len() <= 100);
         assert_eq!(t.evicted() + t.len() as u64, 10_000);
         assert!(t.knows(9_999) && t.knows(7) && !t.knows(0));
+    }
+
+    #[test]
+    fn a_flood_of_publishers_stays_at_the_bound_and_counts_evictions() {
+        const FLOOD: u64 = 5_000;
+        let mut tracker = SequenceTracker::new(100);
+        for publisher in 0..FLOOD {
+            tracker.observe(publisher, 1);
+            assert!(tracker.len() <= 100);
+        }
+        // Half of the least recently heard go at once when it is full.
+        assert!(tracker.len() > 50, "{}", tracker.len());
+        assert_eq!(tracker.evicted() + tracker.len() as u64, FLOOD);
     }
 }

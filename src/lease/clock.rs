@@ -60,7 +60,8 @@ impl LeaseClock {
         Self(AtomicU8::new(TOUCHED))
     }
 
-    pub fn quiet() -> Self {
+    #[cfg(test)]
+    fn quiet() -> Self {
         Self(AtomicU8::new(QUIET))
     }
 

@@ -6,17 +6,17 @@
 //! the observer that reaches the manager without keeping it alive; `key` is how the tables
 //! keep request ids (inline up to [`INLINE_KEY_BYTES`] bytes).
 
-pub mod clock;
+mod clock;
 mod key;
-pub mod manager;
-pub mod reaper;
+mod manager;
+mod reaper;
 mod weak_observer;
 
-pub use clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
+pub use clock::LeaseState;
 pub use key::INLINE_KEY_BYTES;
-pub use manager::StepTime;
 pub use manager::{
-    LeaseBatch, LeaseConfig, LeaseRecord, LeaseStats, RequestLeaseManager, WeakRequestLeaseManager,
+    LeaseBatch, LeaseConfig, LeaseRecord, LeaseStats, RequestLeaseManager, StepTime,
+    WeakRequestLeaseManager, DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_SCAN_INTERVAL,
 };
 pub use reaper::{Reaper, ScanReport};
 #[cfg(test)]

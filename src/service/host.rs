@@ -65,7 +65,7 @@ impl Default for HostSettings {
     fn default() -> Self {
         Self {
             subject_prefix: SubjectPrefix::default(),
-            lease_scan_interval: crate::lease::manager::DEFAULT_SCAN_INTERVAL,
+            lease_scan_interval: crate::lease::DEFAULT_SCAN_INTERVAL,
             apply: ApplyConfig::default(),
             task_stop_timeout: DEFAULT_TASK_STOP_TIMEOUT,
             durable: None,

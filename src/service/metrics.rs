@@ -145,7 +145,7 @@ impl Metrics {
     }
 
     /// OpenMetrics text of everything, worker loads included (each scheduler is asked, at
-    /// most [`WORKER_LOAD_TIMEOUT`]; one that does not answer is left out).
+    /// most `WORKER_LOAD_TIMEOUT`; one that does not answer is left out).
     pub async fn render(&self) -> String {
         let mut loads = WorkerLoads::default();
         if let Some(host) = &self.host {

@@ -2,13 +2,13 @@
 //! Prometheus metrics.
 //!
 //! # Layout
-//! - [`host`]: [`DeploymentHost`] runs one [`crate::router::Router`] per deployment over one
+//! - `host`: [`DeploymentHost`] runs one [`crate::router::Router`] per deployment over one
 //!   shared NATS connection ([`crate::connection::NatsConnection`]). Deployments are added
 //!   and removed at runtime; a removal waits for the router's tasks to end. Each name's
 //!   ingress counters outlive its removal, so late drops stay visible.
-//! - [`metrics`]: [`Metrics`], a `prometheus-client` registry whose collector reads every
+//! - `metrics`: [`Metrics`], a `prometheus-client` registry whose collector reads every
 //!   figure from the routers' atomics at scrape time (`lease_router_*`).
-//! - [`http`]: the axum routes (`/healthz`, `/readyz`, `/metrics`, `/v1/deployments/...`)
+//! - `http`: the axum routes (`/healthz`, `/readyz`, `/metrics`, `/v1/deployments/...`)
 //!   over an [`ApiState`], and [`serve`] with graceful shutdown.
 //!
 //! The settings come in as plain structs ([`HostSettings`],
@@ -19,9 +19,9 @@
 //! # Putting it together
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! use lease_router::connection::{connect, NatsConnectConfig};
+//! use lease_router::{connect, NatsConnectConfig};
 //! use lease_router::service::{serve, ApiState, DeploymentHost, HostSettings};
-//! use lease_router::subject::DeploymentName;
+//! use lease_router::DeploymentName;
 //! use tokio_util::sync::CancellationToken;
 //!
 //! let connection = connect(&NatsConnectConfig::new(["nats://127.0.0.1:4222"])).await?;
@@ -36,13 +36,15 @@
 //! # }
 //! ```
 
-pub mod host;
-pub mod http;
-pub mod metrics;
+mod host;
+mod http;
+mod metrics;
 
 pub use host::{
-    AddDeploymentError, AddOutcome, DeploymentHost, DeploymentPhase, DeploymentSummary,
-    DeploymentView, HostSettings, RemoveDeploymentError, ShutdownAllError,
+    AddDeploymentError, AddOutcome, CatchUpMetrics, DeploymentHost, DeploymentMetrics,
+    DeploymentPhase, DeploymentSummary, DeploymentView, HostMetricsSnapshot, HostSettings,
+    RemoveDeploymentError, ShutdownAllError, StartDeploymentIngressError,
+    DEFAULT_TASK_STOP_TIMEOUT,
 };
 pub use http::{router, serve, ApiState, ReadinessHook};
 pub use metrics::Metrics;

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use lease_router::connection::{connect, NatsConnectConfig, NatsConnection};
-use lease_router::ingress::{ApplyConfig, NatsIngress};
-use lease_router::router::{Router, RouterConfig};
-use lease_router::stats::IngressStats;
-use lease_router::subject::{DeploymentName, Subjects};
 use lease_router::wire::{self, Admitted, Completed, Envelope, LeaseEvent, Outcome, Progressed};
+use lease_router::IngressStats;
+use lease_router::{connect, NatsConnectConfig, NatsConnection};
+use lease_router::{ApplyConfig, NatsIngress};
+use lease_router::{DeploymentName, Subjects};
+use lease_router::{Router, RouterConfig};
 use lease_router_testkit::{NatsServer, NatsServerBuilder};
 use tokio_util::task::TaskTracker;
 

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use lease_router::connection::NatsConnectConfig;
-use lease_router::connection::{NatsConnection, DEFAULT_NATS_URL};
-use lease_router::service::host::DeploymentMetrics;
+use lease_router::service::DeploymentMetrics;
 use lease_router::service::{DeploymentHost, HostSettings};
+use lease_router::NatsConnectConfig;
+use lease_router::{NatsConnection, DEFAULT_NATS_URL};
 use lease_router_testkit::{NatsServer, NatsServerBuilder, StartNatsServerError};
 use parking_lot::Mutex;
 
@@ -24,8 +24,8 @@ use super::{
 use crate::simulate::{
     format_duration, run_simulation, SimulationConfig, SimulationProgress, SimulationSummary,
 };
-use lease_router::stats::DropReason;
-use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
+use lease_router::DropReason;
+use lease_router::{DeploymentName, SubjectPrefix, Subjects};
 
 /// The deployment the demo hosts and simulates.
 const DEMO_DEPLOYMENT: &str = "demo";
@@ -210,7 +210,7 @@ async fn find_or_start_nats(
     println!(
         "no NATS server answered at {} within {}: starting nats-server (JetStream on, in a \
          temporary directory, stopped on exit)",
-        lease_router::connection::redact_url(url),
+        lease_router::redact_url(url),
         format_duration(PROBE_DEADLINE)
     );
     let server = tokio::select! {

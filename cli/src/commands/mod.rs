@@ -11,7 +11,7 @@ use std::io::{self, IsTerminal};
 use std::time::Duration;
 
 use crate::config::LogFormat;
-use lease_router::connection::{connect, ConnectNatsError, NatsConnectConfig, NatsConnection};
+use lease_router::{connect, ConnectNatsError, NatsConnectConfig, NatsConnection};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
@@ -182,10 +182,10 @@ pub fn bar(fraction: f64, width: usize) -> String {
 /// rather than retrying publishes that nothing stores.
 pub async fn require_lease_stream(
     connection: &NatsConnection,
-    prefix: &lease_router::subject::SubjectPrefix,
+    prefix: &lease_router::SubjectPrefix,
 ) -> Result<(), CliError> {
     let js = async_nats::jetstream::new(connection.client().clone());
-    lease_router::durable::require_stream(&js, prefix)
+    lease_router::require_stream(&js, prefix)
         .await
         .map(drop)
         .map_err(CliError::failed)

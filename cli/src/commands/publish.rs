@@ -3,12 +3,12 @@
 use std::time::Duration;
 
 use clap::{Args, Subcommand, ValueEnum};
-use lease_router::connection::DEFAULT_NATS_URL;
-use lease_router::publisher::{LeasePublisher, PublisherConfig};
-use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
 use lease_router::wire::{
     Admitted, Completed, LeaseEvent, Outcome, ProgressStage, Progressed, WorkerReset,
 };
+use lease_router::DEFAULT_NATS_URL;
+use lease_router::{DeploymentName, SubjectPrefix, Subjects};
+use lease_router::{LeasePublisher, PublisherConfig};
 
 use crate::config::NatsCredentialArgs;
 

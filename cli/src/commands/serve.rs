@@ -4,9 +4,9 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use lease_router::connection::NatsConnection;
 use lease_router::service::{serve, ApiState, DeploymentHost, HostSettings};
-use lease_router::subject::DeploymentName;
+use lease_router::DeploymentName;
+use lease_router::NatsConnection;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use crate::config::NatsCredentialArgs;
 use crate::simulate::{format_duration, run_simulation, SimulationConfig, SimulationProgress};
 use clap::Args;
-use lease_router::connection::DEFAULT_NATS_URL;
-use lease_router::subject::{DeploymentName, SubjectPrefix, Subjects};
+use lease_router::DEFAULT_NATS_URL;
+use lease_router::{DeploymentName, SubjectPrefix, Subjects};
 
 use super::{
     bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, share_arg, CliError,
