@@ -168,6 +168,9 @@ impl RequestLeaseManager {
     /// The scan cursor of this manager, first due one scan interval from now. Run exactly one
     /// per manager: between the units of work of the task that applies events
     /// ([`Reaper::tick`]), or on a task of its own ([`Reaper::run`]).
+    ///
+    /// # Panics
+    /// Outside a tokio runtime (the cursor holds a timer).
     pub fn reaper(&self) -> Reaper {
         Reaper::new(self)
     }
