@@ -336,3 +336,185 @@ async fn a_silent_partition_is_seen_within_the_bound_and_heals() {
     host.shutdown_all().await.expect("clean shutdown");
     reference.router.shutdown().await.expect("reference stops");
 }
+
+/// The resident memory of this process, in bytes (Linux).
+fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+/// A router on a runtime of its own, on a thread of its own, that the test can freeze (as
+/// SIGSTOP would): the client's connection task, the ingress and the leases all stop.
+struct Freezable {
+    host: DeploymentHost,
+    freeze: tokio::sync::mpsc::UnboundedSender<Duration>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Freezable {
+    async fn start(config: NatsConnectConfig, deployment: DeploymentName) -> Self {
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let (freeze, mut freezes) = tokio::sync::mpsc::unbounded_channel::<Duration>();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let connection = connect(&config).await.expect("connects");
+                let host = DeploymentHost::new(connection, HostSettings::default());
+                host.add(&deployment).await.expect("deployment starts");
+                ready_tx.send(host.clone()).ok().unwrap();
+                while let Some(pause) = freezes.recv().await {
+                    // Blocks the runtime's only thread: every task of the router stops.
+                    std::thread::sleep(pause);
+                }
+                host.shutdown_all().await.expect("clean shutdown");
+            });
+        });
+        let host = ready_rx.await.expect("the router starts");
+        Self {
+            host,
+            freeze,
+            thread: Some(thread),
+        }
+    }
+
+    fn freeze_for(&self, pause: Duration) {
+        self.freeze.send(pause).unwrap();
+    }
+
+    /// Stops the router (its deployments first) and joins its thread.
+    async fn stop(mut self) {
+        drop(self.freeze);
+        let thread = self.thread.take().unwrap();
+        tokio::task::spawn_blocking(move || thread.join().unwrap())
+            .await
+            .unwrap();
+    }
+}
+
+/// A router frozen for 8 s under ~40,000 events/s, against a server with the recommended
+/// limits (deploy/nats/limits.conf): the server cuts it off as a slow consumer, it
+/// reconnects, every lost event is counted (received + gaps = published), `/readyz` ends at
+/// 200, its memory stays bounded and its connection metrics agree with each other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_router_is_cut_off_reconnects_and_counts_its_loss() {
+    common::init_tracing();
+    let nats = lease_router_testkit::NatsServerBuilder::new()
+        .config_file(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/nats/limits.conf"))
+        .spawn()
+        .await
+        .expect("nats-server starts with the recommended limits");
+    let name = DeploymentName::new("slow").unwrap();
+    let config = NatsConnectConfig::new([nats.url()])
+        .with_name("connection_health slow consumer")
+        .with_connect_deadline(Duration::from_secs(10))
+        // Small, so that the client drops messages while it catches up after the freeze.
+        .with_subscription_capacity(4096);
+    let router_under_test = Freezable::start(config, name.clone()).await;
+    let host = router_under_test.host.clone();
+    let app = router(ApiState::new(host.clone()));
+    let stats = || host.get(&name).unwrap().ingress_stats().snapshot();
+
+    let direct = common::client(&nats.url()).await;
+    let mut publisher = RawPublisher::new(direct.client().clone(), "slow", 7);
+    const REQUESTS: usize = 1000;
+    for i in 0..REQUESTS {
+        publisher
+            .send(common::admitted(&format!("r{i}"), 1, 64))
+            .await;
+    }
+    publisher.flush().await;
+    assert!(
+        common::eventually(common::BOUND, || async {
+            host.get(&name).unwrap().manager().active_leases() == REQUESTS
+        })
+        .await,
+        "the router holds the requests before the freeze"
+    );
+    let memory_before = resident_bytes();
+
+    // ~40,000 events/s: 400 renewals every 10 ms, until told to stop.
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let flood = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(10));
+        let mut i = 0usize;
+        while !*stop_rx.borrow_and_update() {
+            tick.tick().await;
+            for _ in 0..400 {
+                publisher
+                    .send(common::progressed(&format!("r{}", i % REQUESTS), 1))
+                    .await;
+                i += 1;
+            }
+        }
+        publisher.flush().await;
+        publisher.next_seq - 1
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    router_under_test.freeze_for(Duration::from_secs(8));
+    tokio::time::sleep(Duration::from_secs(8)).await;
+
+    let metrics_text = || async { get(&app, "/metrics").await.1 };
+    let reconnected = common::eventually(Duration::from_secs(30), || async {
+        let text = metrics_text().await;
+        metric(&text, "lease_router_nats_reconnects_total") >= 1.0
+            && metric(&text, "lease_router_nats_connected") == 1.0
+    })
+    .await;
+    assert!(
+        reconnected,
+        "the server cut the frozen router off and it reconnected:\n{}\n{}",
+        metrics_text().await,
+        nats.log_tail(20)
+    );
+    // More than a sequence window (4,096) after the reconnect, so that every loss is judged.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop_tx.send_replace(true);
+    let published = flood.await.unwrap();
+
+    let counted = common::eventually(common::BOUND, || async {
+        let s = stats();
+        s.received + s.gaps == published
+    })
+    .await;
+    let s = stats();
+    assert!(
+        counted,
+        "every event is received or counted lost: received {} + gaps {} != published {published}",
+        s.received, s.gaps
+    );
+    assert!(s.gaps > 0, "the freeze lost events: {s:?}");
+
+    let text = metrics_text().await;
+    let reconnects = metric(&text, "lease_router_nats_reconnects_total");
+    assert_eq!(
+        metric(&text, "lease_router_nats_disconnects_total"),
+        reconnects,
+        "connected again: as many losses as reconnects\n{text}"
+    );
+    let slow_consumer_events = metric(&text, "lease_router_slow_consumer_events_total");
+    assert_eq!(get(&app, "/healthz").await.0, 200);
+    assert_eq!(get(&app, "/readyz").await.0, 200);
+    assert_eq!(
+        host.get(&name).unwrap().manager().active_leases(),
+        REQUESTS,
+        "no lease lost: the renewals resumed"
+    );
+    let growth = resident_bytes().saturating_sub(memory_before);
+    eprintln!(
+        "frozen router: published {published}, received {}, gaps {}, reconnects {reconnects}, \
+         slow-consumer events {slow_consumer_events}, resident memory +{} MiB",
+        s.received,
+        s.gaps,
+        growth >> 20
+    );
+    assert!(
+        growth < 256 << 20,
+        "memory stays bounded: +{} MiB",
+        growth >> 20
+    );
+    router_under_test.stop().await;
+}
