@@ -403,7 +403,10 @@ impl Freezable {
 async fn a_frozen_router_is_cut_off_reconnects_and_counts_its_loss() {
     common::init_tracing();
     let nats = lease_router_testkit::NatsServerBuilder::new()
-        .config_file(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/nats/limits.conf"))
+        .config_file(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/deploy/nats/limits.conf"
+        ))
         .spawn()
         .await
         .expect("nats-server starts with the recommended limits");
@@ -411,8 +414,10 @@ async fn a_frozen_router_is_cut_off_reconnects_and_counts_its_loss() {
     let config = NatsConnectConfig::new([nats.url()])
         .with_name("connection_health slow consumer")
         .with_connect_deadline(Duration::from_secs(10))
-        // Small, so that the client drops messages while it catches up after the freeze.
-        .with_subscription_capacity(4096);
+        // Smaller than what the socket holds after the freeze: the client drops messages as
+        // it catches up, and the burst of slow-consumer events overflows its event queue (128)
+        // just before it reads the server's close: what used to lose the Disconnected event.
+        .with_subscription_capacity(256);
     let router_under_test = Freezable::start(config, name.clone()).await;
     let host = router_under_test.host.clone();
     let app = router(ApiState::new(host.clone()));
@@ -421,12 +426,20 @@ async fn a_frozen_router_is_cut_off_reconnects_and_counts_its_loss() {
     let direct = common::client(&nats.url()).await;
     let mut publisher = RawPublisher::new(direct.client().clone(), "slow", 7);
     const REQUESTS: usize = 1000;
-    for i in 0..REQUESTS {
-        publisher
-            .send(common::admitted(&format!("r{i}"), 1, 64))
-            .await;
+    // In steps the small subscription buffer takes.
+    for step in 0..REQUESTS / 100 {
+        for i in step * 100..(step + 1) * 100 {
+            publisher
+                .send(common::admitted(&format!("r{i}"), 1, 64))
+                .await;
+        }
+        publisher.flush().await;
+        let sent = (step as u64 + 1) * 100;
+        assert!(
+            common::eventually(common::BOUND, || async { stats().received >= sent }).await,
+            "the router receives the admissions"
+        );
     }
-    publisher.flush().await;
     assert!(
         common::eventually(common::BOUND, || async {
             host.get(&name).unwrap().manager().active_leases() == REQUESTS
@@ -450,7 +463,18 @@ async fn a_frozen_router_is_cut_off_reconnects_and_counts_its_loss() {
                 i += 1;
             }
         }
-        publisher.flush().await;
+        // A gentle tail longer than the sequence window (4,096), so that every loss of the
+        // flood, the last ones included, is judged.
+        for step in 0..50 {
+            for j in 0..100 {
+                let r = (step * 100 + j) % REQUESTS;
+                publisher
+                    .send(common::progressed(&format!("r{r}"), 1))
+                    .await;
+            }
+            publisher.flush().await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         publisher.next_seq - 1
     });
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -470,8 +494,7 @@ async fn a_frozen_router_is_cut_off_reconnects_and_counts_its_loss() {
         metrics_text().await,
         nats.log_tail(20)
     );
-    // More than a sequence window (4,096) after the reconnect, so that every loss is judged.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     stop_tx.send_replace(true);
     let published = flood.await.unwrap();
 
@@ -496,6 +519,10 @@ async fn a_frozen_router_is_cut_off_reconnects_and_counts_its_loss() {
         "connected again: as many losses as reconnects\n{text}"
     );
     let slow_consumer_events = metric(&text, "lease_router_slow_consumer_events_total");
+    assert!(
+        slow_consumer_events >= 1.0,
+        "the client dropped messages: {text}"
+    );
     assert_eq!(get(&app, "/healthz").await.0, 200);
     assert_eq!(get(&app, "/readyz").await.0, 200);
     assert_eq!(
