@@ -30,6 +30,8 @@ const PARTITION_SEEN_WITHIN: Duration = Duration::from_secs(15);
 /// Generous bound of the reconnect after the heal (a connect attempt caught by the partition
 /// waits for its 5 s connection timeout).
 const RECONNECT_WITHIN: Duration = Duration::from_secs(30);
+/// Durable mode: requests admitted during the partition that are still live after it.
+const LONG_LIVED: usize = 20;
 /// The lease scan interval of both routers: a lease dies 1-2 s after its last touch.
 const SCAN: Duration = Duration::from_secs(1);
 
@@ -246,6 +248,30 @@ async fn healthz_turns(app: &axum::Router, status: u16, bound: Duration) -> Dura
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_partition_is_seen_within_the_bound_and_heals() {
     let nats = common::server().await;
+    partition_scenario(&nats, None, Duration::ZERO).await;
+}
+
+/// Durable mode, a 30 s partition: the same, and nothing is lost: the router resumes the
+/// stream where it left it, so no sequence gap, and requests admitted during the partition
+/// that are still live after it are on the router too (a core router never sees them).
+/// Slow (about 40 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_mode_loses_nothing_across_a_30s_partition() {
+    let nats = common::js_server().await;
+    let stream = lease_router::LeaseStreamConfig::new(lease_router::SubjectPrefix::default(), SCAN);
+    let gaps = partition_scenario(&nats, Some(stream), Duration::from_secs(30)).await;
+    assert_eq!(gaps, 0, "durable mode loses nothing");
+}
+
+/// Runs the partition through a [`BlackHole`] (cut for `partition`, at least until
+/// `/healthz` turns, plus 3 s of reconnect attempts into it); returns the router's
+/// sequence gaps.
+async fn partition_scenario(
+    nats: &lease_router_testkit::NatsServer,
+    durable: Option<lease_router::LeaseStreamConfig>,
+    partition: Duration,
+) -> u64 {
+    let mode = if durable.is_some() { "durable" } else { "core" };
     let upstream: SocketAddr = format!("127.0.0.1:{}", nats.client_port()).parse().unwrap();
     let proxy = BlackHole::start(upstream).await;
 
@@ -265,12 +291,20 @@ async fn a_silent_partition_is_seen_within_the_bound_and_heals() {
         connection,
         HostSettings {
             lease_scan_interval: SCAN,
+            durable,
             ..HostSettings::default()
         },
     );
     let name = DeploymentName::new("part").unwrap();
     host.add(&name).await.expect("deployment starts");
     let app = router(ApiState::new(host.clone()));
+    assert!(
+        common::eventually(common::BOUND, || async {
+            get(&app, "/readyz").await.0 == 200
+        })
+        .await,
+        "ready before the partition"
+    );
 
     let direct = common::client(&nats.url()).await;
     let reference = common::router(&direct, "part", SCAN, ApplyConfig::default()).await;
@@ -286,22 +320,45 @@ async fn a_silent_partition_is_seen_within_the_bound_and_heals() {
     );
     assert_eq!(get(&app, "/healthz").await.0, 200);
 
+    let cut_at = Instant::now();
     proxy.cut();
+    // Durable mode: requests that start during the partition and outlive it; the router
+    // only knows them from the stream.
+    let long_lived = if mode == "durable" { LONG_LIVED } else { 0 };
+    let (renew_stop, mut renew_rx) = watch::channel(false);
+    let mut long = RawPublisher::new(direct.client().clone(), "part", 900);
+    let renewer = tokio::spawn(async move {
+        for i in 0..long_lived {
+            long.send(common::admitted(&format!("long{i}"), 9, 64))
+                .await;
+        }
+        while !*renew_rx.borrow_and_update() {
+            for i in 0..long_lived {
+                long.send(common::progressed(&format!("long{i}"), 9)).await;
+            }
+            tokio::select! {
+                _ = renew_rx.changed() => {}
+                _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+            }
+        }
+    });
     let seen = healthz_turns(&app, 503, PARTITION_SEEN_WITHIN).await;
     let metrics = get(&app, "/metrics").await.1;
     assert_eq!(metric(&metrics, "lease_router_nats_connected"), 0.0);
     assert_eq!(metric(&metrics, "lease_router_nats_disconnects_total"), 1.0);
     // Reconnect attempts run into the partition for a while.
     tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep_until(cut_at + partition).await;
     assert_eq!(get(&app, "/healthz").await.0, 503);
-    let partition_leases = host_leases();
+    let cut_for = cut_at.elapsed();
 
     proxy.heal();
     let back = healthz_turns(&app, 200, RECONNECT_WITHIN).await;
     eprintln!(
-        "silent partition: /healthz 503 after {seen:?} (bound {PARTITION_SEEN_WITHIN:?}, \
-         ping interval {DEFAULT_PING_INTERVAL:?}); 200 again {back:?} after the heal; \
-         {partition_leases} leases during the partition"
+        "silent partition ({}): /healthz 503 after {seen:?} (bound {PARTITION_SEEN_WITHIN:?}, \
+         ping interval {DEFAULT_PING_INTERVAL:?}); cut for {cut_for:?}; 200 again {back:?} \
+         after the heal",
+        mode
     );
     let metrics = get(&app, "/metrics").await.1;
     assert_eq!(metric(&metrics, "lease_router_nats_connected"), 1.0);
@@ -318,23 +375,28 @@ async fn a_silent_partition_is_seen_within_the_bound_and_heals() {
     tokio::time::sleep(Duration::from_millis(2500)).await;
     load.send_replace(Load::Hold);
     let converged = common::eventually(common::BOUND, || async {
-        let expected = live.load(Ordering::Acquire);
-        expected > 0
+        let expected = live.load(Ordering::Acquire) + long_lived;
+        expected > long_lived
             && reference.router.manager().active_leases() == expected
             && host_leases() == expected
     })
     .await;
     assert!(
         converged,
-        "leases converge: router {}, reference {}, live requests {}",
+        "leases converge: router {}, reference {}, live requests {} + {long_lived}",
         host_leases(),
         reference.router.manager().active_leases(),
         live.load(Ordering::Acquire)
     );
+    assert_eq!(get(&app, "/readyz").await.0, 200);
+    let gaps = host.get(&name).unwrap().ingress_stats().snapshot().gaps;
 
     load.send_replace(Load::Stop);
+    renew_stop.send_replace(true);
+    renewer.await.unwrap();
     host.shutdown_all().await.expect("clean shutdown");
     reference.router.shutdown().await.expect("reference stops");
+    gaps
 }
 
 /// The resident memory of this process, in bytes (Linux).
