@@ -5,14 +5,21 @@
 //! permanent and reported at once. Once connected, the client reconnects on its own, forever,
 //! with a bounded delay ([`NatsConnectConfig::reconnect`]).
 //!
-//! [`ConnectionStats`] follows the connection through the client's event callback: connected
-//! or not, reconnects, disconnects, slow-consumer events, last error. Failures are logged with
-//! a rate limit ([`LogRateLimiter`]), so a server that stays down does not flood the log.
+//! A silent partition (a dead middlebox, a network that drops packets without closing the
+//! socket) is only seen by the client's PINGs: [`DEFAULT_PING_INTERVAL`] makes it seen within
+//! [`NatsConnectConfig::dead_connection_bound`] (12 s) instead of the client's 3 minutes.
+//!
+//! [`ConnectionStats`] reads the client's own state: connected or not, and the connection
+//! count, from which reconnects and disconnects are derived, so that no counter can miss a
+//! change. The client's event callback (a queue of 128 that drops events when full) feeds
+//! only what it alone knows, best-effort: slow-consumer events, errors, the log lines.
+//! Failures are logged with a rate limit ([`LogRateLimiter`]), so a server that stays down
+//! does not flood the log.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use async_nats::{Client, ConnectErrorKind, ConnectOptions, Event, ServerAddr};
@@ -22,8 +29,25 @@ use tokio_util::sync::CancellationToken;
 
 use crate::retry::{retry, Attempt, RetryPolicy};
 
+/// How often waits and the monitor look at the client's state.
+const STATE_POLL_INTERVAL: Duration = Duration::from_millis(50);
+
 /// The shortest time given to one connect attempt, even at the deadline.
 const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(250);
+
+/// How often the client PINGs a server that has sent nothing. The client disconnects at the
+/// third interval without a word from the server (two PINGs unanswered), so a silent
+/// partition is seen within three intervals: 12 s, inside the 15 s an operator expects
+/// `/healthz` to turn. Shorter costs a PING per interval per idle connection; any message
+/// from the server resets the clock, so a busy connection sends none.
+pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(4);
+
+/// Intervals without a word from the server after which the client gives the connection up
+/// (async-nats: more than two PINGs outstanding).
+const PING_INTERVALS_TO_DISCONNECT: u32 = 3;
+
+/// async-nats' own ping interval, used when [`NatsConnectConfig::ping_interval`] is `None`.
+const CLIENT_DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(60);
 
 /// The URL of the usual local server.
 pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
@@ -196,7 +220,9 @@ pub struct NatsConnectConfig {
     /// Delays between reconnect attempts once connected (no deadline: retries forever; the
     /// first attempt after a disconnect is immediate).
     pub reconnect: RetryPolicy,
-    /// Client PING interval (dead-connection detection). `None`: the client's default.
+    /// Client PING interval: a silent partition is seen within three of them
+    /// ([`dead_connection_bound`](Self::dead_connection_bound)). Default
+    /// [`DEFAULT_PING_INTERVAL`]; `None`: the client's own (60 s, so three minutes).
     pub ping_interval: Option<Duration>,
     /// Messages buffered per subscription. `None`: the client's default.
     pub subscription_capacity: Option<usize>,
@@ -219,7 +245,7 @@ impl Default for NatsConnectConfig {
                 .with_initial(Duration::from_millis(50))
                 .with_max_interval(Duration::from_secs(2))
                 .with_randomization(0.2),
-            ping_interval: None,
+            ping_interval: Some(DEFAULT_PING_INTERVAL),
             subscription_capacity: None,
         }
     }
@@ -303,6 +329,12 @@ impl NatsConnectConfig {
     pub fn with_ping_interval(mut self, interval: Duration) -> Self {
         self.ping_interval = Some(interval);
         self
+    }
+
+    /// The longest a connection that receives nothing (a silent partition) is still taken
+    /// for up: three ping intervals.
+    pub fn dead_connection_bound(&self) -> Duration {
+        self.ping_interval.unwrap_or(CLIENT_DEFAULT_PING_INTERVAL) * PING_INTERVALS_TO_DISCONNECT
     }
 
     pub fn with_subscription_capacity(mut self, capacity: usize) -> Self {
@@ -481,12 +513,18 @@ impl Default for LogRateLimiter {
     }
 }
 
-/// Connection health, fed by the client's event callback. All counters are monotonic.
+/// Connection health. Connected or not, and the connection count, are the client's own
+/// (`Client::connection_state`, `Client::statistics`), read when asked: they cannot miss a
+/// change. Slow-consumer events and errors come through the client's event callback, whose
+/// queue (128) drops events when full: those counters are best-effort. All counters are
+/// monotonic.
+///
+/// It holds the client once connected: keeping it keeps the connection open.
 #[derive(Debug)]
 pub struct ConnectionStats {
-    connected: AtomicBool,
-    connects: AtomicU64,
-    disconnects: AtomicU64,
+    client: OnceLock<Client>,
+    /// The highest disconnect count reported, so that the derived count never goes back.
+    disconnects_reported: AtomicU64,
     slow_consumer_events: AtomicU64,
     server_errors: AtomicU64,
     client_errors: AtomicU64,
@@ -502,9 +540,8 @@ pub struct ConnectionStats {
 impl Default for ConnectionStats {
     fn default() -> Self {
         Self {
-            connected: AtomicBool::new(false),
-            connects: AtomicU64::new(0),
-            disconnects: AtomicU64::new(0),
+            client: OnceLock::new(),
+            disconnects_reported: AtomicU64::new(0),
             slow_consumer_events: AtomicU64::new(0),
             server_errors: AtomicU64::new(0),
             client_errors: AtomicU64::new(0),
@@ -519,15 +556,29 @@ impl Default for ConnectionStats {
     }
 }
 
+/// Connections lost, from the connection count and the state: every connection after the
+/// first replaced a lost one, and a client that is not connected lost its last one.
+fn derive_disconnects(connects: u64, connected: bool) -> u64 {
+    match connects {
+        0 => 0,
+        n => n - 1 + u64::from(!connected),
+    }
+}
+
 impl ConnectionStats {
-    /// True while the client holds a connection to a server.
+    /// True while the client holds a connection to a server (the client's own state, not
+    /// an event).
     pub fn is_connected(&self) -> bool {
-        self.connected.load(Ordering::Acquire)
+        self.client.get().is_some_and(|client| {
+            client.connection_state() == async_nats::connection::State::Connected
+        })
     }
 
-    /// Successful connections, the first one included.
+    /// Successful connections, the first one included (the client's own count).
     pub fn connects(&self) -> u64 {
-        self.connects.load(Ordering::Acquire)
+        self.client.get().map_or(0, |client| {
+            client.statistics().connects.load(Ordering::Acquire)
+        })
     }
 
     /// Successful connections after the first one.
@@ -535,21 +586,32 @@ impl ConnectionStats {
         self.connects().saturating_sub(1)
     }
 
+    /// Connections lost: reconnects, plus one while disconnected. Derived from the client's
+    /// state, so a lost event cannot hide one; it can count a loss a moment early (the
+    /// client counts a new connection just before it says it is connected), never twice.
     pub fn disconnects(&self) -> u64 {
-        self.disconnects.load(Ordering::Acquire)
+        // The count first, then the state: a reconnect between the two reads reads low,
+        // which the maximum below hides.
+        let connects = self.connects();
+        let derived = derive_disconnects(connects, self.is_connected());
+        self.disconnects_reported
+            .fetch_max(derived, Ordering::AcqRel)
+            .max(derived)
     }
 
     /// Times the client dropped messages of a subscription that was not read fast enough.
+    /// Best-effort: a burst of them overflows the client's event queue. The messages lost
+    /// are counted exactly by the sequence gaps of the deployments.
     pub fn slow_consumer_events(&self) -> u64 {
         self.slow_consumer_events.load(Ordering::Acquire)
     }
 
-    /// Errors the server sent (`-ERR`), such as permission violations.
+    /// Errors the server sent (`-ERR`), such as permission violations. Best-effort.
     pub fn server_errors(&self) -> u64 {
         self.server_errors.load(Ordering::Acquire)
     }
 
-    /// Client-side errors, such as failed reconnect attempts.
+    /// Client-side errors, such as failed reconnect attempts. Best-effort.
     pub fn client_errors(&self) -> u64 {
         self.client_errors.load(Ordering::Acquire)
     }
@@ -581,7 +643,11 @@ impl ConnectionStats {
             if pred(self) {
                 return true;
             }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+            // The client's state changes without a notification: look again now and then.
+            let wake = deadline.min(tokio::time::Instant::now() + STATE_POLL_INTERVAL);
+            if tokio::time::timeout_at(wake, notified).await.is_err()
+                && tokio::time::Instant::now() >= deadline
+            {
                 return pred(self);
             }
         }
@@ -605,16 +671,12 @@ impl ConnectionStats {
         }
     }
 
-    /// Applies one client event: counters, state, rate-limited log lines.
+    /// Applies one client event: the best-effort counters, rate-limited log lines.
     fn on_event(&self, event: &Event) {
         match event {
-            Event::Connected => {
-                self.connected.store(true, Ordering::Release);
-                self.connects.fetch_add(1, Ordering::AcqRel);
-            }
+            // The state and the counts are read from the client; these only log.
+            Event::Connected => {}
             Event::Disconnected => {
-                self.connected.store(false, Ordering::Release);
-                self.disconnects.fetch_add(1, Ordering::AcqRel);
                 let server = self.server_url().unwrap_or_default();
                 if let Some(suppressed) = self.disconnect_log.check() {
                     tracing::warn!(
@@ -626,7 +688,6 @@ impl ConnectionStats {
                 }
             }
             Event::Closed => {
-                self.connected.store(false, Ordering::Release);
                 tracing::info!(server = %self.server_url().unwrap_or_default(), "NATS connection closed");
             }
             Event::Draining => {
@@ -794,11 +855,9 @@ pub async fn connect(config: &NatsConnectConfig) -> Result<NatsConnection, Conne
         }
     };
 
-    // The first Connected event travels through the client's event task: wait for it so that
-    // `is_connected()` is true when this returns (it is already queued: a task hop).
-    stats
-        .wait_until(Duration::from_secs(2), |s| s.connects() >= 1)
-        .await;
+    // Connected already (the client sets its state before it returns); from here the stats
+    // read it.
+    let _ = stats.client.set(client.clone());
     let info = client.server_info();
     let server = format!("nats://{}:{}", info.host, info.port);
     *stats.server_url.lock() = Some(server.clone());
@@ -841,7 +900,8 @@ fn connect_options(
     event_tx: mpsc::Sender<Event>,
 ) -> Result<ConnectOptions, ConnectNatsError> {
     let reconnect = config.reconnect.clone();
-    let cb_stats = stats.clone();
+    // Weak: the stats hold the client, and the client's event task holds this callback.
+    let cb_stats = Arc::downgrade(stats);
     let mut options = ConnectOptions::new()
         .connection_timeout(config.connection_timeout)
         .max_reconnects(None)
@@ -850,9 +910,11 @@ fn connect_options(
             reconnect.delay_for_attempt(attempts.saturating_sub(1))
         })
         .event_callback(move |event| {
-            cb_stats.on_event(&event);
+            if let Some(stats) = Weak::upgrade(&cb_stats) {
+                stats.on_event(&event);
+            }
             if matches!(event, Event::Connected) {
-                // The monitor logs it with the server's URL (known a moment later).
+                // Wakes the monitor early; it also looks on its own.
                 let _ = event_tx.try_send(event);
             }
             std::future::ready(())
@@ -872,9 +934,10 @@ fn connect_options(
     config.auth.apply(options)
 }
 
-/// Logs reconnects with the server's URL and records it in the stats. The client publishes
-/// the new server's INFO just after the Connected event, hence the short bounded wait for it
-/// to change.
+/// Logs reconnects with the server's URL and records it in the stats. It follows the
+/// client's connection count (an event only wakes it sooner, events can be lost). The client
+/// publishes the new server's INFO just after it connects, hence the short bounded wait for
+/// it to change.
 async fn monitor(
     client: Client,
     stats: Arc<ConnectionStats>,
@@ -883,22 +946,19 @@ async fn monitor(
     first: (String, u64),
 ) {
     let mut last = first;
-    let mut skip_first = true;
+    let mut seen_connects = stats.connects();
+    let mut events_open = true;
     loop {
-        let event = tokio::select! {
+        tokio::select! {
             _ = cancel.cancelled() => return,
-            event = events.recv() => match event {
-                Some(event) => event,
-                None => return,
-            },
-        };
-        if !matches!(event, Event::Connected) {
+            event = events.recv(), if events_open => events_open = event.is_some(),
+            _ = tokio::time::sleep(STATE_POLL_INTERVAL * 5) => {}
+        }
+        let connects = stats.connects();
+        if connects == seen_connects {
             continue;
         }
-        if std::mem::take(&mut skip_first) {
-            // The initial connect, logged by connect() itself.
-            continue;
-        }
+        seen_connects = connects;
         let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
         let info = loop {
             let info = client.server_info();
@@ -1073,32 +1133,35 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn stats_follow_events() {
+    async fn event_counters_and_derived_disconnects() {
         let s = ConnectionStats::default();
+        // No client yet: not connected, nothing counted.
         assert!(!s.is_connected());
+        assert_eq!((s.connects(), s.reconnects(), s.disconnects()), (0, 0, 0));
+        // Connection events only log: the state is the client's.
         s.on_event(&Event::Connected);
-        assert!(s.is_connected());
-        assert_eq!((s.connects(), s.reconnects()), (1, 0));
-        s.on_event(&Event::Disconnected);
         assert!(!s.is_connected());
-        s.on_event(&Event::Connected);
         s.on_event(&Event::SlowConsumer(7));
         s.on_event(&Event::ClientError(async_nats::ClientError::Other(
             "boom".into(),
         )));
-        assert_eq!(s.reconnects(), 1);
-        assert_eq!(s.disconnects(), 1);
         assert_eq!(s.slow_consumer_events(), 1);
         assert_eq!(s.client_errors(), 1);
         assert!(s.last_error().unwrap().contains("boom"));
         assert!(
-            s.wait_until(Duration::from_millis(10), |s| s.reconnects() == 1)
+            s.wait_until(Duration::from_millis(10), |s| s.client_errors() == 1)
                 .await
         );
         assert!(
-            !s.wait_until(Duration::from_millis(10), |s| s.reconnects() == 2)
+            !s.wait_until(Duration::from_millis(100), |s| s.is_connected())
                 .await
         );
+
+        assert_eq!(derive_disconnects(0, false), 0);
+        assert_eq!(derive_disconnects(1, true), 0);
+        assert_eq!(derive_disconnects(1, false), 1);
+        assert_eq!(derive_disconnects(2, true), 1);
+        assert_eq!(derive_disconnects(2, false), 2);
     }
 
     #[tokio::test]

@@ -54,7 +54,7 @@ pub mod wire;
 
 pub use connection::{
     connect, redact_url, ConnectNatsError, ConnectionStats, NatsAuth, NatsConnectConfig,
-    NatsConnection, NatsTls, DEFAULT_NATS_URL,
+    NatsConnection, NatsTls, DEFAULT_NATS_URL, DEFAULT_PING_INTERVAL,
 };
 pub use durable::{
     ensure_stream, require_stream, stream_name, CatchUpState, EnsureStreamError, JetStreamIngress,

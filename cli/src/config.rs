@@ -66,6 +66,11 @@ pub const MAX_LIMIT: usize = 100_000_000;
 /// Four times async-nats' default: a router takes bursts from many workers at once.
 pub const DEFAULT_SUBSCRIPTION_CAPACITY: usize = 262_144;
 
+/// Below this, PINGs would be most of an idle connection's traffic.
+const MIN_PING_INTERVAL: Duration = Duration::from_millis(100);
+/// Above this, a silent partition goes unseen for hours.
+const MAX_PING_INTERVAL: Duration = Duration::from_secs(3600);
+
 /// The largest accepted `stream_replicas`: JetStream's limit.
 const MAX_STREAM_REPLICAS: usize = 5;
 
@@ -262,8 +267,9 @@ impl NatsCredentialArgs {
     }
 }
 
-/// The authentication and TLS flags of [`ServeArgs`]. `Debug` shows whether a password or
-/// token was given, never which.
+/// How every command connects to NATS: authentication, TLS, the ping interval (flattened
+/// into `serve`, `publish` and `simulate`). `Debug` shows whether a password or token was
+/// given, never which.
 #[derive(Clone, Default, PartialEq, Eq, clap::Args, serde::Serialize)]
 pub struct NatsCredentialArgs {
     /// NATS user name; needs --nats-password.
@@ -308,6 +314,16 @@ pub struct NatsCredentialArgs {
     /// PEM file of the TLS client certificate's key (with --nats-tls-cert).
     #[arg(long = "nats-tls-key", value_name = "FILE", env = "NATS_TLS_KEY")]
     pub nats_tls_key: Option<String>,
+
+    /// How often the client PINGs a silent server; a dead connection (a silent partition) is
+    /// given up after three intervals without a word, and `/healthz` turns 503
+    /// [default: 4s, so within 12s].
+    #[arg(
+        long = "nats-ping-interval",
+        value_name = "DURATION",
+        env = "LEASE_ROUTER_NATS_PING_INTERVAL"
+    )]
+    pub nats_ping_interval: Option<String>,
 }
 
 impl fmt::Debug for NatsCredentialArgs {
@@ -322,6 +338,7 @@ impl fmt::Debug for NatsCredentialArgs {
             .field("nats_tls_ca", &self.nats_tls_ca)
             .field("nats_tls_cert", &self.nats_tls_cert)
             .field("nats_tls_key", &self.nats_tls_key)
+            .field("nats_ping_interval", &self.nats_ping_interval)
             .finish()
     }
 }
@@ -835,6 +852,19 @@ fn resolve_credentials(
             key_file,
         });
     }
+    if let Some((value, origin)) = given.one("nats_ping_interval") {
+        let interval = parse_duration(&value)
+            .filter(|d| (MIN_PING_INTERVAL..=MAX_PING_INTERVAL).contains(d))
+            .ok_or_else(|| ConfigError::Invalid {
+                setting: "nats_ping_interval".into(),
+                value,
+                origin,
+                expected: "expected a duration from 100ms to 1h, such as 4s (a silent \
+                           partition is seen within three intervals)"
+                    .into(),
+            })?;
+        nats.ping_interval = Some(interval);
+    }
     Ok(())
 }
 
@@ -1160,6 +1190,10 @@ mod tests {
         assert_eq!(s.host.lease_scan_interval, Duration::from_secs(300));
         assert_eq!(s.log_format, LogFormat::Text);
         assert_eq!(s.nats.connect_deadline, Duration::from_secs(30));
+        assert_eq!(
+            s.nats.ping_interval,
+            Some(lease_router::DEFAULT_PING_INTERVAL)
+        );
         assert_eq!(s.host.apply.max_event_bytes, 4096);
         assert!(s.deployments.is_empty());
         let host = &s.host;
@@ -1316,6 +1350,30 @@ mod tests {
             m.starts_with("invalid setting connect_deadline = \"soon\" from --connect-deadline: expected a duration"),
             "{m}"
         );
+        for bad in ["0s", "10ms", "2h", "often"] {
+            let mut a = ServeArgs::default();
+            a.nats_credentials.nats_ping_interval = Some(bad.into());
+            let m = message(&a);
+            assert!(
+                m.starts_with(&format!(
+                    "invalid setting nats_ping_interval = \"{bad}\" from --nats-ping-interval: \
+                     expected a duration from 100ms to 1h"
+                )),
+                "{m}"
+            );
+        }
+        let s = resolve(&args(|a| {
+            a.nats_credentials.nats_ping_interval = Some("1500ms".into())
+        }))
+        .unwrap();
+        assert_eq!(s.nats.ping_interval, Some(Duration::from_millis(1500)));
+        // publish and simulate connect with the same setting.
+        let creds = NatsCredentialArgs {
+            nats_ping_interval: Some("2s".into()),
+            ..NatsCredentialArgs::default()
+        };
+        let nats = creds.connect_config("nats://h:1").unwrap();
+        assert_eq!(nats.ping_interval, Some(Duration::from_secs(2)));
         let m = message(&args(|a| a.max_event_bytes = Some("10".into())));
         assert!(
             m.starts_with(
@@ -1360,7 +1418,7 @@ mod tests {
                      max_active_leases, max_tombstones, max_held_progress, max_publishers, \
                      subscription_capacity, durable, stream_replicas, nats_user, \
                      nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, \
-                     nats_tls_cert, nats_tls_key"
+                     nats_tls_cert, nats_tls_key, nats_ping_interval"
                 ),
             "{m}"
         );
@@ -1446,7 +1504,7 @@ mod tests {
                 )
             })
             .collect();
-        assert_eq!(declared.len(), 23);
+        assert_eq!(declared.len(), 24);
         assert_eq!(
             readme_settings(),
             declared,
@@ -1493,7 +1551,9 @@ mod tests {
                 "deployments" => "[\"a\", \"b\"]".to_owned(),
                 "http_addr" => "\"0.0.0.0:9000\"".to_owned(),
                 "subject_prefix" => "\"acme.leases\"".to_owned(),
-                "lease_scan_interval" | "connect_deadline" => "\"7s\"".to_owned(),
+                "lease_scan_interval" | "connect_deadline" | "nats_ping_interval" => {
+                    "\"7s\"".to_owned()
+                }
                 "log_format" => "\"json\"".to_owned(),
                 "durable" => "true".to_owned(),
                 "stream_replicas" => "3".to_owned(),
@@ -1518,6 +1578,7 @@ mod tests {
         assert_eq!(s.nats.subscription_capacity, Some(4242));
         assert_eq!(s.host.durable.unwrap().replicas, 3);
         assert_eq!(s.nats.connect_deadline, Duration::from_secs(7));
+        assert_eq!(s.nats.ping_interval, Some(Duration::from_secs(7)));
         assert!(s.nats.tls.is_some());
     }
 

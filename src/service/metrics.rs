@@ -374,7 +374,7 @@ pub fn encode_snapshot(
     gauge(
         encoder,
         "nats_connected",
-        "1 while the NATS connection is up, else 0.",
+        "1 while the NATS connection is up, else 0 (the client's own state).",
         u64::from(snapshot.nats_connected),
     )?;
     counter(
@@ -386,14 +386,16 @@ pub fn encode_snapshot(
     counter(
         encoder,
         "nats_disconnects",
-        "Times the NATS connection was lost.",
+        "Times the NATS connection was lost: reconnects, plus one while disconnected \
+         (derived from the client's state, never misses one).",
         snapshot.nats_disconnects,
     )?;
     counter(
         encoder,
         "slow_consumer_events",
         "Times the NATS client dropped messages of a subscription that was not read fast \
-         enough (per connection).",
+         enough (per connection). Best-effort: a burst overflows the client's event queue; \
+         sequence_gaps_total counts the lost events exactly.",
         snapshot.slow_consumer_events,
     )?;
     gauge(
