@@ -2,7 +2,7 @@
 //!
 //! | route | answer |
 //! | --- | --- |
-//! | `GET /healthz` | 200 while the NATS connection is up, 503 otherwise |
+//! | `GET /healthz` | 200 while the client reports its NATS connection up (a silent partition turns it 503 within three ping intervals), 503 otherwise |
 //! | `GET /readyz` | 200 once every deployment's router is live (and the [`ReadinessHook`], if any, agrees), 503 otherwise |
 //! | `GET /metrics` | OpenMetrics text (see [`super::metrics`]) |
 //! | `GET /v1/deployments` | the deployments with their active lease counts |
