@@ -488,8 +488,7 @@ mod tests {
                 held_progress_ttl: HOLD,
                 ..ApplyConfig::default()
             };
-            let applier =
-                EventApplier::new(
+            let applier = EventApplier::new(
                 subjects.clone(),
                 router.manager().downgrade(),
                 stats.clone(),
