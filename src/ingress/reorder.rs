@@ -359,17 +359,20 @@ mod tests {
         assert_eq!((m.len(), m.events(), m.take_expired()), (0, 0, 3));
     }
 
-    /// The queue compaction (slots of taken entries pile up under churn) keeps the slot of
-    /// every live entry: an entry whose slot is dropped would never expire.
+    /// The queue compaction (slots of taken entries pile up under churn) runs once the
+    /// queue holds twice the capacity, not before (amortised O(1) an insertion), and keeps
+    /// the slot of every live entry: an entry whose slot is dropped would never expire.
     #[tokio::test(start_paused = true)]
     async fn compacting_the_queue_keeps_every_live_entry_expiring() {
         let ttl = Duration::from_secs(10);
-        let mut m = ExpiringMap::new(ttl, 2);
+        let mut m = ExpiringMap::new(ttl, 3);
         m.insert("live".into(), w(1));
-        for id in ["a", "b", "c"] {
-            m.insert(id.into(), w(1));
-            m.take(id, w(1));
+        for i in 0..5 {
+            let id = format!("stale{i}");
+            m.insert(id.as_str().into(), w(1));
+            m.take(&id, w(1));
         }
+        assert_eq!(m.order.len(), 6, "stale slots wait for the queue to fill");
         m.insert("d".into(), w(1));
         assert_eq!(m.order.len(), 2, "compacted to the live entries' slots");
         tokio::time::advance(ttl).await;
