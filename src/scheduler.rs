@@ -639,4 +639,34 @@ mod tests {
         assert_eq!(placed.worker, worker(1));
         assert_eq!(handle.load(placed.worker).await.unwrap().active_bookings, 2);
     }
+
+    /// Fewest bookings first; between equal bookings, fewest tokens (prompt plus expected
+    /// output), whatever the worker ids.
+    #[tokio::test]
+    async fn equal_bookings_are_ranked_by_their_tokens() {
+        for (a, b) in [
+            // Tokens: 30 against 10 (a product would rank them the other way).
+            (weight(30, None), weight(5, Some(5))),
+            // Tokens: 15 against 12 (a difference would rank them the other way).
+            (weight(10, Some(5)), weight(12, None)),
+        ] {
+            let tracker = TaskTracker::new();
+            let (handle, actor) = Scheduler::new("t");
+            actor.spawn(None, &tracker);
+            submit(
+                &handle.cleanup(),
+                &[Op::Book(worker(1), a), Op::Book(worker(2), b)],
+            );
+            assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(2));
+            // One booking more outweighs any tokens.
+            submit(&handle.cleanup(), &[Op::Book(worker(2), weight(0, None))]);
+            assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(1));
+        }
+        let load = WorkerLoad {
+            active_bookings: 2,
+            prompt_tokens: 3,
+            expected_output_tokens: 4,
+        };
+        assert_eq!(load.rank(), (2, 7));
+    }
 }

@@ -123,7 +123,7 @@ async fn held_progress_flood_stays_at_its_limit_and_counts_overflow() {
 
 #[tokio::test]
 async fn publisher_flood_stays_at_its_limit() {
-    // (The tracker's own bound is a unit test in src/ingress/sequence.rs.)
+    // (The tracker's own bound is pinned by the unit tests in src/ingress/sequence.rs.)
     // Through the applier: a flood of publisher ids (one event each) makes the router forget
     // the least recent publishers, so a re-sent event of the first one is no longer known as
     // a duplicate; with room for every publisher, it is.

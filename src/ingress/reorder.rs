@@ -18,7 +18,11 @@ use crate::types::{RequestId, WorkerWithDpRank};
 #[derive(Debug)]
 pub struct ExpiringMap {
     entries: HashMap<RequestId, Entry>,
-    order: VecDeque<(RequestId, Instant)>,
+    /// One slot per insertion, in expiry order: the request, when it expires, and the
+    /// insertion's number. Only the slot whose number its entry still has stands for it.
+    order: VecDeque<(RequestId, Instant, u64)>,
+    /// The number the next insertion gets.
+    next_slot: u64,
     ttl: Duration,
     capacity: usize,
     /// Events of all entries.
@@ -31,6 +35,10 @@ pub struct ExpiringMap {
 struct Entry {
     worker: WorkerWithDpRank,
     expires: Instant,
+    /// The number of the insertion that last (re)set it: its slot in the order queue. Not
+    /// the expiry time, which two insertions of the same id can share (a coarse or paused
+    /// clock): then a stale slot would stand for the live entry, and never be compacted.
+    slot: u64,
     /// Events this entry stands for: the same request held again adds one.
     events: u64,
 }
@@ -54,6 +62,7 @@ impl ExpiringMap {
         Self {
             entries: HashMap::new(),
             order: VecDeque::new(),
+            next_slot: 0,
             ttl,
             capacity: capacity.max(1),
             events: 0,
@@ -107,14 +116,17 @@ impl ExpiringMap {
             // Slots of taken entries pile up under churn: keep the queue bounded too.
             let entries = &self.entries;
             self.order
-                .retain(|(id, e)| entries.get(id).is_some_and(|x| x.expires == *e));
+                .retain(|(id, _, slot)| entries.get(id).is_some_and(|x| x.slot == *slot));
         }
-        self.order.push_back((request_id.clone(), expires));
+        let slot = self.next_slot;
+        self.next_slot += 1;
+        self.order.push_back((request_id.clone(), expires, slot));
         // The same worker's earlier events are in `events` already.
         self.events += 1;
         let entry = Entry {
             worker,
             expires,
+            slot,
             events,
         };
         self.entries.insert(request_id, entry);
@@ -166,7 +178,7 @@ impl ExpiringMap {
     /// returns how many entries.
     pub fn expire(&mut self, now: Instant) -> usize {
         let mut expired = 0;
-        while let Some((_, expires)) = self.order.front() {
+        while let Some((_, expires, _)) = self.order.front() {
             if *expires > now {
                 break;
             }
@@ -180,13 +192,13 @@ impl ExpiringMap {
     /// Pops the front of the order queue; returns the events of the live entry it removed
     /// (0: none).
     fn pop_oldest(&mut self) -> u64 {
-        let Some((request_id, expires)) = self.order.pop_front() else {
+        let Some((request_id, _, slot)) = self.order.pop_front() else {
             return 0;
         };
         // The queue may hold entries already taken or re-inserted later: only remove the
         // map entry this queue slot stands for.
         match self.entries.get(&request_id) {
-            Some(e) if e.expires == expires => {
+            Some(e) if e.slot == slot => {
                 let events = e.events;
                 self.entries.remove(&request_id);
                 self.events -= events;
@@ -262,5 +274,152 @@ mod tests {
         assert_eq!(m.len(), 3);
         assert!(!m.contains("r0", w(1)));
         assert!(m.contains("r3", w(1)));
+    }
+
+    /// Issue 18: a `take` leaves its slot at the front of the order queue; a full map must
+    /// still evict a live entry, not just that stale slot, and say what it evicted.
+    #[tokio::test]
+    async fn a_taken_slot_at_the_front_does_not_let_the_map_pass_its_bound() {
+        let mut m = ExpiringMap::new(Duration::from_secs(60), 3);
+        for i in 0..3 {
+            m.insert(format!("r{i}").into(), w(1));
+        }
+        assert_eq!(m.take("r0", w(1)), 1);
+        assert_eq!(m.insert("r3".into(), w(1)), InsertOutcome::Inserted);
+        assert_eq!(
+            m.insert("r4".into(), w(1)),
+            InsertOutcome::EvictedOldest { events: 1 },
+            "r1, the oldest live entry, not r0's stale slot"
+        );
+        assert_eq!((m.len(), m.events()), (3, 3));
+        assert!(!m.contains("r1", w(1)));
+        for id in ["r2", "r3", "r4"] {
+            assert!(m.contains(id, w(1)), "{id}");
+        }
+    }
+
+    #[tokio::test]
+    async fn take_names_the_worker() {
+        let mut m = ExpiringMap::new(Duration::from_secs(60), 10);
+        m.insert("a".into(), w(1));
+        assert_eq!(m.take("a", w(2)), 0, "another worker's entry stays");
+        assert!(m.contains("a", w(1)));
+        assert_eq!(m.take("b", w(1)), 0, "unknown");
+        assert_eq!(m.take("a", w(1)), 1);
+        assert_eq!(m.take("a", w(1)), 0, "taken once");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_entry_dies_exactly_at_its_ttl() {
+        let ttl = Duration::from_secs(10);
+        let mut m = ExpiringMap::new(ttl, 10);
+        m.insert("a".into(), w(1));
+        tokio::time::advance(ttl - Duration::from_nanos(1)).await;
+        assert!(m.contains("a", w(1)), "just before the ttl");
+        assert_eq!(m.expire(Instant::now()), 0);
+        tokio::time::advance(Duration::from_nanos(1)).await;
+        assert!(!m.contains("a", w(1)), "at the ttl");
+        assert_eq!(m.len(), 1, "contains removes nothing");
+        assert_eq!(m.expire(Instant::now()), 1, "expire agrees with contains");
+        assert_eq!((m.len(), m.events(), m.take_expired()), (0, 0, 1));
+    }
+
+    #[tokio::test]
+    async fn forgetting_a_worker_drops_its_entries_and_their_events() {
+        let mut m = ExpiringMap::new(Duration::from_secs(60), 10);
+        m.insert("a".into(), w(1));
+        m.insert("a".into(), w(1));
+        m.insert("b".into(), w(2));
+        m.insert("c".into(), w(1));
+        assert_eq!(m.forget_worker(|x| x == w(1)), 3, "a twice, c once");
+        assert_eq!((m.len(), m.events()), (1, 1));
+        assert!(m.contains("b", w(2)));
+        assert_eq!(m.forget_worker(|x| x == w(3)), 0);
+        assert_eq!(m.take("b", w(2)), 1);
+    }
+
+    /// A slot left by an earlier life of the same id (taken, or renewed) must not end the
+    /// entry it has now.
+    #[tokio::test(start_paused = true)]
+    async fn a_reinserted_id_lives_a_full_ttl_from_its_last_insertion() {
+        let ttl = Duration::from_secs(10);
+        let mut m = ExpiringMap::new(ttl, 10);
+        m.insert("taken".into(), w(1));
+        m.insert("renewed".into(), w(1));
+        m.take("taken", w(1));
+        tokio::time::advance(Duration::from_secs(5)).await;
+        m.insert("taken".into(), w(1));
+        m.insert("renewed".into(), w(1));
+        tokio::time::advance(Duration::from_secs(6)).await;
+        assert_eq!(m.expire(Instant::now()), 0, "the old slots are stale");
+        assert!(m.contains("taken", w(1)) && m.contains("renewed", w(1)));
+        assert_eq!(m.events(), 3);
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert_eq!(m.expire(Instant::now()), 2);
+        assert_eq!((m.len(), m.events(), m.take_expired()), (0, 0, 3));
+    }
+
+    /// The queue compaction (slots of taken entries pile up under churn) runs once the
+    /// queue holds twice the capacity, not before (amortised O(1) an insertion), and keeps
+    /// the slot of every live entry: an entry whose slot is dropped would never expire.
+    #[tokio::test(start_paused = true)]
+    async fn compacting_the_queue_keeps_every_live_entry_expiring() {
+        let ttl = Duration::from_secs(10);
+        let mut m = ExpiringMap::new(ttl, 3);
+        m.insert("live".into(), w(1));
+        for i in 0..5 {
+            let id = format!("stale{i}");
+            m.insert(id.as_str().into(), w(1));
+            m.take(&id, w(1));
+        }
+        assert_eq!(m.order.len(), 6, "stale slots wait for the queue to fill");
+        m.insert("d".into(), w(1));
+        assert_eq!(m.order.len(), 2, "compacted to the live entries' slots");
+        tokio::time::advance(ttl).await;
+        assert_eq!(m.expire(Instant::now()), 2);
+        assert_eq!((m.len(), m.events(), m.take_expired()), (0, 0, 2));
+    }
+
+    /// Random operations against the bound and the accounting: every event held leaves
+    /// once (taken, expired, evicted, displaced or forgotten), the map never passes its
+    /// capacity, and the queue never passes twice that.
+    #[tokio::test(start_paused = true)]
+    async fn random_operations_keep_the_bound_and_account_every_event() {
+        let capacity = 4;
+        let mut m = ExpiringMap::new(Duration::from_secs(10), capacity);
+        let mut rng: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        let (mut held, mut left) = (0, 0);
+        for _ in 0..20_000 {
+            let id = RequestId::from(format!("r{}", next(8)));
+            let worker = w(next(2));
+            match next(12) {
+                0..=5 => {
+                    held += 1;
+                    match m.insert(id, worker) {
+                        InsertOutcome::Inserted => {}
+                        InsertOutcome::EvictedOldest { events } => {
+                            assert!(events > 0, "an eviction evicts something");
+                            left += events;
+                        }
+                        InsertOutcome::Displaced { events } => left += events,
+                    }
+                }
+                6..=8 => left += m.take(&id, worker),
+                9 | 10 => tokio::time::advance(Duration::from_secs(next(4))).await,
+                _ => left += m.forget_worker(|x| x == worker),
+            }
+            left += m.take_expired();
+            assert!(m.len() <= capacity, "{m:?}");
+            assert!(m.order.len() <= 2 * capacity, "{m:?}");
+            assert_eq!(held, left + m.events(), "{m:?}");
+            let sum: u64 = m.entries.values().map(|e| e.events).sum();
+            assert_eq!(sum, m.events());
+        }
     }
 }

@@ -399,16 +399,32 @@ mod tests {
         assert!(t.knows(9_999) && t.knows(7) && !t.knows(0));
     }
 
+    /// Past `max_publishers`, the least recently heard half goes at once (the median and
+    /// older), then the new one is added.
     #[test]
-    fn a_flood_of_publishers_stays_at_the_bound_and_counts_evictions() {
-        const FLOOD: u64 = 5_000;
-        let mut tracker = SequenceTracker::new(100);
-        for publisher in 0..FLOOD {
-            tracker.observe(publisher, 1);
-            assert!(tracker.len() <= 100);
+    fn a_full_tracker_forgets_the_older_half_at_once() {
+        let mut t = SequenceTracker::new(100);
+        for p in 0..100 {
+            t.observe(p, 1);
         }
-        // Half of the least recently heard go at once when it is full.
-        assert!(tracker.len() > 50, "{}", tracker.len());
-        assert_eq!(tracker.evicted() + tracker.len() as u64, FLOOD);
+        assert_eq!(
+            (t.len(), t.evicted()),
+            (100, 0),
+            "full, nothing forgotten yet"
+        );
+        t.observe(100, 1);
+        assert_eq!(
+            (t.evicted(), t.len()),
+            (51, 50),
+            "51 forgotten, 49 kept, 1 added"
+        );
+        assert!(!t.knows(50) && t.knows(51) && t.knows(99) && t.knows(100));
+
+        let mut t = SequenceTracker::new(1);
+        t.observe(1, 1);
+        t.observe(2, 1);
+        assert_eq!((t.evicted(), t.len()), (1, 1));
+        assert!(t.knows(2) && !t.knows(1));
+        assert_eq!(SequenceTracker::new(0).max_publishers, 1, "at least one");
     }
 }

@@ -116,4 +116,30 @@ mod tests {
             assert_eq!(found.map(LeaseKey::as_str), Some(id.as_str()));
         }
     }
+
+    #[test]
+    fn distinct_ids_hash_apart_and_keys_print_as_their_id() {
+        let hasher = hashbrown::DefaultHashBuilder::default();
+        let long = "y".repeat(INLINE_KEY_BYTES + 5);
+        let ids = ["a", "b", "req-1", long.as_str()];
+        let hashes: std::collections::HashSet<u64> = ids
+            .iter()
+            .map(|id| hash_id(&hasher, LeaseKey::new(id).as_bytes()))
+            .collect();
+        assert_eq!(
+            hashes.len(),
+            ids.len(),
+            "a constant hash files every id alike"
+        );
+        for id in ids {
+            let key = LeaseKey::new(id);
+            assert_eq!(
+                hash_id(&hasher, key.as_bytes()),
+                hash_id(&hasher, id.as_bytes())
+            );
+            assert_eq!(key.to_string(), id);
+            assert_eq!(format!("{key:?}"), format!("{id:?}"));
+        }
+        assert_eq!(format!("{:?}", LeaseKey::new("q\"x")), r#""q\"x""#);
+    }
 }

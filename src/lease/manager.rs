@@ -807,7 +807,7 @@ impl RequestLeaseManager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scheduler::{Scheduler, WorkerLoad};
+    use crate::scheduler::{Scheduler, SchedulerHandle, WorkerLoad};
     use tokio_util::task::TaskTracker;
 
     #[tokio::test]
@@ -859,5 +859,240 @@ mod tests {
             Some(CompleteOutcome::Released)
         );
         assert_eq!(scheduler.load(worker).await.unwrap(), WorkerLoad::default());
+    }
+
+    fn manager(
+        config: LeaseConfig,
+        tracker: &TaskTracker,
+    ) -> (SchedulerHandle, RequestLeaseManager) {
+        let (scheduler, actor) = Scheduler::new("t");
+        let manager = RequestLeaseManager::new("t", config, scheduler.cleanup());
+        actor.spawn(None, tracker);
+        (scheduler, manager)
+    }
+
+    fn one_shard() -> LeaseConfig {
+        LeaseConfig {
+            shards: 1,
+            ..LeaseConfig::default()
+        }
+    }
+
+    const LOAD: RequestLoad = RequestLoad {
+        prompt_tokens: 10,
+        expected_output_tokens: Some(1),
+    };
+
+    /// Issue 18: removals keep the live-lease count in step (a count that wraps refuses
+    /// every later admission as `Full`), through a reset and through expiry.
+    #[tokio::test]
+    async fn the_live_count_follows_resets_and_expiries_so_admissions_go_on() {
+        let tracker = TaskTracker::new();
+        let config = LeaseConfig {
+            max_active_leases: 3,
+            ..one_shard()
+        };
+        let (scheduler, manager) = manager(config, &tracker);
+        let w = WorkerWithDpRank::new;
+        manager.admit_current("a", w(1, 0), LOAD);
+        manager.admit_current("b", w(1, 1), LOAD);
+        manager.admit_current("c", w(2, 0), LOAD);
+        assert_eq!(manager.reset_worker(WorkerId(1), None), 2);
+        assert_eq!(manager.inner.active.load(Ordering::Relaxed), 1);
+        for id in ["d", "e"] {
+            assert_eq!(
+                manager.admit_current(id, w(3, 0), LOAD),
+                AdmitOutcome::Registered
+            );
+        }
+        assert_eq!(
+            manager.admit_current("f", w(3, 0), LOAD),
+            AdmitOutcome::Full
+        );
+        assert_eq!(scheduler.load(w(3, 0)).await.unwrap().active_bookings, 2);
+        manager.scan().await;
+        assert_eq!(manager.scan().await.expired, 3);
+        assert_eq!(manager.inner.active.load(Ordering::Relaxed), 0);
+        for id in ["g", "h", "i"] {
+            assert_eq!(
+                manager.admit_current(id, w(3, 0), LOAD),
+                AdmitOutcome::Registered
+            );
+        }
+        assert_eq!(
+            manager.admit_current("j", w(3, 0), LOAD),
+            AdmitOutcome::Full
+        );
+    }
+
+    /// Issue 18: lookups must hash as the table's growth rehashes, or leases are lost once
+    /// it grows.
+    #[tokio::test]
+    async fn every_lease_of_a_growing_shard_is_found_again() {
+        let tracker = TaskTracker::new();
+        let (scheduler, manager) = manager(one_shard(), &tracker);
+        let worker = WorkerWithDpRank::new(1, 0);
+        for i in 0..100 {
+            let id = format!("r{i}");
+            assert_eq!(
+                manager.admit_current(&id, worker, LOAD),
+                AdmitOutcome::Registered
+            );
+        }
+        for i in 0..100 {
+            assert_eq!(
+                manager.complete_current(&format!("r{i}"), worker),
+                Some(CompleteOutcome::Released),
+                "r{i}"
+            );
+        }
+        assert_eq!(manager.active_leases(), 0);
+        assert_eq!(scheduler.load(worker).await.unwrap(), WorkerLoad::default());
+    }
+
+    /// The shard is picked from the request id's hash, so leases spread over the shards.
+    #[tokio::test]
+    async fn leases_spread_over_the_shards() {
+        let tracker = TaskTracker::new();
+        let (_scheduler, manager) = manager(LeaseConfig::default(), &tracker);
+        for i in 0..1_000 {
+            manager.admit_current(&format!("r{i}"), WorkerWithDpRank::new(1, 0), LOAD);
+        }
+        let used = manager
+            .inner
+            .shards
+            .iter()
+            .filter(|s| !s.read().is_empty())
+            .count();
+        assert!(
+            used > DEFAULT_SHARDS / 2,
+            "{used} shards of {DEFAULT_SHARDS} used"
+        );
+    }
+
+    #[tokio::test]
+    async fn current_booking_and_leases_show_the_live_leases() {
+        let tracker = TaskTracker::new();
+        let (_scheduler, manager) = manager(LeaseConfig::default(), &tracker);
+        let (w1, w2) = (WorkerWithDpRank::new(1, 0), WorkerWithDpRank::new(2, 0));
+        let remote = SchedulerBookingDescriptor::new(RequestId::from("a"), w1);
+        manager.register_remote(remote.clone(), LOAD);
+        assert_eq!(manager.current_booking("a", w1), Some(remote.clone()));
+        assert_eq!(manager.current_booking("a", w2), None, "another worker");
+        assert_eq!(manager.current_booking("zz", w1), None, "unknown");
+        let ids = ["b", "c", "d", "e"];
+        for id in ids {
+            manager.admit_current(id, w2, LOAD);
+        }
+        let booking = manager.current_booking("c", w2).expect("live");
+        assert_eq!(
+            booking,
+            manager.lease(&RequestId::from("c")).unwrap().booking
+        );
+        assert_eq!((booking.request_id.as_str(), booking.worker), ("c", w2));
+
+        let mut all = manager.leases(100);
+        all.sort_by(|x, y| x.booking.request_id.cmp(&y.booking.request_id));
+        let names: Vec<&str> = all.iter().map(|l| l.booking.request_id.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c", "d", "e"]);
+        assert_eq!(all[0].booking, remote);
+        assert!(all.iter().all(|l| l.state == LeaseState::Touched));
+        assert_eq!(manager.leases(3).len(), 3);
+        assert_eq!(manager.leases(5).len(), 5);
+        assert!(manager.leases(0).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_lease_shows_its_age_in_whole_seconds() {
+        let tracker = TaskTracker::new();
+        let (_scheduler, mut manager) = manager(LeaseConfig::default(), &tracker);
+        let worker = WorkerWithDpRank::new(1, 0);
+        manager.admit_current("old", worker, LOAD);
+        // As if the manager, and the lease, were 42 s older.
+        Arc::get_mut(&mut manager.inner)
+            .expect("nothing else holds the manager")
+            .epoch -= Duration::from_secs(42);
+        manager.admit_current("new", worker, LOAD);
+        let age = |id: &str| manager.lease(&RequestId::from(id)).unwrap().age;
+        assert_eq!(age("old"), Duration::from_secs(42));
+        assert_eq!(age("new"), Duration::ZERO);
+        let mut listed: Vec<_> = manager.leases(10).into_iter().map(|l| l.age).collect();
+        listed.sort();
+        assert_eq!(listed, [Duration::ZERO, Duration::from_secs(42)]);
+    }
+
+    /// Each counter counts its own event, once.
+    #[tokio::test]
+    async fn each_outcome_is_counted_in_its_own_statistic() {
+        let tracker = TaskTracker::new();
+        let config = LeaseConfig {
+            shards: 4,
+            max_active_leases: 2,
+            ..LeaseConfig::default()
+        };
+        let (scheduler, manager) = manager(config, &tracker);
+        let (w1, w2, w3) = (
+            WorkerWithDpRank::new(1, 0),
+            WorkerWithDpRank::new(2, 0),
+            WorkerWithDpRank::new(3, 0),
+        );
+        let first = SchedulerBookingDescriptor::new(RequestId::from("a"), w1);
+        let second = SchedulerBookingDescriptor::new(RequestId::from("a"), w1);
+        assert_eq!(
+            manager.register_remote(first.clone(), LOAD),
+            AdmitOutcome::Registered
+        );
+        assert_eq!(
+            manager.register_remote(first.clone(), LOAD),
+            AdmitOutcome::Duplicate
+        );
+        assert_eq!(manager.touch_booking(&first), ProgressOutcome::Coalesced);
+        let report = manager.scan().await;
+        assert_eq!(
+            (report.expired, report.steps.len()),
+            (0, 4),
+            "a second chance"
+        );
+        assert_eq!(manager.touch_booking(&first), ProgressOutcome::Renewed);
+        assert_eq!(
+            manager.register_remote(second.clone(), LOAD),
+            AdmitOutcome::Superseded
+        );
+        assert_eq!(manager.touch_booking(&first), ProgressOutcome::Stale);
+        assert_eq!(manager.complete_remote(&first), CompleteOutcome::Stale);
+        assert_eq!(manager.complete_remote(&second), CompleteOutcome::Released);
+        manager.admit_current("x", w2, LOAD);
+        manager.admit_current("y", w3, LOAD);
+        assert_eq!(manager.admit_current("z", w3, LOAD), AdmitOutcome::Full);
+        assert_eq!(manager.reset_worker(WorkerId(3), None), 1);
+        manager.scan().await;
+        assert_eq!(manager.scan().await.expired, 1, "x");
+        assert_eq!(
+            manager.stats(),
+            LeaseStats {
+                active: 0,
+                registered: 3,
+                duplicate_admits: 1,
+                superseded: 1,
+                renewed: 1,
+                coalesced: 1,
+                stale_progress: 1,
+                completed: 1,
+                stale_completions: 1,
+                expired: 1,
+                reset_released: 1,
+                refused_full: 1,
+                scans: 3,
+            }
+        );
+        for w in [w1, w2, w3] {
+            assert_eq!(scheduler.load(w).await.unwrap(), WorkerLoad::default());
+        }
+        let s = scheduler.stats();
+        assert_eq!(
+            (s.booked, s.released_completed, s.released_superseded),
+            (4, 1, 1)
+        );
+        assert_eq!((s.released_expired, s.released_reset), (1, 1));
     }
 }

@@ -254,9 +254,10 @@ mod tests {
             "four ticks, four shards, one scan"
         );
         assert_eq!(manager.active_leases(), 1, "a second chance first");
-        assert!(
-            start.elapsed() < INTERVAL + Duration::from_millis(10),
-            "the steps of a scan follow each other closely"
+        assert_eq!(
+            start.elapsed(),
+            INTERVAL + 3 * SCAN_STEP_PAUSE,
+            "the steps of a scan follow each other, a pause apart"
         );
         reaper.tick().await;
         assert_eq!(
@@ -282,6 +283,7 @@ mod tests {
         let mut other = tokio::time::interval(Duration::from_millis(7));
         let mut ticks = 0;
         while manager.stats().scans < 3 {
+            assert!(ticks <= 12, "three scans are twelve steps");
             tokio::select! {
                 biased;
                 _ = reaper.tick() => ticks += 1,
@@ -327,5 +329,37 @@ mod tests {
         drop(manager);
         let ticked = tokio::time::timeout(10 * INTERVAL, reaper.tick()).await;
         assert!(ticked.is_err(), "a gone manager has no steps");
+    }
+
+    /// A scan whose steps outlast the interval starts the next one a pause after it ends,
+    /// not at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_scan_longer_than_the_interval_is_followed_by_a_pause() {
+        let tracker = TaskTracker::new();
+        let manager = manager(&tracker);
+        let mut reaper = manager.reaper();
+        for _ in 0..4 {
+            assert!(reaper.step().is_some());
+            // As if each step had run for half an interval.
+            tokio::time::advance(INTERVAL / 2).await;
+        }
+        assert_eq!(manager.stats().scans, 1);
+        let now = tokio::time::Instant::now() - INTERVAL / 2;
+        assert_eq!(reaper.due.deadline(), now + reaper.pause);
+        assert_eq!(reaper.pause, SCAN_STEP_PAUSE);
+    }
+
+    #[test]
+    fn thread_cpu_time_counts_this_threads_work() {
+        let start = thread_cpu_time();
+        let wall = Instant::now();
+        let mut spin = 0u64;
+        while thread_cpu_time() <= start {
+            spin = std::hint::black_box(spin.wrapping_add(1));
+            assert!(
+                wall.elapsed() < Duration::from_secs(5),
+                "CPU time never moved"
+            );
+        }
     }
 }
