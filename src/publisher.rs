@@ -434,6 +434,7 @@ impl LeasePublisher {
             dp_rank,
             prompt_tokens,
             expected_output_tokens,
+            cached_tokens: None,
         })
     }
 
@@ -477,7 +478,11 @@ impl LeasePublisher {
         worker_id: u64,
         dp_rank: Option<u32>,
     ) -> Result<(), PublishEventError> {
-        self.publish(WorkerReset { worker_id, dp_rank })
+        self.publish(WorkerReset {
+            worker_id,
+            dp_rank,
+            leaving: false,
+        })
     }
 
     /// Resolves once every event queued before the call has been handed to the NATS client

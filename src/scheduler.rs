@@ -49,12 +49,27 @@ pub enum ReleaseReason {
     WorkerReset,
 }
 
-/// The load of one worker as the scheduler counts it.
+/// The load of one worker as the scheduler counts it: sums over its live bookings.
+///
+/// `active_bookings`, `prompt_tokens` and `expected_output_tokens` are the sizes the
+/// bookings were admitted with; they move only at admission and release. The other three
+/// follow each request's phase (see [`crate::lease::load`]):
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize)]
 pub struct WorkerLoad {
+    /// Live bookings (provisional ones included).
     pub active_bookings: u64,
+    /// Prompt tokens of the live bookings, as admitted.
     pub prompt_tokens: u64,
+    /// Expected output tokens of the live bookings, as admitted (unknown counts 0).
     pub expected_output_tokens: u64,
+    /// Prefill tokens waiting: the uncached prompt of bookings whose prefill is not done
+    /// (up at admission, down at the first `progressed`).
+    pub prefill_tokens: u64,
+    /// KV tokens held: prompt plus output so far (up with each `progressed`, down at
+    /// release).
+    pub kv_tokens: u64,
+    /// Expected output still to come: expected minus produced, never below zero.
+    pub remaining_output_tokens: u64,
 }
 
 impl WorkerLoad {
@@ -68,36 +83,49 @@ impl WorkerLoad {
     }
 }
 
-/// What one booking adds to its worker's load: eight bytes, kept in its lease.
+/// What one booking adds to its worker's load at one moment. Its lease computes it from
+/// the request's sizes and progress ([`crate::lease::load`]); no per-booking record is
+/// kept here.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub(crate) struct BookingWeight {
-    prompt_tokens: u32,
-    expected_output_tokens: u32,
+    pub(crate) prompt_tokens: u32,
+    pub(crate) expected_output_tokens: u32,
+    pub(crate) prefill_tokens: u32,
+    pub(crate) kv_tokens: u32,
+    pub(crate) remaining_output_tokens: u32,
 }
 
 impl From<RequestLoad> for BookingWeight {
+    /// The weight at admission, before any progress.
     fn from(load: RequestLoad) -> Self {
-        Self {
-            prompt_tokens: load.prompt_tokens,
-            expected_output_tokens: load.expected_output_tokens.unwrap_or(0),
-        }
+        crate::lease::load::LeaseLoad::new(load).weight()
     }
 }
 
 /// A worker's sums. Signed, so that operations applied in any order add up (see the module
 /// docs); shown clamped at zero.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Tally {
     bookings: i64,
     prompt_tokens: i64,
     expected_output_tokens: i64,
+    prefill_tokens: i64,
+    kv_tokens: i64,
+    remaining_output_tokens: i64,
 }
 
 impl Tally {
     fn add(&mut self, sign: i64, weight: BookingWeight) {
         self.bookings += sign;
+        self.add_tokens(sign, weight);
+    }
+
+    fn add_tokens(&mut self, sign: i64, weight: BookingWeight) {
         self.prompt_tokens += sign * i64::from(weight.prompt_tokens);
         self.expected_output_tokens += sign * i64::from(weight.expected_output_tokens);
+        self.prefill_tokens += sign * i64::from(weight.prefill_tokens);
+        self.kv_tokens += sign * i64::from(weight.kv_tokens);
+        self.remaining_output_tokens += sign * i64::from(weight.remaining_output_tokens);
     }
 
     fn load(&self) -> WorkerLoad {
@@ -106,6 +134,9 @@ impl Tally {
             active_bookings: clamp(self.bookings),
             prompt_tokens: clamp(self.prompt_tokens),
             expected_output_tokens: clamp(self.expected_output_tokens),
+            prefill_tokens: clamp(self.prefill_tokens),
+            kv_tokens: clamp(self.kv_tokens),
+            remaining_output_tokens: clamp(self.remaining_output_tokens),
         }
     }
 }
@@ -185,11 +216,14 @@ pub enum ScheduleRequestError {
 pub(crate) enum Op {
     Book(WorkerWithDpRank, BookingWeight),
     Release(WorkerWithDpRank, BookingWeight, ReleaseReason),
+    /// A live booking's weight moved (its request progressed, or an admission took a
+    /// provisional booking over): from the first weight to the second.
+    Shift(WorkerWithDpRank, BookingWeight, BookingWeight),
 }
 
 /// Operations that may wait in the inbox before the actor is woken to apply them. Every
 /// query applies the inbox first, so waiting changes no answer; it only spares the runtime a
-/// wake-up (a thread unpark, often) per burst of events, and bounds the inbox (32 bytes an
+/// wake-up (a thread unpark, often) per burst of events, and bounds the inbox (64 bytes an
 /// operation).
 const WAKE_AT: usize = 256;
 
@@ -344,6 +378,11 @@ impl SchedulerState {
             Op::Release(worker, weight, reason) => {
                 self.workers.entry(worker).or_default().add(-1, weight);
                 self.stats.count_release(reason);
+            }
+            Op::Shift(worker, from, to) => {
+                let tally = self.workers.entry(worker).or_default();
+                tally.add_tokens(-1, from);
+                tally.add_tokens(1, to);
             }
         }
     }
@@ -502,7 +541,10 @@ mod tests {
             WorkerLoad {
                 active_bookings: 1,
                 prompt_tokens: 100,
-                expected_output_tokens: 10
+                expected_output_tokens: 10,
+                prefill_tokens: 100,
+                kv_tokens: 100,
+                remaining_output_tokens: 10,
             }
         );
         assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(2));
@@ -538,7 +580,10 @@ mod tests {
             WorkerLoad {
                 active_bookings: 1,
                 prompt_tokens: 5,
-                expected_output_tokens: 0
+                expected_output_tokens: 0,
+                prefill_tokens: 5,
+                kv_tokens: 5,
+                remaining_output_tokens: 0,
             }
         );
     }

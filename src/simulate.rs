@@ -575,6 +575,7 @@ impl Worker {
             dp_rank: plan.dp_rank,
             prompt_tokens: plan.prompt_tokens,
             expected_output_tokens: plan.expected_output_tokens,
+            cached_tokens: None,
         }
     }
 
@@ -739,6 +740,7 @@ impl Worker {
             self.send(WorkerReset {
                 worker_id: self.worker_id,
                 dp_rank: None,
+                leaving: false,
             });
         }
         let mut ticker = tokio::time::interval(progress_every);

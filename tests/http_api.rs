@@ -267,6 +267,7 @@ async fn admit(
             dp_rank: 0,
             prompt_tokens: 100,
             expected_output_tokens: Some(20),
+            cached_tokens: None,
         },
     );
     let payload = wire::encode(&envelope).unwrap();

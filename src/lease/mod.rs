@@ -8,6 +8,7 @@
 
 pub mod clock;
 mod key;
+pub mod load;
 pub mod manager;
 pub mod reaper;
 mod weak_observer;

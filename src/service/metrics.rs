@@ -644,6 +644,9 @@ mod tests {
                 active_bookings: 2,
                 prompt_tokens: 300,
                 expected_output_tokens: 40,
+                prefill_tokens: 250,
+                kv_tokens: 310,
+                remaining_output_tokens: 30,
             },
         )]);
         let mut registry = Registry::with_prefix(METRIC_PREFIX);

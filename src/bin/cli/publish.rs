@@ -111,6 +111,7 @@ impl PublishArgs {
                 dp_rank,
                 prompt_tokens: *prompt_tokens,
                 expected_output_tokens: *expected_output_tokens,
+                cached_tokens: None,
             }
             .into(),
             EventArgs::Progressed {
@@ -145,6 +146,7 @@ impl PublishArgs {
             EventArgs::Reset => WorkerReset {
                 worker_id,
                 dp_rank: self.dp_rank,
+                leaving: false,
             }
             .into(),
         }

@@ -1,0 +1,102 @@
+//! The load picture a router decides with, against a real nats-server: load by phase from the
+//! events on the bus, worker membership, and the routing decision.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use lease_router::ingress::ApplyConfig;
+use lease_router::scheduler::{SchedulerHandle, WorkerLoad};
+use lease_router::types::WorkerWithDpRank;
+use lease_router::wire::{Admitted, ProgressStage, Progressed};
+
+const NO_EXPIRY: Duration = Duration::from_secs(3600);
+
+fn w(worker: u64) -> WorkerWithDpRank {
+    WorkerWithDpRank::new(worker, 0)
+}
+
+/// Waits until the scheduler shows `expected` for `worker`; the last load seen otherwise.
+async fn wait_load(
+    scheduler: &SchedulerHandle,
+    worker: WorkerWithDpRank,
+    expected: WorkerLoad,
+) -> WorkerLoad {
+    eventually(BOUND, || async {
+        scheduler.load(worker).await.unwrap() == expected
+    })
+    .await;
+    scheduler.load(worker).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_moves_by_phase_from_the_bus() {
+    let server = server().await;
+    let conn = client(&server.url()).await;
+    let h = router(&conn, "phases", NO_EXPIRY, ApplyConfig::default()).await;
+    let scheduler = h.router.scheduler().clone();
+    let mut publisher = RawPublisher::new(conn.client().clone(), "phases", 1);
+
+    let progressed = |otok| Progressed {
+        stage: if otok == 0 {
+            ProgressStage::PrefillDone
+        } else {
+            ProgressStage::Decoding
+        },
+        output_tokens: otok,
+        ..progressed("r-1", 3)
+    };
+    // Progress that overtakes its admission is held, then applied with it.
+    publisher.send(progressed(4)).await;
+    publisher
+        .send(Admitted {
+            cached_tokens: Some(200),
+            ..admitted("r-1", 3, 1000)
+        })
+        .await;
+    publisher.send(admitted("r-2", 3, 300)).await;
+    publisher.flush().await;
+    let expected = WorkerLoad {
+        active_bookings: 2,
+        prompt_tokens: 1300,
+        expected_output_tokens: 32,
+        prefill_tokens: 300,
+        kv_tokens: 1304,
+        remaining_output_tokens: 12 + 16,
+    };
+    assert_eq!(wait_load(&scheduler, w(3), expected).await, expected);
+
+    // Prefill done for r-2, output grows for r-1 (a late, lower count changes nothing).
+    publisher.send(progressed(0).clone_for("r-2")).await;
+    publisher.send(progressed(20)).await;
+    publisher.send(progressed(9)).await;
+    publisher.flush().await;
+    let expected = WorkerLoad {
+        prefill_tokens: 0,
+        kv_tokens: 1320,
+        remaining_output_tokens: 16,
+        ..expected
+    };
+    assert_eq!(wait_load(&scheduler, w(3), expected).await, expected);
+
+    publisher.send(completed("r-1", 3)).await;
+    publisher.send(completed("r-2", 3)).await;
+    publisher.flush().await;
+    let zero = WorkerLoad::default();
+    assert_eq!(wait_load(&scheduler, w(3), zero).await, zero);
+    assert_eq!(h.router.manager().live_loads(), Vec::new());
+}
+
+trait CloneFor {
+    fn clone_for(&self, request_id: &str) -> Self;
+}
+
+impl CloneFor for Progressed {
+    fn clone_for(&self, request_id: &str) -> Self {
+        Progressed {
+            request_id: request_id.to_owned(),
+            ..self.clone()
+        }
+    }
+}
