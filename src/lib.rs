@@ -48,6 +48,7 @@ pub mod observer;
 pub mod publisher;
 pub mod retry;
 pub mod router;
+pub mod routing;
 pub mod scheduler;
 pub mod service;
 pub mod simulate;

@@ -24,6 +24,7 @@
 use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use hashbrown::HashMap;
 use parking_lot::Mutex;
@@ -34,7 +35,15 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, Instrument};
 
 use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
-use crate::types::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
+use crate::routing::RoutingConfig;
+use crate::types::{
+    DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
+};
+
+/// How long a worker with no live booking may stay silent before the scheduler forgets it,
+/// unless set: one lease lifetime at the default scan interval (a silent lease dies one to
+/// two intervals after its last touch).
+pub const DEFAULT_WORKER_IDLE: Duration = Duration::from_secs(600);
 
 /// Why a booking is released.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
@@ -128,6 +137,10 @@ impl Tally {
         self.remaining_output_tokens += sign * i64::from(weight.remaining_output_tokens);
     }
 
+    fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
+
     fn load(&self) -> WorkerLoad {
         let clamp = |n: i64| u64::try_from(n).unwrap_or(0);
         WorkerLoad {
@@ -150,6 +163,8 @@ pub struct SchedulerStats {
     released_expired: AtomicU64,
     released_superseded: AtomicU64,
     released_reset: AtomicU64,
+    workers_left: AtomicU64,
+    workers_forgotten: AtomicU64,
 }
 
 /// A point-in-time copy of [`SchedulerStats`].
@@ -162,6 +177,10 @@ pub struct SchedulerStatsSnapshot {
     pub released_expired: u64,
     pub released_superseded: u64,
     pub released_reset: u64,
+    /// Workers (ranks) that said they were leaving.
+    pub workers_left: u64,
+    /// Workers (ranks) forgotten after their idle time with no live booking.
+    pub workers_forgotten: u64,
 }
 
 impl SchedulerStats {
@@ -174,6 +193,8 @@ impl SchedulerStats {
             released_expired: get(&self.released_expired),
             released_superseded: get(&self.released_superseded),
             released_reset: get(&self.released_reset),
+            workers_left: get(&self.workers_left),
+            workers_forgotten: get(&self.workers_forgotten),
         }
     }
 
@@ -219,6 +240,15 @@ pub(crate) enum Op {
     /// A live booking's weight moved (its request progressed, or an admission took a
     /// provisional booking over): from the first weight to the second.
     Shift(WorkerWithDpRank, BookingWeight, BookingWeight),
+    /// The worker sent an event of its own: a member, seen now.
+    Seen(WorkerWithDpRank),
+    /// A `worker_reset` (every rank when `dp_rank` is `None`), after its releases: a
+    /// restart keeps the worker a member, leaving takes it out of every decision.
+    Membership {
+        worker_id: WorkerId,
+        dp_rank: Option<DpRank>,
+        leaving: bool,
+    },
 }
 
 /// Operations that may wait in the inbox before the actor is woken to apply them. Every
@@ -231,6 +261,7 @@ enum Command {
     /// Apply what is in the inbox.
     Drain,
     Loads(oneshot::Sender<Vec<(WorkerWithDpRank, WorkerLoad)>>),
+    Workers(oneshot::Sender<Vec<WorkerStatus>>),
     Load(WorkerWithDpRank, oneshot::Sender<WorkerLoad>),
     LeastLoaded(oneshot::Sender<Option<(WorkerWithDpRank, WorkerLoad)>>),
     Schedule(
@@ -321,17 +352,24 @@ impl SchedulerHandle {
         self.mailbox.stats.snapshot()
     }
 
-    /// The load of every worker the scheduler knows, ordered by worker.
+    /// The load of every member worker, ordered by worker: a worker that left or was
+    /// forgotten is not listed.
     pub async fn loads(&self) -> Result<Vec<(WorkerWithDpRank, WorkerLoad)>, QuerySchedulerError> {
         self.mailbox.ask(Command::Loads).await
     }
 
-    /// The load of one worker (zero when it is unknown).
+    /// Every member worker with its load and how long ago it was last heard, ordered by
+    /// worker.
+    pub async fn workers(&self) -> Result<Vec<WorkerStatus>, QuerySchedulerError> {
+        self.mailbox.ask(Command::Workers).await
+    }
+
+    /// The load of one worker, member or not (zero when it is unknown).
     pub async fn load(&self, worker: WorkerWithDpRank) -> Result<WorkerLoad, QuerySchedulerError> {
         self.mailbox.ask(|reply| Command::Load(worker, reply)).await
     }
 
-    /// The least-loaded known worker: fewest bookings, then fewest tokens.
+    /// The least-loaded member worker: fewest bookings, then fewest tokens.
     pub async fn least_loaded(
         &self,
     ) -> Result<Option<(WorkerWithDpRank, WorkerLoad)>, QuerySchedulerError> {
@@ -359,8 +397,33 @@ impl SchedulerHandle {
     }
 }
 
+/// A worker as [`SchedulerHandle::workers`] shows it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
+pub struct WorkerStatus {
+    pub worker: WorkerWithDpRank,
+    pub load: WorkerLoad,
+    /// Since its last event of its own, measured when the scheduler applied it (to within
+    /// the inbox's wait, see the module docs).
+    pub last_seen: Duration,
+}
+
+/// What the actor keeps of one worker.
+#[derive(Clone, Copy, Debug)]
+struct WorkerEntry {
+    tally: Tally,
+    /// Chosen by decisions and listed: it spoke, and has not left nor been forgotten since.
+    /// A non-member is kept only while releases still have to bring its sums to zero.
+    member: bool,
+    last_seen: Instant,
+}
+
 struct SchedulerState {
-    workers: HashMap<WorkerWithDpRank, Tally>,
+    workers: HashMap<WorkerWithDpRank, WorkerEntry>,
+    /// Read once per drain: when the operations applied were (about) made.
+    now: Instant,
+    worker_idle: Duration,
+    last_sweep: Instant,
+    routing: RoutingConfig,
     inbox: Arc<Inbox>,
     /// The actor's side of the inbox, swapped with it at each drain.
     batch: Vec<Op>,
@@ -369,22 +432,112 @@ struct SchedulerState {
 }
 
 impl SchedulerState {
+    fn entry(&mut self, worker: WorkerWithDpRank) -> &mut WorkerEntry {
+        let now = self.now;
+        self.workers.entry(worker).or_insert_with(|| WorkerEntry {
+            tally: Tally::default(),
+            member: false,
+            last_seen: now,
+        })
+    }
+
+    /// Drops a non-member whose sums are back to zero.
+    fn collect(&mut self, worker: WorkerWithDpRank) {
+        if let Some(entry) = self.workers.get(&worker) {
+            if !entry.member && entry.tally.is_zero() {
+                self.workers.remove(&worker);
+            }
+        }
+    }
+
     fn apply(&mut self, op: Op) {
         match op {
             Op::Book(worker, weight) => {
-                self.workers.entry(worker).or_default().add(1, weight);
+                let entry = self.entry(worker);
+                entry.tally.add(1, weight);
+                // Booked on by an admission, or by a decision (which chose a member).
+                entry.member = true;
                 self.stats.booked.fetch_add(1, Ordering::Relaxed);
             }
             Op::Release(worker, weight, reason) => {
-                self.workers.entry(worker).or_default().add(-1, weight);
+                self.entry(worker).tally.add(-1, weight);
                 self.stats.count_release(reason);
+                self.collect(worker);
             }
             Op::Shift(worker, from, to) => {
-                let tally = self.workers.entry(worker).or_default();
-                tally.add_tokens(-1, from);
-                tally.add_tokens(1, to);
+                let entry = self.entry(worker);
+                entry.tally.add_tokens(-1, from);
+                entry.tally.add_tokens(1, to);
+                self.collect(worker);
             }
+            Op::Seen(worker) => {
+                let now = self.now;
+                let entry = self.entry(worker);
+                entry.member = true;
+                entry.last_seen = now;
+            }
+            Op::Membership {
+                worker_id,
+                dp_rank,
+                leaving,
+            } => self.membership(worker_id, dp_rank, leaving),
         }
+    }
+
+    fn membership(&mut self, worker_id: WorkerId, dp_rank: Option<DpRank>, leaving: bool) {
+        let now = self.now;
+        let mut matched = false;
+        let mut left = 0;
+        self.workers.retain(|w, entry| {
+            if w.worker_id != worker_id || dp_rank.is_some_and(|rank| w.dp_rank != rank) {
+                return true;
+            }
+            matched = true;
+            if leaving {
+                left += u64::from(entry.member);
+                entry.member = false;
+                !entry.tally.is_zero()
+            } else {
+                entry.member = true;
+                entry.last_seen = now;
+                true
+            }
+        });
+        self.stats.workers_left.fetch_add(left, Ordering::Relaxed);
+        if !leaving && !matched {
+            // A worker starting: a member from now on, with the rank it named (rank 0 when
+            // it named none; its other ranks join with their first event).
+            let worker = WorkerWithDpRank {
+                worker_id,
+                dp_rank: dp_rank.unwrap_or_default(),
+            };
+            self.entry(worker).member = true;
+        }
+    }
+
+    /// Forgets members with no live booking that have said nothing for the idle time;
+    /// looks at most four times per idle time.
+    fn forget_idle(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_sweep) < self.worker_idle / 4 {
+            return;
+        }
+        self.last_sweep = now;
+        let idle = self.worker_idle;
+        let mut forgotten = 0;
+        self.workers.retain(|_, entry| {
+            if entry.member
+                && entry.tally.bookings <= 0
+                && now.saturating_duration_since(entry.last_seen) >= idle
+            {
+                entry.member = false;
+                forgotten += 1;
+            }
+            entry.member || !entry.tally.is_zero()
+        });
+        self.stats
+            .workers_forgotten
+            .fetch_add(forgotten, Ordering::Relaxed);
     }
 
     /// Applies everything queued so far.
@@ -394,6 +547,7 @@ impl SchedulerState {
             return;
         }
         self.stats.wakeups.fetch_add(1, Ordering::Relaxed);
+        self.now = Instant::now();
         let mut batch = mem::take(&mut self.batch);
         for op in batch.drain(..) {
             self.apply(op);
@@ -401,8 +555,12 @@ impl SchedulerState {
         self.batch = batch;
     }
 
+    /// The members and their loads.
     fn loads(&self) -> impl Iterator<Item = (WorkerWithDpRank, WorkerLoad)> + '_ {
-        self.workers.iter().map(|(w, t)| (*w, t.load()))
+        self.workers
+            .iter()
+            .filter(|(_, e)| e.member)
+            .map(|(w, e)| (*w, e.tally.load()))
     }
 
     fn least_loaded(&self) -> Option<(WorkerWithDpRank, WorkerLoad)> {
@@ -449,8 +607,13 @@ impl Scheduler {
         let inbox = Arc::new(Inbox {
             ops: Mutex::new(Vec::new()),
         });
+        let now = Instant::now();
         let state = SchedulerState {
             workers: HashMap::new(),
+            now,
+            worker_idle: DEFAULT_WORKER_IDLE,
+            last_sweep: now,
+            routing: RoutingConfig::default(),
             inbox: inbox.clone(),
             batch: Vec::new(),
             observer: None,
@@ -465,6 +628,19 @@ impl Scheduler {
             rx,
         };
         (handle, actor)
+    }
+
+    /// Forgets a member with no live booking after `idle` without an event of its own
+    /// (default [`DEFAULT_WORKER_IDLE`]).
+    pub fn with_worker_idle(mut self, idle: Duration) -> Self {
+        self.state.worker_idle = idle;
+        self
+    }
+
+    /// The policy and weights of [`SchedulerHandle::route`].
+    pub fn with_routing(mut self, routing: RoutingConfig) -> Self {
+        self.state.routing = routing;
+        self
     }
 
     /// Starts the actor on `tracker`. `observer` is where [`SchedulerHandle::schedule`]
@@ -487,6 +663,7 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
     while let Some(command) = rx.recv().await {
         // Every command first applies what is queued, so answers reflect it.
         state.drain();
+        state.forget_idle();
         match command {
             Command::Drain => {}
             Command::Loads(reply) => {
@@ -494,8 +671,23 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
                 loads.sort_unstable_by_key(|(w, _)| *w);
                 let _ = reply.send(loads);
             }
+            Command::Workers(reply) => {
+                let now = Instant::now();
+                let mut workers: Vec<_> = state
+                    .workers
+                    .iter()
+                    .filter(|(_, e)| e.member)
+                    .map(|(worker, e)| WorkerStatus {
+                        worker: *worker,
+                        load: e.tally.load(),
+                        last_seen: now.saturating_duration_since(e.last_seen),
+                    })
+                    .collect();
+                workers.sort_unstable_by_key(|w| w.worker);
+                let _ = reply.send(workers);
+            }
             Command::Load(worker, reply) => {
-                let load = state.workers.get(&worker).map(Tally::load);
+                let load = state.workers.get(&worker).map(|e| e.tally.load());
                 let _ = reply.send(load.unwrap_or_default());
             }
             Command::LeastLoaded(reply) => {
@@ -655,6 +847,109 @@ mod tests {
             .await
             .expect("scheduler ended")
             .unwrap();
+    }
+
+    fn members(loads: &[(WorkerWithDpRank, WorkerLoad)]) -> Vec<WorkerWithDpRank> {
+        loads.iter().map(|(w, _)| *w).collect()
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_leaves_is_no_member_until_it_speaks_again() {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
+        let cleanup = handle.cleanup();
+        let w = weight(10, None);
+        let leave = |worker_id, dp_rank| Op::Membership {
+            worker_id: WorkerId(worker_id),
+            dp_rank,
+            leaving: true,
+        };
+        let a = WorkerWithDpRank::new(1, 0);
+        let b = WorkerWithDpRank::new(1, 1);
+        submit(
+            &cleanup,
+            &[
+                Op::Seen(a),
+                Op::Seen(b),
+                Op::Book(worker(2), w),
+                Op::Book(a, w),
+            ],
+        );
+        assert_eq!(
+            members(&handle.loads().await.unwrap()),
+            vec![a, b, worker(2)]
+        );
+        // Its release comes after the leave (the reaper's, say): the worker stays gone, and
+        // its sums come back to zero.
+        submit(&cleanup, &[leave(1, None)]);
+        assert_eq!(members(&handle.loads().await.unwrap()), vec![worker(2)]);
+        assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(2));
+        assert_eq!(handle.load(a).await.unwrap().active_bookings, 1);
+        submit(&cleanup, &[Op::Release(a, w, ReleaseReason::Expired)]);
+        assert_eq!(handle.load(a).await.unwrap(), WorkerLoad::default());
+        assert_eq!(members(&handle.loads().await.unwrap()), vec![worker(2)]);
+        assert_eq!(handle.stats().workers_left, 2);
+        // Speaking again makes it a member again; a restart of an unknown worker makes one.
+        submit(
+            &cleanup,
+            &[
+                Op::Seen(b),
+                Op::Membership {
+                    worker_id: WorkerId(5),
+                    dp_rank: None,
+                    leaving: false,
+                },
+            ],
+        );
+        assert_eq!(
+            members(&handle.loads().await.unwrap()),
+            vec![b, worker(2), worker(5)]
+        );
+        // One rank leaving leaves the others.
+        submit(&cleanup, &[Op::Seen(a), leave(1, Some(DpRank(1)))]);
+        assert_eq!(
+            members(&handle.loads().await.unwrap()),
+            vec![a, worker(2), worker(5)]
+        );
+    }
+
+    #[tokio::test]
+    async fn an_idle_worker_is_forgotten_but_not_one_with_a_live_booking() {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        let idle = Duration::from_millis(200);
+        actor.with_worker_idle(idle).spawn(None, &tracker);
+        let cleanup = handle.cleanup();
+        submit(
+            &cleanup,
+            &[
+                Op::Seen(worker(1)),
+                Op::Seen(worker(2)),
+                Op::Book(worker(3), weight(1, None)),
+            ],
+        );
+        let workers = handle.workers().await.unwrap();
+        assert_eq!(workers.len(), 3);
+        assert!(workers.iter().all(|w| w.last_seen < idle), "{workers:?}");
+        tokio::time::sleep(idle / 2).await;
+        submit(&cleanup, &[Op::Seen(worker(2))]);
+        let workers = handle.workers().await.unwrap();
+        assert!(workers[0].last_seen >= idle / 2, "{workers:?}");
+        assert!(workers[1].last_seen < idle / 2, "{workers:?}");
+        tokio::time::sleep(idle * 3 / 4).await;
+        handle.loads().await.unwrap();
+        tokio::time::sleep(idle / 2).await;
+        // Workers 1 and 2 have been silent longer than the idle time; worker 3 is booked.
+        let left: Vec<_> = handle
+            .workers()
+            .await
+            .unwrap()
+            .iter()
+            .map(|w| w.worker)
+            .collect();
+        assert_eq!(left, vec![worker(3)]);
+        assert_eq!(handle.stats().workers_forgotten, 2);
     }
 
     #[tokio::test]

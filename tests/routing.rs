@@ -9,7 +9,7 @@ use common::*;
 use lease_router::ingress::ApplyConfig;
 use lease_router::scheduler::{SchedulerHandle, WorkerLoad};
 use lease_router::types::WorkerWithDpRank;
-use lease_router::wire::{Admitted, ProgressStage, Progressed};
+use lease_router::wire::{Admitted, ProgressStage, Progressed, WorkerReset};
 
 const NO_EXPIRY: Duration = Duration::from_secs(3600);
 
@@ -99,4 +99,60 @@ impl CloneFor for Progressed {
             ..self.clone()
         }
     }
+}
+
+async fn members(scheduler: &SchedulerHandle) -> Vec<WorkerWithDpRank> {
+    let loads = scheduler.loads().await.unwrap();
+    loads.into_iter().map(|(w, _)| w).collect()
+}
+
+/// Waits until the members are `expected`; returns the members then.
+async fn wait_members(
+    scheduler: &SchedulerHandle,
+    expected: &[WorkerWithDpRank],
+) -> Vec<WorkerWithDpRank> {
+    eventually(BOUND, || async { members(scheduler).await == expected }).await;
+    members(scheduler).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_leaves_is_gone_until_it_publishes_again_and_a_restart_stays() {
+    let server = server().await;
+    let conn = client(&server.url()).await;
+    let h = router(&conn, "members", NO_EXPIRY, ApplyConfig::default()).await;
+    let scheduler = h.router.scheduler().clone();
+    let mut publisher = RawPublisher::new(conn.client().clone(), "members", 1);
+    let reset = |worker_id, leaving| WorkerReset {
+        worker_id,
+        dp_rank: None,
+        leaving,
+    };
+
+    publisher.send(reset(3, false)).await;
+    publisher.send(admitted("a", 4, 100)).await;
+    publisher.send(admitted("b", 5, 100)).await;
+    publisher.flush().await;
+    assert_eq!(
+        wait_members(&scheduler, &[w(3), w(4), w(5)]).await,
+        [w(3), w(4), w(5)]
+    );
+
+    // Leaving drops its lease and takes it out; a restart drops the lease and keeps it.
+    publisher.send(reset(4, true)).await;
+    publisher.send(reset(5, false)).await;
+    publisher.flush().await;
+    assert_eq!(wait_members(&scheduler, &[w(3), w(5)]).await, [w(3), w(5)]);
+    assert_eq!(scheduler.load(w(4)).await.unwrap(), WorkerLoad::default());
+    assert_eq!(scheduler.load(w(5)).await.unwrap(), WorkerLoad::default());
+    assert_eq!(scheduler.stats().workers_left, 1);
+    let workers = scheduler.workers().await.unwrap();
+    assert!(workers.iter().all(|s| s.last_seen < BOUND), "{workers:?}");
+
+    publisher.send(progressed("x", 4)).await;
+    publisher.flush().await;
+    assert_eq!(
+        wait_members(&scheduler, &[w(3), w(4), w(5)]).await,
+        [w(3), w(4), w(5)],
+        "publishing again makes it a member again"
+    );
 }

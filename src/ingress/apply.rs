@@ -437,9 +437,9 @@ impl EventApplier {
     }
 
     fn worker_reset(&mut self, e: WorkerReset) -> Result<Applied, DeliverEventError> {
-        let dropped = self
-            .leases()?
-            .reset_worker(WorkerId(e.worker_id), e.dp_rank.map(DpRank));
+        let dropped =
+            self.leases()?
+                .reset_worker(WorkerId(e.worker_id), e.dp_rank.map(DpRank), e.leaving);
         // Held events of the reset worker's requests: their leases are gone.
         let forgotten = self.tombstones.forget_worker(|w| e.covers(w))
             + self.held_progress.forget_worker(|w| e.covers(w));

@@ -225,17 +225,34 @@ pub struct LeaseRecord {
 type Table = HashTable<(LeaseKey, Lease)>;
 type Shard = RwLock<Table>;
 
+/// Slots of [`Pending`]'s filter of workers already reported seen.
+const SEEN_SLOTS: usize = 16;
+
 /// Scheduler operations and counts gathered by one or more calls, handed over at once.
 #[derive(Default)]
 struct Pending {
     ops: Vec<Op>,
     counts: [u64; COUNTERS],
     now_secs: Option<u32>,
+    /// Workers this batch has reported seen, direct-mapped by id and rank: a burst of events
+    /// of a few workers sends a few `Seen` operations, not one per event.
+    seen: [Option<WorkerWithDpRank>; SEEN_SLOTS],
 }
 
 impl Pending {
     fn count(&mut self, counter: Counter) {
         self.counts[counter as usize] += 1;
+    }
+
+    /// `worker` spoke (an event of its own): the scheduler keeps it a member, and its
+    /// last-seen time fresh.
+    fn seen(&mut self, worker: WorkerWithDpRank) {
+        let slot =
+            (worker.worker_id.0 as usize ^ (worker.dp_rank.0 as usize).rotate_left(3)) % SEEN_SLOTS;
+        if self.seen[slot] != Some(worker) {
+            self.seen[slot] = Some(worker);
+            self.ops.push(Op::Seen(worker));
+        }
     }
 
     fn flush(&mut self, inner: &RequestLeaseManagerInner) {
@@ -320,6 +337,9 @@ impl RequestLeaseManagerInner {
         same: impl FnOnce(&Lease) -> bool,
         fresh: impl FnOnce() -> (LeaseKey, AttemptId),
     ) -> AdmitOutcome {
+        if !provisional {
+            pending.seen(worker);
+        }
         // One clock read per batch: every admission of a burst shares it.
         let admitted_at = *pending.now_secs.get_or_insert_with(|| self.now_secs());
         let hash = self.hash(request_id);
@@ -429,6 +449,7 @@ impl RequestLeaseManagerInner {
         let (_, lease) = table
             .find(hash, |(key, _)| key.is(request_id))
             .filter(|(_, lease)| matches(lease))?;
+        pending.seen(lease.worker);
         let outcome = match lease.clock.touch() {
             TouchOutcome::Renewed => ProgressOutcome::Renewed,
             TouchOutcome::Coalesced => ProgressOutcome::Coalesced,
@@ -458,6 +479,7 @@ impl RequestLeaseManagerInner {
             .ok()
             .filter(|entry| matches(&entry.get().1))?;
         let ((_, lease), _) = entry.remove();
+        pending.seen(lease.worker);
         drop(table);
         self.active.fetch_sub(1, Ordering::Relaxed);
         let released = lease.clock.claim();
@@ -533,6 +555,7 @@ impl LeaseBatch {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<ProgressOutcome> {
+        self.pending.seen(worker);
         self.manager
             .inner
             .touch(&mut self.pending, request_id, None, |l| l.worker == worker)
@@ -545,6 +568,7 @@ impl LeaseBatch {
         worker: WorkerWithDpRank,
         output_tokens: u32,
     ) -> Option<ProgressOutcome> {
+        self.pending.seen(worker);
         self.manager
             .inner
             .touch(&mut self.pending, request_id, Some(output_tokens), |l| {
@@ -558,14 +582,23 @@ impl LeaseBatch {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<CompleteOutcome> {
+        self.pending.seen(worker);
         self.manager
             .inner
             .complete(&mut self.pending, request_id, |l| l.worker == worker)
     }
 
-    /// [`RequestLeaseManager::reset_worker`] within the batch.
-    pub fn reset_worker(&mut self, worker_id: WorkerId, dp_rank: Option<DpRank>) -> usize {
-        self.manager.reset_worker(worker_id, dp_rank)
+    /// [`RequestLeaseManager::reset_worker`] (or, `leaving`,
+    /// [`RequestLeaseManager::worker_left`]) within the batch: its operations follow the
+    /// batch's earlier ones, so a departure is never overtaken by the worker's own events.
+    pub fn reset_worker(
+        &mut self,
+        worker_id: WorkerId,
+        dp_rank: Option<DpRank>,
+        leaving: bool,
+    ) -> usize {
+        self.manager
+            .reset_in(&mut self.pending, worker_id, dp_rank, leaving)
     }
 
     /// Gathers this batch's scheduler operations in `buffer` (emptied first): a caller that
@@ -811,29 +844,53 @@ impl RequestLeaseManager {
         self.single(|inner, pending| inner.complete(pending, request_id, |l| l.worker == worker))
     }
 
-    /// Drops every lease of a worker that restarted or left (all its ranks when `dp_rank` is
-    /// `None`) and releases their bookings. Returns how many were dropped.
+    /// Drops every lease of a worker that (re)started (all its ranks when `dp_rank` is
+    /// `None`) and releases their bookings; the worker stays a member. Returns how many were
+    /// dropped.
     pub fn reset_worker(&self, worker_id: WorkerId, dp_rank: Option<DpRank>) -> usize {
+        self.single(|_, pending| self.reset_in(pending, worker_id, dp_rank, false))
+    }
+
+    /// As [`Self::reset_worker`], for a worker that is leaving: it also leaves the scheduler's
+    /// membership, so no decision chooses it until it publishes again.
+    pub fn worker_left(&self, worker_id: WorkerId, dp_rank: Option<DpRank>) -> usize {
+        self.single(|_, pending| self.reset_in(pending, worker_id, dp_rank, true))
+    }
+
+    fn reset_in(
+        &self,
+        pending: &mut Pending,
+        worker_id: WorkerId,
+        dp_rank: Option<DpRank>,
+        leaving: bool,
+    ) -> usize {
         let matches = |w: &WorkerWithDpRank| {
             w.worker_id == worker_id && dp_rank.is_none_or(|rank| w.dp_rank == rank)
         };
         let mut dropped = 0;
         for shard in self.inner.shards.iter() {
-            self.single(|inner, pending| {
-                inner.retain_counted(&mut shard.write(), |_, lease| {
-                    if !matches(&lease.worker) {
-                        return true;
-                    }
-                    if lease.clock.claim() {
-                        dropped += 1;
-                        pending.count(Counter::ResetReleased);
-                        pending.ops.push(lease.release(ReleaseReason::WorkerReset));
-                    }
-                    false
-                });
+            self.inner.retain_counted(&mut shard.write(), |_, lease| {
+                if !matches(&lease.worker) {
+                    return true;
+                }
+                if lease.clock.claim() {
+                    dropped += 1;
+                    pending.count(Counter::ResetReleased);
+                    pending.ops.push(lease.release(ReleaseReason::WorkerReset));
+                }
+                false
             });
         }
-        debug!(deployment = %self.inner.deployment, worker = %worker_id, dropped, "worker reset");
+        // After the releases, in the same hand-over: the scheduler forgets a departed worker
+        // once its sums are back to zero.
+        pending.ops.push(Op::Membership {
+            worker_id,
+            dp_rank,
+            leaving,
+        });
+        // Later events of these workers in the same batch must report them seen again.
+        pending.seen = Default::default();
+        debug!(deployment = %self.inner.deployment, worker = %worker_id, dropped, leaving, "worker reset");
         dropped
     }
 

@@ -800,6 +800,7 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
             max_active_leases: settings.max_active_leases,
             ..LeaseConfig::default()
         },
+        routing: Default::default(),
     };
     // Bounded for both modes: dropping an unfinished start cancels whatever it spawned.
     let waited = inner.connection.connect_deadline();
