@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::scheduler::WorkerLoad;
+use crate::types::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
 
 /// How a deployment's router chooses among its member workers.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
@@ -80,6 +82,23 @@ pub struct CostWeights {
     pub kv: f64,
 }
 
+impl CostWeights {
+    /// Refuses weights that would make costs meaningless.
+    ///
+    /// # Errors
+    /// [`RouteRequestError::InvalidRequest`] for a negative, infinite or NaN weight.
+    pub fn validate(&self) -> Result<(), RouteRequestError> {
+        for (name, w) in [("prefill", self.prefill), ("kv", self.kv)] {
+            if !w.is_finite() || w < 0.0 {
+                return Err(RouteRequestError::InvalidRequest(format!(
+                    "weight {name} must be a finite number, at least 0 (got {w})"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for CostWeights {
     fn default() -> Self {
         Self {
@@ -97,4 +116,162 @@ pub struct RoutingConfig {
     /// How long a member with no live booking may say nothing before it is forgotten;
     /// `None`: one lease lifetime (twice the lease scan interval).
     pub worker_idle: Option<Duration>,
+}
+
+/// What a route decision is asked to place.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteRequest {
+    pub request_id: RequestId,
+    pub prompt_tokens: u32,
+    /// Prompt tokens the caller knows to be cached on every worker (a shared system prompt,
+    /// say); at most `prompt_tokens`.
+    #[serde(default)]
+    pub cached_tokens: Option<u32>,
+    #[serde(default)]
+    pub expected_output_tokens: Option<u32>,
+}
+
+impl RouteRequest {
+    pub fn new(request_id: impl Into<RequestId>, prompt_tokens: u32) -> Self {
+        Self {
+            request_id: request_id.into(),
+            prompt_tokens,
+            cached_tokens: None,
+            expected_output_tokens: None,
+        }
+    }
+
+    pub fn with_cached_tokens(mut self, cached_tokens: u32) -> Self {
+        self.cached_tokens = Some(cached_tokens);
+        self
+    }
+
+    pub fn with_expected_output_tokens(mut self, expected: u32) -> Self {
+        self.expected_output_tokens = Some(expected);
+        self
+    }
+
+    /// What the provisional booking weighs until the worker's `admitted` replaces it.
+    pub fn load(&self) -> RequestLoad {
+        RequestLoad::new(self.prompt_tokens, self.expected_output_tokens)
+            .with_cached_tokens(self.cached_tokens.unwrap_or(0))
+    }
+
+    /// Refuses what no worker could be asked to do.
+    ///
+    /// # Errors
+    /// [`RouteRequestError::InvalidRequest`] for an empty request id, no prompt, or more
+    /// cached tokens than prompt tokens.
+    pub fn validate(&self) -> Result<(), RouteRequestError> {
+        let invalid = |why: &str| Err(RouteRequestError::InvalidRequest(why.to_owned()));
+        if self.request_id.is_empty() {
+            return invalid("request_id is empty");
+        }
+        if self.prompt_tokens == 0 {
+            return invalid("prompt_tokens must be at least 1");
+        }
+        if self.cached_tokens.is_some_and(|c| c > self.prompt_tokens) {
+            return invalid("cached_tokens must not exceed prompt_tokens");
+        }
+        Ok(())
+    }
+}
+
+/// A worker a decision considered.
+#[derive(Clone, Copy, PartialEq, Debug, Serialize)]
+pub struct Candidate {
+    #[serde(flatten)]
+    pub worker: WorkerWithDpRank,
+    /// Its weighted cost with the request on it (see the module docs).
+    pub cost: f64,
+}
+
+/// Candidates a weighted-cost decision reports: the cheapest few, not every member.
+pub const REPORTED_CANDIDATES: usize = 8;
+
+/// A decision: where the request goes, booked there provisionally.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouteDecision {
+    pub booking: SchedulerBookingDescriptor,
+    pub policy: RoutePolicy,
+    /// What the policy compared, cheapest first: every member up to
+    /// [`REPORTED_CANDIDATES`] for weighted cost, the two drawn for power of two, the one
+    /// chosen for round robin and random.
+    pub candidates: Vec<Candidate>,
+}
+
+impl RouteDecision {
+    pub fn worker(&self) -> WorkerWithDpRank {
+        self.booking.worker
+    }
+}
+
+/// Why a request could not be routed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RouteRequestError {
+    #[error("invalid route request: {0}")]
+    InvalidRequest(String),
+    #[error(
+        "no live worker: the router learns workers from their lease events, and forgets those \
+         that left or went idle"
+    )]
+    NoWorkers,
+    #[error(
+        "the lease manager refused the booking: max_active_leases are live (raise the limit, \
+         or wait for leases to end)"
+    )]
+    LeasesFull,
+    #[error("the lease manager is gone: the router was torn down")]
+    ManagerGone,
+    #[error("the scheduler has stopped")]
+    Stopped,
+}
+
+impl RouteRequestError {
+    /// Its label in the decision counters.
+    pub const fn outcome(&self) -> RouteOutcome {
+        match self {
+            Self::InvalidRequest(_) => RouteOutcome::Invalid,
+            Self::NoWorkers => RouteOutcome::NoWorkers,
+            Self::LeasesFull | Self::ManagerGone | Self::Stopped => RouteOutcome::Refused,
+        }
+    }
+}
+
+/// How a decision ended, for its counter.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum RouteOutcome {
+    Routed,
+    NoWorkers,
+    Invalid,
+    /// The booking could not be made (leases full, router torn down).
+    Refused,
+}
+
+impl RouteOutcome {
+    pub const ALL: [RouteOutcome; 4] =
+        [Self::Routed, Self::NoWorkers, Self::Invalid, Self::Refused];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Routed => "routed",
+            Self::NoWorkers => "no_workers",
+            Self::Invalid => "invalid",
+            Self::Refused => "refused",
+        }
+    }
+}
+
+/// The cost of putting `request` on a worker carrying `load`.
+pub fn cost(weights: CostWeights, load: &WorkerLoad, request: &RequestLoad) -> f64 {
+    let uncached = request.prompt_tokens.saturating_sub(request.cached_tokens);
+    let prefill = load.prefill_tokens as f64 + f64::from(uncached);
+    let kv = load.kv_tokens as f64 + f64::from(request.prompt_tokens);
+    weights.prefill * prefill + weights.kv * kv
+}
+
+/// The order of candidates: cheaper first, then the lower worker.
+pub(crate) fn cheaper(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
+    a.cost.total_cmp(&b.cost).then(a.worker.cmp(&b.worker))
 }

@@ -35,7 +35,10 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, Instrument};
 
 use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
-use crate::routing::RoutingConfig;
+use crate::routing::{
+    self, Candidate, RouteDecision, RouteOutcome, RoutePolicy, RouteRequest, RouteRequestError,
+    RoutingConfig,
+};
 use crate::types::{
     DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
 };
@@ -165,6 +168,8 @@ pub struct SchedulerStats {
     released_reset: AtomicU64,
     workers_left: AtomicU64,
     workers_forgotten: AtomicU64,
+    /// Route decisions by policy and outcome.
+    decisions: [[AtomicU64; RouteOutcome::ALL.len()]; RoutePolicy::ALL.len()],
 }
 
 /// A point-in-time copy of [`SchedulerStats`].
@@ -181,6 +186,15 @@ pub struct SchedulerStatsSnapshot {
     pub workers_left: u64,
     /// Workers (ranks) forgotten after their idle time with no live booking.
     pub workers_forgotten: u64,
+    /// Route decisions, by [`RoutePolicy::ALL`] then [`RouteOutcome::ALL`] order.
+    pub decisions: [[u64; RouteOutcome::ALL.len()]; RoutePolicy::ALL.len()],
+}
+
+impl SchedulerStatsSnapshot {
+    /// Route decisions of `policy` that ended as `outcome`.
+    pub fn decisions(&self, policy: RoutePolicy, outcome: RouteOutcome) -> u64 {
+        self.decisions[policy as usize][outcome as usize]
+    }
 }
 
 impl SchedulerStats {
@@ -195,7 +209,13 @@ impl SchedulerStats {
             released_reset: get(&self.released_reset),
             workers_left: get(&self.workers_left),
             workers_forgotten: get(&self.workers_forgotten),
+            decisions: self.decisions.each_ref().map(|row| row.each_ref().map(get)),
         }
+    }
+
+    /// Counts one route decision.
+    pub fn count_decision(&self, policy: RoutePolicy, outcome: RouteOutcome) {
+        self.decisions[policy as usize][outcome as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     fn count_release(&self, reason: ReleaseReason) {
@@ -262,6 +282,12 @@ enum Command {
     Drain,
     Loads(oneshot::Sender<Vec<(WorkerWithDpRank, WorkerLoad)>>),
     Workers(oneshot::Sender<Vec<WorkerStatus>>),
+    Route(
+        RouteRequest,
+        oneshot::Sender<Result<RouteDecision, RouteRequestError>>,
+    ),
+    SetRouting(RoutingConfig, oneshot::Sender<()>),
+    Routing(oneshot::Sender<RoutingConfig>),
     Load(WorkerWithDpRank, oneshot::Sender<WorkerLoad>),
     LeastLoaded(oneshot::Sender<Option<(WorkerWithDpRank, WorkerLoad)>>),
     Schedule(
@@ -364,6 +390,49 @@ impl SchedulerHandle {
         self.mailbox.ask(Command::Workers).await
     }
 
+    /// Chooses a member worker for `request` by the deployment's policy and books it there
+    /// provisionally (see [`crate::routing`]): the next decision sees it at once, the
+    /// worker's `admitted` takes it over, and it expires like any lease if none comes.
+    ///
+    /// # Errors
+    /// [`RouteRequestError::InvalidRequest`] for nonsense sizes,
+    /// [`RouteRequestError::NoWorkers`] when no worker is a member, and the others when the
+    /// booking cannot be made. Each decision is counted by policy and outcome.
+    pub async fn route(&self, request: RouteRequest) -> Result<RouteDecision, RouteRequestError> {
+        if let Err(err) = request.validate() {
+            // Counted under the policy in force, which only the actor knows: one more ask
+            // for a request that is refused anyway.
+            let policy = self
+                .routing()
+                .await
+                .map_or_else(|_| RoutePolicy::default(), |r| r.policy);
+            self.mailbox.stats.count_decision(policy, err.outcome());
+            return Err(err);
+        }
+        self.mailbox
+            .ask(|reply| Command::Route(request, reply))
+            .await
+            .map_err(|_| RouteRequestError::Stopped)?
+    }
+
+    /// Sets the policy and weights of later decisions (the idle time is kept).
+    ///
+    /// # Errors
+    /// [`RouteRequestError::InvalidRequest`] for meaningless weights;
+    /// [`RouteRequestError::Stopped`] when the actor is gone.
+    pub async fn set_routing(&self, routing: RoutingConfig) -> Result<(), RouteRequestError> {
+        routing.weights.validate()?;
+        self.mailbox
+            .ask(|reply| Command::SetRouting(routing, reply))
+            .await
+            .map_err(|_| RouteRequestError::Stopped)
+    }
+
+    /// The routing settings in force.
+    pub async fn routing(&self) -> Result<RoutingConfig, QuerySchedulerError> {
+        self.mailbox.ask(Command::Routing).await
+    }
+
     /// The load of one worker, member or not (zero when it is unknown).
     pub async fn load(&self, worker: WorkerWithDpRank) -> Result<WorkerLoad, QuerySchedulerError> {
         self.mailbox.ask(|reply| Command::Load(worker, reply)).await
@@ -424,6 +493,13 @@ struct SchedulerState {
     worker_idle: Duration,
     last_sweep: Instant,
     routing: RoutingConfig,
+    /// The members in worker order, for the policies that draw by index; rebuilt when
+    /// membership has changed.
+    members: Vec<WorkerWithDpRank>,
+    members_dirty: bool,
+    round_robin: usize,
+    /// Reused by weighted-cost decisions: no allocation per decision but the answer's.
+    scratch: Vec<Candidate>,
     inbox: Arc<Inbox>,
     /// The actor's side of the inbox, swapped with it at each drain.
     batch: Vec<Op>,
@@ -456,7 +532,8 @@ impl SchedulerState {
                 let entry = self.entry(worker);
                 entry.tally.add(1, weight);
                 // Booked on by an admission, or by a decision (which chose a member).
-                entry.member = true;
+                let joined = !mem::replace(&mut entry.member, true);
+                self.members_dirty |= joined;
                 self.stats.booked.fetch_add(1, Ordering::Relaxed);
             }
             Op::Release(worker, weight, reason) => {
@@ -473,8 +550,9 @@ impl SchedulerState {
             Op::Seen(worker) => {
                 let now = self.now;
                 let entry = self.entry(worker);
-                entry.member = true;
+                let joined = !mem::replace(&mut entry.member, true);
                 entry.last_seen = now;
+                self.members_dirty |= joined;
             }
             Op::Membership {
                 worker_id,
@@ -485,6 +563,7 @@ impl SchedulerState {
     }
 
     fn membership(&mut self, worker_id: WorkerId, dp_rank: Option<DpRank>, leaving: bool) {
+        self.members_dirty = true;
         let now = self.now;
         let mut matched = false;
         let mut left = 0;
@@ -535,9 +614,119 @@ impl SchedulerState {
             }
             entry.member || !entry.tally.is_zero()
         });
+        self.members_dirty |= forgotten > 0;
         self.stats
             .workers_forgotten
             .fetch_add(forgotten, Ordering::Relaxed);
+    }
+
+    fn tally_load(&self, worker: &WorkerWithDpRank) -> WorkerLoad {
+        self.workers
+            .get(worker)
+            .map(|e| e.tally.load())
+            .unwrap_or_default()
+    }
+
+    /// Picks a member by the policy in force; `None` when there is none.
+    fn choose(&mut self, request: &RequestLoad) -> Option<(WorkerWithDpRank, Vec<Candidate>)> {
+        let weights = self.routing.weights;
+        let candidate = |worker: WorkerWithDpRank, load: &WorkerLoad| Candidate {
+            worker,
+            cost: routing::cost(weights, load, request),
+        };
+        if self.routing.policy == RoutePolicy::WeightedCost {
+            // Over the map itself: no lookup per member.
+            let mut all = mem::take(&mut self.scratch);
+            all.clear();
+            all.extend(
+                self.workers
+                    .iter()
+                    .filter(|(_, e)| e.member)
+                    .map(|(w, e)| candidate(*w, &e.tally.load())),
+            );
+            let keep = all.len().min(routing::REPORTED_CANDIDATES);
+            if keep == 0 {
+                self.scratch = all;
+                return None;
+            }
+            if all.len() > keep {
+                all.select_nth_unstable_by(keep - 1, routing::cheaper);
+            }
+            let mut reported = all[..keep].to_vec();
+            reported.sort_unstable_by(routing::cheaper);
+            self.scratch = all;
+            return Some((reported[0].worker, reported));
+        }
+        if self.members_dirty {
+            self.members.clear();
+            self.members.extend(
+                self.workers
+                    .iter()
+                    .filter(|(_, e)| e.member)
+                    .map(|(w, _)| *w),
+            );
+            self.members.sort_unstable();
+            self.members_dirty = false;
+        }
+        let n = self.members.len();
+        if n == 0 {
+            return None;
+        }
+        let pick = |state: &Self, i: usize| {
+            let worker = state.members[i];
+            candidate(worker, &state.tally_load(&worker))
+        };
+        let mut candidates = match self.routing.policy {
+            RoutePolicy::PowerOfTwo if n > 1 => {
+                let first = rand::random_range(0..n);
+                let second = (first + rand::random_range(1..n)) % n;
+                vec![pick(self, first), pick(self, second)]
+            }
+            RoutePolicy::RoundRobin => {
+                let i = self.round_robin % n;
+                self.round_robin = self.round_robin.wrapping_add(1);
+                vec![pick(self, i)]
+            }
+            _ => vec![pick(self, rand::random_range(0..n))],
+        };
+        candidates.sort_unstable_by(routing::cheaper);
+        Some((candidates[0].worker, candidates))
+    }
+
+    fn route(&mut self, request: RouteRequest) -> Result<RouteDecision, RouteRequestError> {
+        let policy = self.routing.policy;
+        let decided = self.route_inner(request);
+        let outcome = match &decided {
+            Ok(_) => RouteOutcome::Routed,
+            Err(err) => err.outcome(),
+        };
+        self.stats.count_decision(policy, outcome);
+        decided
+    }
+
+    fn route_inner(&mut self, request: RouteRequest) -> Result<RouteDecision, RouteRequestError> {
+        let load = request.load();
+        let (worker, candidates) = self.choose(&load).ok_or(RouteRequestError::NoWorkers)?;
+        let booking = SchedulerBookingDescriptor::new(request.request_id, worker);
+        match &self.observer {
+            None => self.apply(Op::Book(worker, load.into())),
+            Some(observer) => {
+                match observer.routed(booking.clone(), load) {
+                    Ok(AdmitOutcome::Full) => return Err(RouteRequestError::LeasesFull),
+                    Ok(_) => {}
+                    Err(DeliverEventError::ManagerGone) => {
+                        return Err(RouteRequestError::ManagerGone)
+                    }
+                }
+                // The manager queued the booking: applied now, so the next decision sees it.
+                self.drain();
+            }
+        }
+        Ok(RouteDecision {
+            booking,
+            policy: self.routing.policy,
+            candidates,
+        })
     }
 
     /// Applies everything queued so far.
@@ -614,6 +803,10 @@ impl Scheduler {
             worker_idle: DEFAULT_WORKER_IDLE,
             last_sweep: now,
             routing: RoutingConfig::default(),
+            members: Vec::new(),
+            members_dirty: false,
+            round_robin: 0,
+            scratch: Vec::new(),
             inbox: inbox.clone(),
             batch: Vec::new(),
             observer: None,
@@ -692,6 +885,19 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
             }
             Command::LeastLoaded(reply) => {
                 let _ = reply.send(state.least_loaded());
+            }
+            Command::Route(request, reply) => {
+                let _ = reply.send(state.route(request));
+            }
+            Command::SetRouting(routing, reply) => {
+                state.routing = RoutingConfig {
+                    worker_idle: state.routing.worker_idle,
+                    ..routing
+                };
+                let _ = reply.send(());
+            }
+            Command::Routing(reply) => {
+                let _ = reply.send(state.routing);
             }
             Command::Schedule(request_id, load, reply) => {
                 let _ = reply.send(state.schedule(request_id, load));
@@ -950,6 +1156,180 @@ mod tests {
             .collect();
         assert_eq!(left, vec![worker(3)]);
         assert_eq!(handle.stats().workers_forgotten, 2);
+    }
+
+    async fn routed(policy: RoutePolicy, members: &[WorkerWithDpRank]) -> SchedulerHandle {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        actor
+            .with_routing(RoutingConfig {
+                policy,
+                ..RoutingConfig::default()
+            })
+            .spawn(None, &tracker);
+        let seen: Vec<_> = members.iter().map(|w| Op::Seen(*w)).collect();
+        submit(&handle.cleanup(), &seen);
+        handle
+    }
+
+    fn request(id: &str, prompt: u32) -> RouteRequest {
+        RouteRequest::new(id, prompt)
+    }
+
+    #[tokio::test]
+    async fn weighted_cost_takes_the_cheapest_and_sees_its_own_bookings_at_once() {
+        let handle = routed(
+            RoutePolicy::WeightedCost,
+            &[worker(1), worker(2), worker(3)],
+        )
+        .await;
+        let cleanup = handle.cleanup();
+        // Worker 1 holds much KV, worker 2 has prefill waiting, worker 3 a little of both.
+        submit(
+            &cleanup,
+            &[
+                Op::Book(worker(1), weight(1000, None)),
+                Op::Shift(worker(1), weight(1000, None), {
+                    let mut w = weight(1000, None);
+                    w.prefill_tokens = 0;
+                    w.kv_tokens = 5000;
+                    w
+                }),
+                Op::Book(worker(2), weight(3000, None)),
+                Op::Book(worker(3), weight(100, None)),
+            ],
+        );
+        let decision = handle.route(request("a", 1000)).await.unwrap();
+        assert_eq!(decision.worker(), worker(3));
+        assert_eq!(decision.policy, RoutePolicy::WeightedCost);
+        let costs: Vec<_> = decision
+            .candidates
+            .iter()
+            .map(|c| (c.worker, c.cost))
+            .collect();
+        // prefill + kv, the request's own 1000 + 1000 included.
+        assert_eq!(
+            costs,
+            vec![
+                (worker(3), 100.0 + 100.0 + 2000.0),
+                (worker(1), 0.0 + 5000.0 + 2000.0),
+                (worker(2), 3000.0 + 3000.0 + 2000.0)
+            ]
+        );
+        // Booked at once: worker 3 now costs 2200 + 2000 more, so the next goes elsewhere
+        // only when that makes it dearer than worker 1.
+        assert_eq!(handle.load(worker(3)).await.unwrap().active_bookings, 2);
+        let next = handle.route(request("b", 2000)).await.unwrap();
+        assert_eq!(next.worker(), worker(3), "1100 + 1100 + 4000 < 5000 + 4000");
+        let next = handle.route(request("c", 2000)).await.unwrap();
+        assert_eq!(next.worker(), worker(1), "3100 + 3100 + 4000 > 5000 + 4000");
+        let stats = handle.stats();
+        assert_eq!(
+            stats.decisions(RoutePolicy::WeightedCost, RouteOutcome::Routed),
+            3
+        );
+    }
+
+    #[tokio::test]
+    async fn power_of_two_never_takes_the_dearest_and_spreads_over_the_rest() {
+        let members: Vec<_> = (0..6).map(worker).collect();
+        let handle = routed(RoutePolicy::PowerOfTwo, &members).await;
+        submit(
+            &handle.cleanup(),
+            &[Op::Book(worker(5), weight(1_000_000, None))],
+        );
+        let mut chosen = std::collections::BTreeSet::new();
+        for i in 0..200 {
+            let decision = handle.route(request(&format!("r{i}"), 10)).await.unwrap();
+            assert_eq!(decision.candidates.len(), 2);
+            assert!(decision.candidates[0].cost <= decision.candidates[1].cost);
+            assert_eq!(decision.worker(), decision.candidates[0].worker);
+            chosen.insert(decision.worker());
+        }
+        assert!(
+            !chosen.contains(&worker(5)),
+            "the lower of two is never the dearest"
+        );
+        assert_eq!(chosen.len(), 5, "{chosen:?}");
+    }
+
+    #[tokio::test]
+    async fn round_robin_takes_members_in_turn_and_random_only_members() {
+        let handle = routed(RoutePolicy::RoundRobin, &[worker(1), worker(2), worker(3)]).await;
+        let mut turns = Vec::new();
+        for i in 0..6 {
+            turns.push(
+                handle
+                    .route(request(&format!("r{i}"), 1))
+                    .await
+                    .unwrap()
+                    .worker(),
+            );
+        }
+        assert_eq!(turns, [1, 2, 3, 1, 2, 3].map(worker));
+
+        let leave = Op::Membership {
+            worker_id: WorkerId(2),
+            dp_rank: None,
+            leaving: true,
+        };
+        submit(&handle.cleanup(), &[leave]);
+        handle
+            .set_routing(RoutingConfig {
+                policy: RoutePolicy::Random,
+                ..RoutingConfig::default()
+            })
+            .await
+            .unwrap();
+        for i in 0..100 {
+            let decision = handle.route(request(&format!("x{i}"), 1)).await.unwrap();
+            assert_ne!(
+                decision.worker(),
+                worker(2),
+                "a worker that left is never chosen"
+            );
+            assert_eq!(decision.policy, RoutePolicy::Random);
+        }
+    }
+
+    #[tokio::test]
+    async fn bad_requests_and_no_members_are_refused_and_counted() {
+        let handle = routed(RoutePolicy::PowerOfTwo, &[]).await;
+        assert_eq!(
+            handle.route(request("a", 10)).await,
+            Err(RouteRequestError::NoWorkers)
+        );
+        for bad in [
+            request("a", 0),
+            request("", 10),
+            request("a", 10).with_cached_tokens(11),
+        ] {
+            assert!(matches!(
+                handle.route(bad).await,
+                Err(RouteRequestError::InvalidRequest(_))
+            ));
+        }
+        let bad_weights = RoutingConfig {
+            weights: routing::CostWeights {
+                prefill: f64::NAN,
+                kv: 1.0,
+            },
+            ..RoutingConfig::default()
+        };
+        assert!(handle.set_routing(bad_weights).await.is_err());
+        let stats = handle.stats();
+        assert_eq!(
+            stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::NoWorkers),
+            1
+        );
+        assert_eq!(
+            stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::Invalid),
+            3
+        );
+        assert_eq!(
+            stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::Routed),
+            0
+        );
     }
 
     #[tokio::test]

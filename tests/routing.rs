@@ -3,13 +3,19 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use lease_router::ingress::ApplyConfig;
+use lease_router::connection::NatsConnection;
+use lease_router::ingress::{ApplyConfig, NatsIngress};
+use lease_router::router::{Router, RouterConfig};
+use lease_router::routing::{RoutePolicy, RouteRequest, RouteRequestError, RoutingConfig};
 use lease_router::scheduler::{SchedulerHandle, WorkerLoad};
+use lease_router::stats::IngressStats;
 use lease_router::types::WorkerWithDpRank;
 use lease_router::wire::{Admitted, ProgressStage, Progressed, WorkerReset};
+use tokio_util::task::TaskTracker;
 
 const NO_EXPIRY: Duration = Duration::from_secs(3600);
 
@@ -101,6 +107,34 @@ impl CloneFor for Progressed {
     }
 }
 
+/// A router with `config`, fed from NATS.
+async fn router_with(connection: &NatsConnection, config: RouterConfig) -> Harness {
+    let stats = Arc::new(IngressStats::new());
+    let tracker = TaskTracker::new();
+    let ingress = NatsIngress::new(
+        connection.client().clone(),
+        subjects(&config.deployment),
+        ApplyConfig::default(),
+        stats.clone(),
+    );
+    let router = Router::start_tracked(config, ingress, tracker.clone())
+        .await
+        .expect("router starts");
+    Harness {
+        router,
+        stats,
+        tracker,
+    }
+}
+
+fn reset(worker_id: u64, leaving: bool) -> WorkerReset {
+    WorkerReset {
+        worker_id,
+        dp_rank: None,
+        leaving,
+    }
+}
+
 async fn members(scheduler: &SchedulerHandle) -> Vec<WorkerWithDpRank> {
     let loads = scheduler.loads().await.unwrap();
     loads.into_iter().map(|(w, _)| w).collect()
@@ -122,11 +156,6 @@ async fn a_worker_that_leaves_is_gone_until_it_publishes_again_and_a_restart_sta
     let h = router(&conn, "members", NO_EXPIRY, ApplyConfig::default()).await;
     let scheduler = h.router.scheduler().clone();
     let mut publisher = RawPublisher::new(conn.client().clone(), "members", 1);
-    let reset = |worker_id, leaving| WorkerReset {
-        worker_id,
-        dp_rank: None,
-        leaving,
-    };
 
     publisher.send(reset(3, false)).await;
     publisher.send(admitted("a", 4, 100)).await;
@@ -154,5 +183,112 @@ async fn a_worker_that_leaves_is_gone_until_it_publishes_again_and_a_restart_sta
         wait_members(&scheduler, &[w(3), w(4), w(5)]).await,
         [w(3), w(4), w(5)],
         "publishing again makes it a member again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provisional_booking_is_taken_over_released_or_expires() {
+    let server = server().await;
+    let conn = client(&server.url()).await;
+    let scan = Duration::from_millis(500);
+    let mut config = RouterConfig::new("provisional").with_scan_interval(scan);
+    // Members stay while this test is slower than a lease lifetime between events.
+    config.routing.worker_idle = Some(Duration::from_secs(3600));
+    let h = router_with(&conn, config).await;
+    let scheduler = h.router.scheduler().clone();
+    let manager = h.router.manager().clone();
+    let mut publisher = RawPublisher::new(conn.client().clone(), "provisional", 1);
+    let set = |policy| RoutingConfig {
+        policy,
+        ..RoutingConfig::default()
+    };
+    scheduler
+        .set_routing(set(RoutePolicy::RoundRobin))
+        .await
+        .unwrap();
+    publisher.send(reset(3, false)).await;
+    publisher.send(reset(4, false)).await;
+    publisher.flush().await;
+    assert_eq!(wait_members(&scheduler, &[w(3), w(4)]).await, [w(3), w(4)]);
+
+    // Routed to 3 (round robin starts at the lowest), then taken over by its admission.
+    let first = scheduler
+        .route(RouteRequest::new("p-1", 1000).with_expected_output_tokens(50))
+        .await
+        .unwrap();
+    assert_eq!(first.worker(), w(3));
+    assert_eq!(
+        scheduler.load(w(3)).await.unwrap().prefill_tokens,
+        1000,
+        "seen at once"
+    );
+    publisher
+        .send(Admitted {
+            cached_tokens: Some(600),
+            ..admitted("p-1", 3, 900)
+        })
+        .await;
+    // Routed to 4, then admitted on 3 instead: 4's booking is released.
+    let second = scheduler
+        .route(RouteRequest::new("p-2", 500))
+        .await
+        .unwrap();
+    assert_eq!(second.worker(), w(4));
+    publisher.send(admitted("p-2", 3, 70)).await;
+    publisher.flush().await;
+    let on_3 = WorkerLoad {
+        active_bookings: 2,
+        prompt_tokens: 970,
+        expected_output_tokens: 32,
+        prefill_tokens: 300 + 70,
+        kv_tokens: 970,
+        remaining_output_tokens: 32,
+    };
+    assert_eq!(
+        wait_load(&scheduler, w(3), on_3).await,
+        on_3,
+        "taken over, counted once"
+    );
+    assert_eq!(
+        scheduler.load(w(4)).await.unwrap(),
+        WorkerLoad::default(),
+        "released"
+    );
+    let stats = manager.stats();
+    assert_eq!(
+        (stats.provisional, stats.taken_over, stats.superseded),
+        (2, 1, 1)
+    );
+
+    // One whose admission never comes expires like any lease.
+    publisher.send(completed("p-1", 3)).await;
+    publisher.send(completed("p-2", 3)).await;
+    publisher.flush().await;
+    let zero = WorkerLoad::default();
+    assert_eq!(wait_load(&scheduler, w(3), zero).await, zero);
+    let third = scheduler.route(RouteRequest::new("p-3", 10)).await.unwrap();
+    assert_eq!(third.worker(), w(3));
+    assert_eq!(scheduler.load(w(3)).await.unwrap().active_bookings, 1);
+    assert_eq!(wait_load(&scheduler, w(3), zero).await, zero, "expired");
+    assert_eq!(manager.stats().expired, 1);
+
+    // A worker that left is never chosen, by any policy.
+    publisher.send(reset(3, true)).await;
+    publisher.flush().await;
+    assert_eq!(wait_members(&scheduler, &[w(4)]).await, [w(4)]);
+    for policy in RoutePolicy::ALL {
+        scheduler.set_routing(set(policy)).await.unwrap();
+        for i in 0..20 {
+            let id = format!("{}-{i}", policy.as_str());
+            let decision = scheduler.route(RouteRequest::new(id, 1)).await.unwrap();
+            assert_eq!(decision.worker(), w(4), "{policy:?}");
+        }
+    }
+    publisher.send(reset(4, true)).await;
+    publisher.flush().await;
+    assert_eq!(wait_members(&scheduler, &[]).await, []);
+    assert_eq!(
+        scheduler.route(RouteRequest::new("none", 1)).await,
+        Err(RouteRequestError::NoWorkers)
     );
 }
