@@ -415,6 +415,17 @@ impl SchedulerHandle {
             .map_err(|_| RouteRequestError::Stopped)?
     }
 
+    /// Counts a route request refused before it could be read (a body that is not one).
+    pub async fn count_invalid_request(&self) {
+        let policy = self
+            .routing()
+            .await
+            .map_or_else(|_| RoutePolicy::default(), |r| r.policy);
+        self.mailbox
+            .stats
+            .count_decision(policy, RouteOutcome::Invalid);
+    }
+
     /// Sets the policy and weights of later decisions (the idle time is kept).
     ///
     /// # Errors
