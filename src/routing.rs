@@ -265,9 +265,19 @@ impl RouteOutcome {
 
 /// The cost of putting `request` on a worker carrying `load`.
 pub fn cost(weights: CostWeights, load: &WorkerLoad, request: &RequestLoad) -> f64 {
+    cost_of(
+        weights,
+        i64::try_from(load.prefill_tokens).unwrap_or(i64::MAX),
+        i64::try_from(load.kv_tokens).unwrap_or(i64::MAX),
+        request,
+    )
+}
+
+/// [`cost`] from a worker's signed sums (briefly negative ones count as zero).
+pub(crate) fn cost_of(weights: CostWeights, prefill: i64, kv: i64, request: &RequestLoad) -> f64 {
     let uncached = request.prompt_tokens.saturating_sub(request.cached_tokens);
-    let prefill = load.prefill_tokens as f64 + f64::from(uncached);
-    let kv = load.kv_tokens as f64 + f64::from(request.prompt_tokens);
+    let prefill = prefill.max(0) as f64 + f64::from(uncached);
+    let kv = kv.max(0) as f64 + f64::from(request.prompt_tokens);
     weights.prefill * prefill + weights.kv * kv
 }
 

@@ -509,8 +509,7 @@ struct SchedulerState {
     members: Vec<WorkerWithDpRank>,
     members_dirty: bool,
     round_robin: usize,
-    /// Reused by weighted-cost decisions: no allocation per decision but the answer's.
-    scratch: Vec<Candidate>,
+
     inbox: Arc<Inbox>,
     /// The actor's side of the inbox, swapped with it at each drain.
     batch: Vec<Op>,
@@ -646,27 +645,39 @@ impl SchedulerState {
             cost: routing::cost(weights, load, request),
         };
         if self.routing.policy == RoutePolicy::WeightedCost {
-            // Over the map itself: no lookup per member.
-            let mut all = mem::take(&mut self.scratch);
-            all.clear();
-            all.extend(
-                self.workers
-                    .iter()
-                    .filter(|(_, e)| e.member)
-                    .map(|(w, e)| candidate(*w, &e.tally.load())),
-            );
-            let keep = all.len().min(routing::REPORTED_CANDIDATES);
-            if keep == 0 {
-                self.scratch = all;
+            // Over the map itself (no lookup per member), keeping the cheapest few in a
+            // sorted array: most members cost one comparison with the dearest kept.
+            const KEEP: usize = routing::REPORTED_CANDIDATES;
+            let mut best = [Candidate {
+                worker: WorkerWithDpRank::default(),
+                cost: f64::INFINITY,
+            }; KEEP];
+            let mut kept = 0;
+            for (worker, entry) in self.workers.iter().filter(|(_, e)| e.member) {
+                let c = Candidate {
+                    worker: *worker,
+                    cost: routing::cost_of(
+                        weights,
+                        entry.tally.prefill_tokens,
+                        entry.tally.kv_tokens,
+                        request,
+                    ),
+                };
+                if kept == KEEP && routing::cheaper(&c, &best[KEEP - 1]).is_ge() {
+                    continue;
+                }
+                let mut at = kept.min(KEEP - 1);
+                while at > 0 && routing::cheaper(&c, &best[at - 1]).is_lt() {
+                    best[at] = best[at - 1];
+                    at -= 1;
+                }
+                best[at] = c;
+                kept = (kept + 1).min(KEEP);
+            }
+            if kept == 0 {
                 return None;
             }
-            if all.len() > keep {
-                all.select_nth_unstable_by(keep - 1, routing::cheaper);
-            }
-            let mut reported = all[..keep].to_vec();
-            reported.sort_unstable_by(routing::cheaper);
-            self.scratch = all;
-            return Some((reported[0].worker, reported));
+            return Some((best[0].worker, best[..kept].to_vec()));
         }
         if self.members_dirty {
             self.members.clear();
@@ -817,7 +828,6 @@ impl Scheduler {
             members: Vec::new(),
             members_dirty: false,
             round_robin: 0,
-            scratch: Vec::new(),
             inbox: inbox.clone(),
             batch: Vec::new(),
             observer: None,
@@ -1239,6 +1249,29 @@ mod tests {
             stats.decisions(RoutePolicy::WeightedCost, RouteOutcome::Routed),
             3
         );
+    }
+
+    #[tokio::test]
+    async fn weighted_cost_reports_the_cheapest_few_in_order() {
+        let members: Vec<_> = (0..30).map(worker).collect();
+        let handle = routed(RoutePolicy::WeightedCost, &members).await;
+        // Loads in a scrambled order: worker i carries (i * 7 mod 30) * 10 prompt tokens.
+        let books: Vec<_> = (0..30)
+            .map(|i| Op::Book(worker(i), weight((i as u32 * 7 % 30) * 10, None)))
+            .collect();
+        submit(&handle.cleanup(), &books);
+        let decision = handle.route(request("a", 1)).await.unwrap();
+        let mut expected: Vec<_> = (0..30u64)
+            .map(|i| ((i * 7 % 30) * 20 + 2, worker(i)))
+            .collect();
+        expected.sort();
+        let got: Vec<_> = decision
+            .candidates
+            .iter()
+            .map(|c| (c.cost as u64, c.worker))
+            .collect();
+        assert_eq!(got, expected[..routing::REPORTED_CANDIDATES].to_vec());
+        assert_eq!(decision.worker(), worker(0));
     }
 
     #[tokio::test]
