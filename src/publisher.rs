@@ -485,6 +485,20 @@ impl LeasePublisher {
         })
     }
 
+    /// Queues a [`WorkerReset`] that says the worker is leaving (wire 1.1): routers stop
+    /// choosing it until it publishes again. Send it on a clean shutdown.
+    pub fn worker_left(
+        &self,
+        worker_id: u64,
+        dp_rank: Option<u32>,
+    ) -> Result<(), PublishEventError> {
+        self.publish(WorkerReset {
+            worker_id,
+            dp_rank,
+            leaving: true,
+        })
+    }
+
     /// Resolves once every event queued before the call has been handed to the NATS client
     /// and the client has flushed it to the server (or dropped it as failed).
     ///
