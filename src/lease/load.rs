@@ -5,9 +5,9 @@
 //! from admission to release, prompt plus output so far is **KV held** (the memory decode is
 //! bound by); expected output minus output so far is **output still to come**. The lease
 //! keeps what it needs to compute that weight (the admitted sizes, and its progress in one
-//! atomic word), and every change of it is handed to the scheduler as a delta
-//! ([`Op::Shift`](crate::scheduler::Op)), so a release gives back exactly what the booking
-//! and its shifts added.
+//! atomic word), and every change of it is handed to the scheduler as a delta (a shift
+//! from the old weight to the new), so a release gives back exactly what the booking and
+//! its shifts added.
 //!
 //! Progress is applied under the shard's **read** lock (as renewals are), while the reaper
 //! claims under the read lock too. They meet on the progress word: the claimer seals it and
