@@ -24,6 +24,7 @@
 //! | messages buffered per subscription | `--subscription-capacity` | `LEASE_ROUTER_SUBSCRIPTION_CAPACITY` | `subscription_capacity` | `262144` |
 //! | durable mode (JetStream replay) | `--durable` | `LEASE_ROUTER_DURABLE` | `durable` | off |
 //! | lease stream replicas (durable) | `--stream-replicas` | `LEASE_ROUTER_STREAM_REPLICAS` | `stream_replicas` | `1` |
+//! | routing policy of new deployments | `--route-policy` | `LEASE_ROUTER_ROUTE_POLICY` | `route_policy` | `power_of_two` |
 //! | NATS user (with a password) | `--nats-user` | `NATS_USER` | `nats_user` | none |
 //! | NATS password | `--nats-password` | `NATS_PASSWORD` | `nats_password` | none |
 //! | NATS token | `--nats-token` | `NATS_TOKEN` | `nats_token` | none |
@@ -84,7 +85,7 @@ pub const MIN_MAX_EVENT_BYTES: usize = 64;
 pub const MAX_MAX_EVENT_BYTES: usize = 64 * 1024 * 1024;
 
 /// The keys a config file may hold.
-pub const FILE_KEYS: [&str; 23] = [
+pub const FILE_KEYS: [&str; 24] = [
     "nats_url",
     "deployments",
     "http_addr",
@@ -100,6 +101,7 @@ pub const FILE_KEYS: [&str; 23] = [
     "subscription_capacity",
     "durable",
     "stream_replicas",
+    "route_policy",
     "nats_user",
     "nats_password",
     "nats_token",
@@ -259,6 +261,15 @@ pub struct ServeArgs {
     )]
     pub stream_replicas: Option<String>,
 
+    /// Routing policy of new deployments: weighted_cost, power_of_two, round_robin or random
+    /// (a PUT body may set another per deployment) [default: power_of_two].
+    #[arg(
+        long = "route-policy",
+        value_name = "POLICY",
+        env = "LEASE_ROUTER_ROUTE_POLICY"
+    )]
+    pub route_policy: Option<String>,
+
     /// Authentication and TLS to NATS (boxed: they make the struct large).
     #[command(flatten)]
     pub nats_credentials: Box<NatsCredentialArgs>,
@@ -283,6 +294,7 @@ impl fmt::Debug for ServeArgs {
             .field("subscription_capacity", &self.subscription_capacity)
             .field("durable", &self.durable)
             .field("stream_replicas", &self.stream_replicas)
+            .field("route_policy", &self.route_policy)
             .field("nats_credentials", &self.nats_credentials)
             .finish()
     }
@@ -437,6 +449,8 @@ pub struct ServeSettings {
     pub durable: bool,
     /// Replicas of the lease stream (durable mode).
     pub stream_replicas: usize,
+    /// Routing policy of new deployments.
+    pub route_policy: crate::routing::RoutePolicy,
     /// How to authenticate to NATS (its `Debug` redacts secrets).
     pub nats_auth: NatsAuth,
     /// TLS to NATS; `None`: plain TCP unless the URL or the server asks for TLS.
@@ -463,6 +477,7 @@ impl Default for ServeSettings {
             subscription_capacity: DEFAULT_SUBSCRIPTION_CAPACITY,
             durable: false,
             stream_replicas: 1,
+            route_policy: Default::default(),
             nats_auth: NatsAuth::None,
             nats_tls: None,
             config_file: None,
@@ -497,6 +512,7 @@ impl ServeSettings {
                 ..ApplyConfig::default()
             },
             max_active_leases: self.max_active_leases,
+            route_policy: self.route_policy,
             durable: self.durable.then(|| {
                 LeaseStreamConfig::new(self.subject_prefix.clone(), self.lease_scan_interval)
                     .with_replicas(self.stream_replicas)
@@ -580,6 +596,7 @@ struct FileValues {
     subscription_capacity: Option<String>,
     durable: Option<String>,
     stream_replicas: Option<String>,
+    route_policy: Option<String>,
     nats_user: Option<String>,
     nats_password: Option<String>,
     nats_token: Option<String>,
@@ -759,6 +776,14 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
                 })
             }
         };
+    }
+    if let Some((value, origin)) = pick(&args.route_policy, &file.route_policy) {
+        settings.route_policy = value.trim().parse().map_err(|err| ConfigError::Invalid {
+            setting: "route_policy",
+            value,
+            origin,
+            expected: format!("{err}"),
+        })?;
     }
     resolve_credentials(args, &file, &pick, &mut settings)?;
     Ok(settings)
@@ -1134,6 +1159,7 @@ fn parse_file(path: &Path, text: &str) -> Result<FileValues, ConfigError> {
                 })
             }
             "stream_replicas" => values.stream_replicas = Some(scalar("stream_replicas", value)?),
+            "route_policy" => values.route_policy = Some(scalar("route_policy", value)?),
             "nats_user" => values.nats_user = Some(scalar("nats_user", value)?),
             "nats_password" => values.nats_password = Some(secret("nats_password", value)?),
             "nats_token" => values.nats_token = Some(secret("nats_token", value)?),
@@ -1205,6 +1231,31 @@ mod tests {
 
     fn message(args: &ServeArgs) -> String {
         resolve(args).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn route_policy_from_flag_or_file_and_refused_when_unknown() {
+        let s = resolve(&ServeArgs {
+            route_policy: Some("round_robin".into()),
+            ..ServeArgs::default()
+        })
+        .unwrap();
+        assert_eq!(s.route_policy, crate::routing::RoutePolicy::RoundRobin);
+        assert_eq!(
+            s.host_settings().route_policy,
+            crate::routing::RoutePolicy::RoundRobin
+        );
+        assert_eq!(
+            resolve(&ServeArgs::default()).unwrap().route_policy,
+            crate::routing::RoutePolicy::PowerOfTwo
+        );
+        let err = resolve(&ServeArgs {
+            route_policy: Some("fastest".into()),
+            ..ServeArgs::default()
+        })
+        .unwrap_err();
+        assert_eq!(err.setting(), Some("route_policy"));
+        assert!(err.to_string().contains("power_of_two"), "{err}");
     }
 
     #[test]
@@ -1446,7 +1497,7 @@ mod tests {
                     "the accepted keys are nats_url, deployments, http_addr, subject_prefix, \
                      lease_scan_interval, log_format, connect_deadline, max_event_bytes, \
                      max_active_leases, max_tombstones, max_held_progress, max_publishers, \
-                     subscription_capacity, durable, stream_replicas, nats_user, nats_password, nats_token, nats_nkey, nats_creds, \
+                     subscription_capacity, durable, stream_replicas, route_policy, nats_user, nats_password, nats_token, nats_nkey, nats_creds, \
                      nats_tls_ca, nats_tls_cert, nats_tls_key"
                 ),
             "{m}"

@@ -59,6 +59,8 @@ pub struct HostSettings {
     pub durable: Option<LeaseStreamConfig>,
     /// Live leases per deployment; past it new admissions are refused and counted.
     pub max_active_leases: usize,
+    /// Routing policy of each new deployment (a PUT body may change it).
+    pub route_policy: crate::routing::RoutePolicy,
 }
 
 impl Default for HostSettings {
@@ -70,6 +72,7 @@ impl Default for HostSettings {
             task_stop_timeout: DEFAULT_TASK_STOP_TIMEOUT,
             durable: None,
             max_active_leases: LeaseConfig::default().max_active_leases,
+            route_policy: Default::default(),
         }
     }
 }
@@ -800,7 +803,10 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
             max_active_leases: settings.max_active_leases,
             ..LeaseConfig::default()
         },
-        routing: Default::default(),
+        routing: crate::routing::RoutingConfig {
+            policy: settings.route_policy,
+            ..Default::default()
+        },
     };
     // Bounded for both modes: dropping an unfinished start cancels whatever it spawned.
     let waited = inner.connection.connect_deadline();
