@@ -292,3 +292,33 @@ async fn a_provisional_booking_is_taken_over_released_or_expires() {
         Err(RouteRequestError::NoWorkers)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_worker_with_nothing_live_is_forgotten_and_one_with_a_lease_is_not() {
+    let server = server().await;
+    let conn = client(&server.url()).await;
+    let mut config = RouterConfig::new("idle").with_scan_interval(NO_EXPIRY);
+    config.routing.worker_idle = Some(Duration::from_millis(300));
+    let h = router_with(&conn, config).await;
+    let scheduler = h.router.scheduler().clone();
+    let mut publisher = RawPublisher::new(conn.client().clone(), "idle", 1);
+
+    publisher.send(admitted("done", 3, 10)).await;
+    publisher.send(completed("done", 3)).await;
+    publisher.send(admitted("live", 4, 10)).await;
+    publisher.flush().await;
+    assert_eq!(wait_members(&scheduler, &[w(3), w(4)]).await, [w(3), w(4)]);
+    // Queries keep coming (they run the idle sweep); worker 3 goes, worker 4 stays.
+    assert_eq!(wait_members(&scheduler, &[w(4)]).await, [w(4)]);
+    assert_eq!(scheduler.stats().workers_forgotten, 1);
+    let decision = scheduler.route(RouteRequest::new("r", 5)).await.unwrap();
+    assert_eq!(decision.worker(), w(4));
+
+    publisher.send(admitted("back", 3, 10)).await;
+    publisher.flush().await;
+    assert_eq!(
+        wait_members(&scheduler, &[w(3), w(4)]).await,
+        [w(3), w(4)],
+        "publishing again makes it a member again"
+    );
+}
