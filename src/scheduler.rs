@@ -1182,9 +1182,14 @@ mod tests {
     async fn routed(policy: RoutePolicy, members: &[WorkerWithDpRank]) -> SchedulerHandle {
         let tracker = TaskTracker::new();
         let (handle, actor) = Scheduler::new("t");
+        // Equal weights keep the expected costs below easy to follow.
         actor
             .with_routing(RoutingConfig {
                 policy,
+                weights: routing::CostWeights {
+                    prefill: 1.0,
+                    kv: 1.0,
+                },
                 ..RoutingConfig::default()
             })
             .spawn(None, &tracker);

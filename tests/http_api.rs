@@ -812,7 +812,7 @@ async fn route_over_http() {
         .await;
     assert_eq!(reply.status, 201, "{}", reply.body);
     assert_eq!(reply.json()["routing"]["policy"], "weighted_cost");
-    assert_eq!(reply.json()["routing"]["weights"]["kv"], 1.0);
+    assert_eq!(reply.json()["routing"]["weights"]["kv"], 0.25);
 
     let route = |body: &'static str| service.post_json("/v1/deployments/r/route", "POST", body);
     let ok = r#"{"request_id": "x", "prompt_tokens": 50}"#;
@@ -843,7 +843,7 @@ async fn route_over_http() {
     let decision = reply.json();
     assert_eq!(decision["policy"], "weighted_cost");
     assert_eq!(decision["request_id"], "x");
-    // Equal costs: the lower worker. Cost = (100 + 50) prefill + (100 + 50) KV.
+    // Equal costs: the lower worker. Cost = (100 + 50) prefill + 0.25 × (100 + 50) KV.
     assert_eq!(
         (decision["worker_id"].clone(), decision["dp_rank"].clone()),
         (7.into(), 0.into())
@@ -851,7 +851,7 @@ async fn route_over_http() {
     let candidates = decision["candidates"].as_array().unwrap();
     assert_eq!(candidates.len(), 2, "{decision}");
     assert_eq!(candidates[0]["worker_id"], 7);
-    assert_eq!(candidates[0]["cost"], 300.0);
+    assert_eq!(candidates[0]["cost"], 187.5);
     // Booked at once: the next one goes to worker 8.
     let next = route(r#"{"request_id": "y", "prompt_tokens": 50, "cached_tokens": 10, "expected_output_tokens": 5}"#).await;
     assert_eq!(next.json()["worker_id"], 8, "{}", next.body);

@@ -24,7 +24,7 @@
 //! | messages buffered per subscription | `--subscription-capacity` | `LEASE_ROUTER_SUBSCRIPTION_CAPACITY` | `subscription_capacity` | `262144` |
 //! | durable mode (JetStream replay) | `--durable` | `LEASE_ROUTER_DURABLE` | `durable` | off |
 //! | lease stream replicas (durable) | `--stream-replicas` | `LEASE_ROUTER_STREAM_REPLICAS` | `stream_replicas` | `1` |
-//! | routing policy of new deployments | `--route-policy` | `LEASE_ROUTER_ROUTE_POLICY` | `route_policy` | `power_of_two` |
+//! | routing policy of new deployments | `--route-policy` | `LEASE_ROUTER_ROUTE_POLICY` | `route_policy` | `weighted_cost` |
 //! | NATS user (with a password) | `--nats-user` | `NATS_USER` | `nats_user` | none |
 //! | NATS password | `--nats-password` | `NATS_PASSWORD` | `nats_password` | none |
 //! | NATS token | `--nats-token` | `NATS_TOKEN` | `nats_token` | none |
@@ -262,7 +262,7 @@ pub struct ServeArgs {
     pub stream_replicas: Option<String>,
 
     /// Routing policy of new deployments: weighted_cost, power_of_two, round_robin or random
-    /// (a PUT body may set another per deployment) [default: power_of_two].
+    /// (a PUT body may set another per deployment) [default: weighted_cost].
     #[arg(
         long = "route-policy",
         value_name = "POLICY",
@@ -1247,7 +1247,7 @@ mod tests {
         );
         assert_eq!(
             resolve(&ServeArgs::default()).unwrap().route_policy,
-            crate::routing::RoutePolicy::PowerOfTwo
+            crate::routing::RoutePolicy::WeightedCost
         );
         let err = resolve(&ServeArgs {
             route_policy: Some("fastest".into()),
