@@ -37,7 +37,7 @@ enum Command {
     /// Settings: flags, then environment, then the --config file, then defaults. A first
     /// SIGINT/SIGTERM stops taking events, shuts every router down and exits 0; a second one
     /// exits at once (130). Invalid settings exit 2.
-    Serve(lease_router::service::ServeArgs),
+    Serve(Box<lease_router::service::ServeArgs>),
     /// Publish one lease event and wait until the NATS server has it.
     Publish(cli::publish::PublishArgs),
     /// Simulated workers publishing realistic request lifecycles at a target rate.
@@ -77,7 +77,7 @@ fn main() -> ExitCode {
         let force = signals.force.clone();
         let run = async {
             match cli.command {
-                Command::Serve(args) => cli::serve::run(args, &signals).await,
+                Command::Serve(args) => cli::serve::run(*args, &signals).await,
                 Command::Publish(args) => cli::publish::run(args, &signals).await,
                 Command::Simulate(args) => cli::simulate::run(args, &signals).await,
                 Command::Demo(args) => cli::demo::run(args, &signals).await,

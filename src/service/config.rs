@@ -25,6 +25,7 @@
 //! | durable mode (JetStream replay) | `--durable` | `LEASE_ROUTER_DURABLE` | `durable` | off |
 //! | lease stream replicas (durable) | `--stream-replicas` | `LEASE_ROUTER_STREAM_REPLICAS` | `stream_replicas` | `1` |
 //! | routing policy of new deployments | `--route-policy` | `LEASE_ROUTER_ROUTE_POLICY` | `route_policy` | `weighted_cost` |
+//! | idle time before a silent worker with nothing live is forgotten | `--worker-idle` | `LEASE_ROUTER_WORKER_IDLE` | `worker_idle` | twice the lease scan interval |
 //! | NATS user (with a password) | `--nats-user` | `NATS_USER` | `nats_user` | none |
 //! | NATS password | `--nats-password` | `NATS_PASSWORD` | `nats_password` | none |
 //! | NATS token | `--nats-token` | `NATS_TOKEN` | `nats_token` | none |
@@ -85,7 +86,7 @@ pub const MIN_MAX_EVENT_BYTES: usize = 64;
 pub const MAX_MAX_EVENT_BYTES: usize = 64 * 1024 * 1024;
 
 /// The keys a config file may hold.
-pub const FILE_KEYS: [&str; 24] = [
+pub const FILE_KEYS: [&str; 25] = [
     "nats_url",
     "deployments",
     "http_addr",
@@ -102,6 +103,7 @@ pub const FILE_KEYS: [&str; 24] = [
     "durable",
     "stream_replicas",
     "route_policy",
+    "worker_idle",
     "nats_user",
     "nats_password",
     "nats_token",
@@ -270,6 +272,15 @@ pub struct ServeArgs {
     )]
     pub route_policy: Option<String>,
 
+    /// How long a worker with no live lease may say nothing before routers forget it
+    /// [default: twice the lease scan interval, one lease lifetime].
+    #[arg(
+        long = "worker-idle",
+        value_name = "DURATION",
+        env = "LEASE_ROUTER_WORKER_IDLE"
+    )]
+    pub worker_idle: Option<String>,
+
     /// Authentication and TLS to NATS (boxed: they make the struct large).
     #[command(flatten)]
     pub nats_credentials: Box<NatsCredentialArgs>,
@@ -295,6 +306,7 @@ impl fmt::Debug for ServeArgs {
             .field("durable", &self.durable)
             .field("stream_replicas", &self.stream_replicas)
             .field("route_policy", &self.route_policy)
+            .field("worker_idle", &self.worker_idle)
             .field("nats_credentials", &self.nats_credentials)
             .finish()
     }
@@ -451,6 +463,8 @@ pub struct ServeSettings {
     pub stream_replicas: usize,
     /// Routing policy of new deployments.
     pub route_policy: crate::routing::RoutePolicy,
+    /// `None`: twice the lease scan interval.
+    pub worker_idle: Option<Duration>,
     /// How to authenticate to NATS (its `Debug` redacts secrets).
     pub nats_auth: NatsAuth,
     /// TLS to NATS; `None`: plain TCP unless the URL or the server asks for TLS.
@@ -478,6 +492,7 @@ impl Default for ServeSettings {
             durable: false,
             stream_replicas: 1,
             route_policy: Default::default(),
+            worker_idle: None,
             nats_auth: NatsAuth::None,
             nats_tls: None,
             config_file: None,
@@ -513,6 +528,7 @@ impl ServeSettings {
             },
             max_active_leases: self.max_active_leases,
             route_policy: self.route_policy,
+            worker_idle: self.worker_idle,
             durable: self.durable.then(|| {
                 LeaseStreamConfig::new(self.subject_prefix.clone(), self.lease_scan_interval)
                     .with_replicas(self.stream_replicas)
@@ -597,6 +613,7 @@ struct FileValues {
     durable: Option<String>,
     stream_replicas: Option<String>,
     route_policy: Option<String>,
+    worker_idle: Option<String>,
     nats_user: Option<String>,
     nats_password: Option<String>,
     nats_token: Option<String>,
@@ -784,6 +801,21 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
             origin,
             expected: format!("{err}"),
         })?;
+    }
+    if let Some((value, origin)) = pick(&args.worker_idle, &file.worker_idle) {
+        settings.worker_idle = match parse_duration(&value) {
+            Some(d) if !d.is_zero() => Some(d),
+            _ => {
+                return Err(ConfigError::Invalid {
+                    setting: "worker_idle",
+                    value,
+                    origin,
+                    expected: "expected a positive duration: seconds (600) or a number with a \
+                               unit ms, s, m or h (600s, 10m)"
+                        .into(),
+                })
+            }
+        };
     }
     resolve_credentials(args, &file, &pick, &mut settings)?;
     Ok(settings)
@@ -1160,6 +1192,7 @@ fn parse_file(path: &Path, text: &str) -> Result<FileValues, ConfigError> {
             }
             "stream_replicas" => values.stream_replicas = Some(scalar("stream_replicas", value)?),
             "route_policy" => values.route_policy = Some(scalar("route_policy", value)?),
+            "worker_idle" => values.worker_idle = Some(scalar("worker_idle", value)?),
             "nats_user" => values.nats_user = Some(scalar("nats_user", value)?),
             "nats_password" => values.nats_password = Some(secret("nats_password", value)?),
             "nats_token" => values.nats_token = Some(secret("nats_token", value)?),
@@ -1256,6 +1289,19 @@ mod tests {
         .unwrap_err();
         assert_eq!(err.setting(), Some("route_policy"));
         assert!(err.to_string().contains("power_of_two"), "{err}");
+        let s = resolve(&ServeArgs {
+            worker_idle: Some("90s".into()),
+            ..ServeArgs::default()
+        })
+        .unwrap();
+        assert_eq!(s.host_settings().worker_idle, Some(Duration::from_secs(90)));
+        assert_eq!(resolve(&ServeArgs::default()).unwrap().worker_idle, None);
+        let err = resolve(&ServeArgs {
+            worker_idle: Some("0s".into()),
+            ..ServeArgs::default()
+        })
+        .unwrap_err();
+        assert_eq!(err.setting(), Some("worker_idle"));
     }
 
     #[test]
@@ -1497,7 +1543,7 @@ mod tests {
                     "the accepted keys are nats_url, deployments, http_addr, subject_prefix, \
                      lease_scan_interval, log_format, connect_deadline, max_event_bytes, \
                      max_active_leases, max_tombstones, max_held_progress, max_publishers, \
-                     subscription_capacity, durable, stream_replicas, route_policy, nats_user, nats_password, nats_token, nats_nkey, nats_creds, \
+                     subscription_capacity, durable, stream_replicas, route_policy, worker_idle, nats_user, nats_password, nats_token, nats_nkey, nats_creds, \
                      nats_tls_ca, nats_tls_cert, nats_tls_key"
                 ),
             "{m}"

@@ -61,6 +61,9 @@ pub struct HostSettings {
     pub max_active_leases: usize,
     /// Routing policy of each new deployment (a PUT body may change it).
     pub route_policy: crate::routing::RoutePolicy,
+    /// How long a silent worker with nothing live stays a member; `None`: twice the lease
+    /// scan interval.
+    pub worker_idle: Option<Duration>,
 }
 
 impl Default for HostSettings {
@@ -73,6 +76,7 @@ impl Default for HostSettings {
             durable: None,
             max_active_leases: LeaseConfig::default().max_active_leases,
             route_policy: Default::default(),
+            worker_idle: None,
         }
     }
 }
@@ -805,6 +809,7 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
         },
         routing: crate::routing::RoutingConfig {
             policy: settings.route_policy,
+            worker_idle: settings.worker_idle,
             ..Default::default()
         },
     };
