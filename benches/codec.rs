@@ -31,6 +31,7 @@ fn samples() -> Vec<(&'static str, Envelope)> {
                 dp_rank: 3,
                 prompt_tokens: 2048,
                 expected_output_tokens: Some(512),
+                cached_tokens: None,
             }
             .into(),
         ),
@@ -63,6 +64,7 @@ fn samples() -> Vec<(&'static str, Envelope)> {
             WorkerReset {
                 worker_id: 17,
                 dp_rank: None,
+                leaving: false,
             }
             .into(),
         ),

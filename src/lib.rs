@@ -17,6 +17,8 @@
 //!   breaks the router's ownership cycle lives beside the manager.
 //! - `scheduler`: the actor that owns per-worker load (sums only: the leases are the
 //!   per-booking record): [`Scheduler`], [`SchedulerHandle`].
+//! - `routing`: how a router chooses a worker ([`RoutePolicy`], [`RouteDecision`]), from the
+//!   load by phase the scheduler keeps.
 //! - `router`: one deployment's [`Router`]: one-pass wiring under a drop guard, teardown,
 //!   shutdown; [`IngressStart`] for whatever feeds it.
 //! - [`wire`]: the MessagePack wire contract (documented in `schemas/`).
@@ -45,6 +47,7 @@ mod observer;
 mod publisher;
 mod retry;
 mod router;
+mod routing;
 mod scheduler;
 pub mod service;
 mod stats;
@@ -78,6 +81,10 @@ pub use retry::RetryPolicy;
 pub use router::{
     IngressContext, IngressStart, NoIngress, Router, RouterConfig, RouterTask, ShutdownRouterError,
     StartRouterError, TaskError, TaskFailure,
+};
+pub use routing::{
+    cost, Candidate, CostWeights, ParsePolicyError, RouteDecision, RouteOutcome, RoutePolicy,
+    RouteRequest, RouteRequestError, RoutingConfig,
 };
 pub use scheduler::{
     QuerySchedulerError, ReleaseReason, ScheduleRequestError, Scheduler, SchedulerBookingCleanup,

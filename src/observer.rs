@@ -72,6 +72,16 @@ pub trait ReplicaRequestLeaseObserver: Send + Sync {
         booking: &SchedulerBookingDescriptor,
     ) -> Result<CompleteOutcome, DeliverEventError>;
 
+    /// A route decision of this replica booked `booking` before its worker's `admitted`;
+    /// forwards to `book_provisional`. The default treats it as an admission.
+    fn routed(
+        &self,
+        booking: SchedulerBookingDescriptor,
+        load: RequestLoad,
+    ) -> Result<AdmitOutcome, DeliverEventError> {
+        self.admitted(booking, load)
+    }
+
     /// A worker restarted or left (all its ranks when `dp_rank` is `None`); forwards to
     /// `reset_worker`. Returns the leases dropped.
     fn worker_reset(

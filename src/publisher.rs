@@ -434,6 +434,7 @@ impl LeasePublisher {
             dp_rank,
             prompt_tokens,
             expected_output_tokens,
+            cached_tokens: None,
         })
     }
 
@@ -477,7 +478,25 @@ impl LeasePublisher {
         worker_id: u64,
         dp_rank: Option<u32>,
     ) -> Result<(), PublishEventError> {
-        self.publish(WorkerReset { worker_id, dp_rank })
+        self.publish(WorkerReset {
+            worker_id,
+            dp_rank,
+            leaving: false,
+        })
+    }
+
+    /// Queues a [`WorkerReset`] that says the worker is leaving (wire 1.1): routers stop
+    /// choosing it until it publishes again. Send it on a clean shutdown.
+    pub fn worker_left(
+        &self,
+        worker_id: u64,
+        dp_rank: Option<u32>,
+    ) -> Result<(), PublishEventError> {
+        self.publish(WorkerReset {
+            worker_id,
+            dp_rank,
+            leaving: true,
+        })
     }
 
     /// Resolves once every event queued before the call has been handed to the NATS client

@@ -99,6 +99,7 @@ impl IngressStart for NoIngress {
 pub struct RouterConfig {
     pub deployment: String,
     pub lease: LeaseConfig,
+    pub routing: crate::routing::RoutingConfig,
 }
 
 impl RouterConfig {
@@ -106,6 +107,7 @@ impl RouterConfig {
         Self {
             deployment: deployment.into(),
             lease: LeaseConfig::default(),
+            routing: Default::default(),
         }
     }
 
@@ -204,6 +206,10 @@ impl Router {
         let guard = cancel.clone().drop_guard();
 
         let (scheduler, actor) = Scheduler::new(&deployment);
+        let worker_idle = config.routing.worker_idle;
+        let actor = actor
+            .with_routing(config.routing)
+            .with_worker_idle(worker_idle.unwrap_or(2 * config.lease.scan_interval));
         let manager = RequestLeaseManager::new(&deployment, config.lease, scheduler.cleanup());
         let scheduler_task = actor.spawn(Some(observer_for(&manager)), &tracker);
         let observer = manager.replica_observer();

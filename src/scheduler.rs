@@ -24,6 +24,7 @@
 use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use hashbrown::HashMap;
 use parking_lot::Mutex;
@@ -34,7 +35,18 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, Instrument};
 
 use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
-use crate::types::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
+use crate::routing::{
+    self, Candidate, RouteDecision, RouteOutcome, RoutePolicy, RouteRequest, RouteRequestError,
+    RoutingConfig,
+};
+use crate::types::{
+    DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
+};
+
+/// How long a worker with no live booking may stay silent before the scheduler forgets it,
+/// unless set: one lease lifetime at the default scan interval (a silent lease dies one to
+/// two intervals after its last touch).
+pub const DEFAULT_WORKER_IDLE: Duration = Duration::from_secs(600);
 
 /// Why a booking is released.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
@@ -49,12 +61,27 @@ pub enum ReleaseReason {
     WorkerReset,
 }
 
-/// The load of one worker as the scheduler counts it.
+/// The load of one worker as the scheduler counts it: sums over its live bookings.
+///
+/// `active_bookings`, `prompt_tokens` and `expected_output_tokens` are the sizes the
+/// bookings were admitted with; they move only at admission and release. The other three
+/// follow each request's phase (see [`crate::lease::load`]):
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize)]
 pub struct WorkerLoad {
+    /// Live bookings (provisional ones included).
     pub active_bookings: u64,
+    /// Prompt tokens of the live bookings, as admitted.
     pub prompt_tokens: u64,
+    /// Expected output tokens of the live bookings, as admitted (unknown counts 0).
     pub expected_output_tokens: u64,
+    /// Prefill tokens waiting: the uncached prompt of bookings whose prefill is not done
+    /// (up at admission, down at the first `progressed`).
+    pub prefill_tokens: u64,
+    /// KV tokens held: prompt plus output so far (up with each `progressed`, down at
+    /// release).
+    pub kv_tokens: u64,
+    /// Expected output still to come: expected minus produced, never below zero.
+    pub remaining_output_tokens: u64,
 }
 
 impl WorkerLoad {
@@ -68,36 +95,53 @@ impl WorkerLoad {
     }
 }
 
-/// What one booking adds to its worker's load: eight bytes, kept in its lease.
+/// What one booking adds to its worker's load at one moment. Its lease computes it from
+/// the request's sizes and progress ([`crate::lease::load`]); no per-booking record is
+/// kept here.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub(crate) struct BookingWeight {
-    prompt_tokens: u32,
-    expected_output_tokens: u32,
+    pub(crate) prompt_tokens: u32,
+    pub(crate) expected_output_tokens: u32,
+    pub(crate) prefill_tokens: u32,
+    pub(crate) kv_tokens: u32,
+    pub(crate) remaining_output_tokens: u32,
 }
 
 impl From<RequestLoad> for BookingWeight {
+    /// The weight at admission, before any progress.
     fn from(load: RequestLoad) -> Self {
-        Self {
-            prompt_tokens: load.prompt_tokens,
-            expected_output_tokens: load.expected_output_tokens.unwrap_or(0),
-        }
+        crate::lease::load::LeaseLoad::new(load).weight()
     }
 }
 
 /// A worker's sums. Signed, so that operations applied in any order add up (see the module
 /// docs); shown clamped at zero.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Tally {
     bookings: i64,
     prompt_tokens: i64,
     expected_output_tokens: i64,
+    prefill_tokens: i64,
+    kv_tokens: i64,
+    remaining_output_tokens: i64,
 }
 
 impl Tally {
     fn add(&mut self, sign: i64, weight: BookingWeight) {
         self.bookings += sign;
+        self.add_tokens(sign, weight);
+    }
+
+    fn add_tokens(&mut self, sign: i64, weight: BookingWeight) {
         self.prompt_tokens += sign * i64::from(weight.prompt_tokens);
         self.expected_output_tokens += sign * i64::from(weight.expected_output_tokens);
+        self.prefill_tokens += sign * i64::from(weight.prefill_tokens);
+        self.kv_tokens += sign * i64::from(weight.kv_tokens);
+        self.remaining_output_tokens += sign * i64::from(weight.remaining_output_tokens);
+    }
+
+    fn is_zero(&self) -> bool {
+        *self == Self::default()
     }
 
     fn load(&self) -> WorkerLoad {
@@ -106,6 +150,9 @@ impl Tally {
             active_bookings: clamp(self.bookings),
             prompt_tokens: clamp(self.prompt_tokens),
             expected_output_tokens: clamp(self.expected_output_tokens),
+            prefill_tokens: clamp(self.prefill_tokens),
+            kv_tokens: clamp(self.kv_tokens),
+            remaining_output_tokens: clamp(self.remaining_output_tokens),
         }
     }
 }
@@ -119,6 +166,10 @@ pub struct SchedulerStats {
     released_expired: AtomicU64,
     released_superseded: AtomicU64,
     released_reset: AtomicU64,
+    workers_left: AtomicU64,
+    workers_forgotten: AtomicU64,
+    /// Route decisions by policy and outcome.
+    decisions: [[AtomicU64; RouteOutcome::ALL.len()]; RoutePolicy::ALL.len()],
 }
 
 /// A point-in-time copy of the scheduler's counters.
@@ -131,6 +182,19 @@ pub struct SchedulerStatsSnapshot {
     pub released_expired: u64,
     pub released_superseded: u64,
     pub released_reset: u64,
+    /// Workers (ranks) that said they were leaving.
+    pub workers_left: u64,
+    /// Workers (ranks) forgotten after their idle time with no live booking.
+    pub workers_forgotten: u64,
+    /// Route decisions, by [`RoutePolicy::ALL`] then [`RouteOutcome::ALL`] order.
+    pub decisions: [[u64; RouteOutcome::ALL.len()]; RoutePolicy::ALL.len()],
+}
+
+impl SchedulerStatsSnapshot {
+    /// Route decisions of `policy` that ended as `outcome`.
+    pub fn decisions(&self, policy: RoutePolicy, outcome: RouteOutcome) -> u64 {
+        self.decisions[policy as usize][outcome as usize]
+    }
 }
 
 impl SchedulerStats {
@@ -143,7 +207,15 @@ impl SchedulerStats {
             released_expired: get(&self.released_expired),
             released_superseded: get(&self.released_superseded),
             released_reset: get(&self.released_reset),
+            workers_left: get(&self.workers_left),
+            workers_forgotten: get(&self.workers_forgotten),
+            decisions: self.decisions.each_ref().map(|row| row.each_ref().map(get)),
         }
+    }
+
+    /// Counts one route decision.
+    pub fn count_decision(&self, policy: RoutePolicy, outcome: RouteOutcome) {
+        self.decisions[policy as usize][outcome as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     fn count_release(&self, reason: ReleaseReason) {
@@ -185,11 +257,23 @@ pub enum ScheduleRequestError {
 pub(crate) enum Op {
     Book(WorkerWithDpRank, BookingWeight),
     Release(WorkerWithDpRank, BookingWeight, ReleaseReason),
+    /// A live booking's weight moved (its request progressed, or an admission took a
+    /// provisional booking over): from the first weight to the second.
+    Shift(WorkerWithDpRank, BookingWeight, BookingWeight),
+    /// The worker sent an event of its own: a member, seen now.
+    Seen(WorkerWithDpRank),
+    /// A `worker_reset` (every rank when `dp_rank` is `None`), after its releases: a
+    /// restart keeps the worker a member, leaving takes it out of every decision.
+    Membership {
+        worker_id: WorkerId,
+        dp_rank: Option<DpRank>,
+        leaving: bool,
+    },
 }
 
 /// Operations that may wait in the inbox before the actor is woken to apply them. Every
 /// query applies the inbox first, so waiting changes no answer; it only spares the runtime a
-/// wake-up (a thread unpark, often) per burst of events, and bounds the inbox (32 bytes an
+/// wake-up (a thread unpark, often) per burst of events, and bounds the inbox (64 bytes an
 /// operation).
 const WAKE_AT: usize = 256;
 
@@ -197,6 +281,13 @@ enum Command {
     /// Apply what is in the inbox.
     Drain,
     Loads(oneshot::Sender<Vec<(WorkerWithDpRank, WorkerLoad)>>),
+    Workers(oneshot::Sender<Vec<WorkerStatus>>),
+    Route(
+        RouteRequest,
+        oneshot::Sender<Result<RouteDecision, RouteRequestError>>,
+    ),
+    SetRouting(RoutingConfig, oneshot::Sender<()>),
+    Routing(oneshot::Sender<RoutingConfig>),
     Load(WorkerWithDpRank, oneshot::Sender<WorkerLoad>),
     LeastLoaded(oneshot::Sender<Option<(WorkerWithDpRank, WorkerLoad)>>),
     Schedule(
@@ -287,17 +378,78 @@ impl SchedulerHandle {
         self.mailbox.stats.snapshot()
     }
 
-    /// The load of every worker the scheduler knows, ordered by worker.
+    /// The load of every member worker, ordered by worker: a worker that left or was
+    /// forgotten is not listed.
     pub async fn loads(&self) -> Result<Vec<(WorkerWithDpRank, WorkerLoad)>, QuerySchedulerError> {
         self.mailbox.ask(Command::Loads).await
     }
 
-    /// The load of one worker (zero when it is unknown).
+    /// Every member worker with its load and how long ago it was last heard, ordered by
+    /// worker.
+    pub async fn workers(&self) -> Result<Vec<WorkerStatus>, QuerySchedulerError> {
+        self.mailbox.ask(Command::Workers).await
+    }
+
+    /// Chooses a member worker for `request` by the deployment's policy and books it there
+    /// provisionally (see [`crate::routing`]): the next decision sees it at once, the
+    /// worker's `admitted` takes it over, and it expires like any lease if none comes.
+    ///
+    /// # Errors
+    /// [`RouteRequestError::InvalidRequest`] for nonsense sizes,
+    /// [`RouteRequestError::NoWorkers`] when no worker is a member, and the others when the
+    /// booking cannot be made. Each decision is counted by policy and outcome.
+    pub async fn route(&self, request: RouteRequest) -> Result<RouteDecision, RouteRequestError> {
+        if let Err(err) = request.validate() {
+            // Counted under the policy in force, which only the actor knows: one more ask
+            // for a request that is refused anyway.
+            let policy = self
+                .routing()
+                .await
+                .map_or_else(|_| RoutePolicy::default(), |r| r.policy);
+            self.mailbox.stats.count_decision(policy, err.outcome());
+            return Err(err);
+        }
+        self.mailbox
+            .ask(|reply| Command::Route(request, reply))
+            .await
+            .map_err(|_| RouteRequestError::Stopped)?
+    }
+
+    /// Counts a route request refused before it could be read (a body that is not one).
+    pub async fn count_invalid_request(&self) {
+        let policy = self
+            .routing()
+            .await
+            .map_or_else(|_| RoutePolicy::default(), |r| r.policy);
+        self.mailbox
+            .stats
+            .count_decision(policy, RouteOutcome::Invalid);
+    }
+
+    /// Sets the policy and weights of later decisions (the idle time is kept).
+    ///
+    /// # Errors
+    /// [`RouteRequestError::InvalidRequest`] for meaningless weights;
+    /// [`RouteRequestError::Stopped`] when the actor is gone.
+    pub async fn set_routing(&self, routing: RoutingConfig) -> Result<(), RouteRequestError> {
+        routing.weights.validate()?;
+        self.mailbox
+            .ask(|reply| Command::SetRouting(routing, reply))
+            .await
+            .map_err(|_| RouteRequestError::Stopped)
+    }
+
+    /// The routing settings in force.
+    pub async fn routing(&self) -> Result<RoutingConfig, QuerySchedulerError> {
+        self.mailbox.ask(Command::Routing).await
+    }
+
+    /// The load of one worker, member or not (zero when it is unknown).
     pub async fn load(&self, worker: WorkerWithDpRank) -> Result<WorkerLoad, QuerySchedulerError> {
         self.mailbox.ask(|reply| Command::Load(worker, reply)).await
     }
 
-    /// The least-loaded known worker: fewest bookings, then fewest tokens.
+    /// The least-loaded member worker: fewest bookings, then fewest tokens.
     pub async fn least_loaded(
         &self,
     ) -> Result<Option<(WorkerWithDpRank, WorkerLoad)>, QuerySchedulerError> {
@@ -325,8 +477,39 @@ impl SchedulerHandle {
     }
 }
 
+/// A worker as [`SchedulerHandle::workers`] shows it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
+pub struct WorkerStatus {
+    pub worker: WorkerWithDpRank,
+    pub load: WorkerLoad,
+    /// Since its last event of its own, measured when the scheduler applied it (to within
+    /// the inbox's wait, see the module docs).
+    pub last_seen: Duration,
+}
+
+/// What the actor keeps of one worker.
+#[derive(Clone, Copy, Debug)]
+struct WorkerEntry {
+    tally: Tally,
+    /// Chosen by decisions and listed: it spoke, and has not left nor been forgotten since.
+    /// A non-member is kept only while releases still have to bring its sums to zero.
+    member: bool,
+    last_seen: Instant,
+}
+
 struct SchedulerState {
-    workers: HashMap<WorkerWithDpRank, Tally>,
+    workers: HashMap<WorkerWithDpRank, WorkerEntry>,
+    /// Read once per drain: when the operations applied were (about) made.
+    now: Instant,
+    worker_idle: Duration,
+    last_sweep: Instant,
+    routing: RoutingConfig,
+    /// The members in worker order, for the policies that draw by index; rebuilt when
+    /// membership has changed.
+    members: Vec<WorkerWithDpRank>,
+    members_dirty: bool,
+    round_robin: usize,
+
     inbox: Arc<Inbox>,
     /// The actor's side of the inbox, swapped with it at each drain.
     batch: Vec<Op>,
@@ -335,17 +518,237 @@ struct SchedulerState {
 }
 
 impl SchedulerState {
+    fn entry(&mut self, worker: WorkerWithDpRank) -> &mut WorkerEntry {
+        let now = self.now;
+        self.workers.entry(worker).or_insert_with(|| WorkerEntry {
+            tally: Tally::default(),
+            member: false,
+            last_seen: now,
+        })
+    }
+
+    /// Drops a non-member whose sums are back to zero.
+    fn collect(&mut self, worker: WorkerWithDpRank) {
+        if let Some(entry) = self.workers.get(&worker) {
+            if !entry.member && entry.tally.is_zero() {
+                self.workers.remove(&worker);
+            }
+        }
+    }
+
     fn apply(&mut self, op: Op) {
         match op {
             Op::Book(worker, weight) => {
-                self.workers.entry(worker).or_default().add(1, weight);
+                let entry = self.entry(worker);
+                entry.tally.add(1, weight);
+                // Booked on by an admission, or by a decision (which chose a member).
+                let joined = !mem::replace(&mut entry.member, true);
+                self.members_dirty |= joined;
                 self.stats.booked.fetch_add(1, Ordering::Relaxed);
             }
             Op::Release(worker, weight, reason) => {
-                self.workers.entry(worker).or_default().add(-1, weight);
+                self.entry(worker).tally.add(-1, weight);
                 self.stats.count_release(reason);
+                self.collect(worker);
+            }
+            Op::Shift(worker, from, to) => {
+                let entry = self.entry(worker);
+                entry.tally.add_tokens(-1, from);
+                entry.tally.add_tokens(1, to);
+                self.collect(worker);
+            }
+            Op::Seen(worker) => {
+                let now = self.now;
+                let entry = self.entry(worker);
+                let joined = !mem::replace(&mut entry.member, true);
+                entry.last_seen = now;
+                self.members_dirty |= joined;
+            }
+            Op::Membership {
+                worker_id,
+                dp_rank,
+                leaving,
+            } => self.membership(worker_id, dp_rank, leaving),
+        }
+    }
+
+    fn membership(&mut self, worker_id: WorkerId, dp_rank: Option<DpRank>, leaving: bool) {
+        self.members_dirty = true;
+        let now = self.now;
+        let mut matched = false;
+        let mut left = 0;
+        self.workers.retain(|w, entry| {
+            if w.worker_id != worker_id || dp_rank.is_some_and(|rank| w.dp_rank != rank) {
+                return true;
+            }
+            matched = true;
+            if leaving {
+                left += u64::from(entry.member);
+                entry.member = false;
+                !entry.tally.is_zero()
+            } else {
+                entry.member = true;
+                entry.last_seen = now;
+                true
+            }
+        });
+        self.stats.workers_left.fetch_add(left, Ordering::Relaxed);
+        if !leaving && !matched {
+            // A worker starting: a member from now on, with the rank it named (rank 0 when
+            // it named none; its other ranks join with their first event).
+            let worker = WorkerWithDpRank {
+                worker_id,
+                dp_rank: dp_rank.unwrap_or_default(),
+            };
+            self.entry(worker).member = true;
+        }
+    }
+
+    /// Forgets members with no live booking that have said nothing for the idle time;
+    /// looks at most four times per idle time.
+    fn forget_idle(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_sweep) < self.worker_idle / 4 {
+            return;
+        }
+        self.last_sweep = now;
+        let idle = self.worker_idle;
+        let mut forgotten = 0;
+        self.workers.retain(|_, entry| {
+            if entry.member
+                && entry.tally.bookings <= 0
+                && now.saturating_duration_since(entry.last_seen) >= idle
+            {
+                entry.member = false;
+                forgotten += 1;
+            }
+            entry.member || !entry.tally.is_zero()
+        });
+        self.members_dirty |= forgotten > 0;
+        self.stats
+            .workers_forgotten
+            .fetch_add(forgotten, Ordering::Relaxed);
+    }
+
+    fn tally_load(&self, worker: &WorkerWithDpRank) -> WorkerLoad {
+        self.workers
+            .get(worker)
+            .map(|e| e.tally.load())
+            .unwrap_or_default()
+    }
+
+    /// Picks a member by the policy in force; `None` when there is none.
+    fn choose(&mut self, request: &RequestLoad) -> Option<(WorkerWithDpRank, Vec<Candidate>)> {
+        let weights = self.routing.weights;
+        let candidate = |worker: WorkerWithDpRank, load: &WorkerLoad| Candidate {
+            worker,
+            cost: routing::cost(weights, load, request),
+        };
+        if self.routing.policy == RoutePolicy::WeightedCost {
+            // Over the map itself (no lookup per member), keeping the cheapest few in a
+            // sorted array: most members cost one comparison with the dearest kept.
+            const KEEP: usize = routing::REPORTED_CANDIDATES;
+            let mut best = [Candidate {
+                worker: WorkerWithDpRank::default(),
+                cost: f64::INFINITY,
+            }; KEEP];
+            let mut kept = 0;
+            for (worker, entry) in self.workers.iter().filter(|(_, e)| e.member) {
+                let c = Candidate {
+                    worker: *worker,
+                    cost: routing::cost_of(
+                        weights,
+                        entry.tally.prefill_tokens,
+                        entry.tally.kv_tokens,
+                        request,
+                    ),
+                };
+                if kept == KEEP && routing::cheaper(&c, &best[KEEP - 1]).is_ge() {
+                    continue;
+                }
+                let mut at = kept.min(KEEP - 1);
+                while at > 0 && routing::cheaper(&c, &best[at - 1]).is_lt() {
+                    best[at] = best[at - 1];
+                    at -= 1;
+                }
+                best[at] = c;
+                kept = (kept + 1).min(KEEP);
+            }
+            if kept == 0 {
+                return None;
+            }
+            return Some((best[0].worker, best[..kept].to_vec()));
+        }
+        if self.members_dirty {
+            self.members.clear();
+            self.members.extend(
+                self.workers
+                    .iter()
+                    .filter(|(_, e)| e.member)
+                    .map(|(w, _)| *w),
+            );
+            self.members.sort_unstable();
+            self.members_dirty = false;
+        }
+        let n = self.members.len();
+        if n == 0 {
+            return None;
+        }
+        let pick = |state: &Self, i: usize| {
+            let worker = state.members[i];
+            candidate(worker, &state.tally_load(&worker))
+        };
+        let mut candidates = match self.routing.policy {
+            RoutePolicy::PowerOfTwo if n > 1 => {
+                let first = rand::random_range(0..n);
+                let second = (first + rand::random_range(1..n)) % n;
+                vec![pick(self, first), pick(self, second)]
+            }
+            RoutePolicy::RoundRobin => {
+                let i = self.round_robin % n;
+                self.round_robin = self.round_robin.wrapping_add(1);
+                vec![pick(self, i)]
+            }
+            _ => vec![pick(self, rand::random_range(0..n))],
+        };
+        candidates.sort_unstable_by(routing::cheaper);
+        Some((candidates[0].worker, candidates))
+    }
+
+    fn route(&mut self, request: RouteRequest) -> Result<RouteDecision, RouteRequestError> {
+        let policy = self.routing.policy;
+        let decided = self.route_inner(request);
+        let outcome = match &decided {
+            Ok(_) => RouteOutcome::Routed,
+            Err(err) => err.outcome(),
+        };
+        self.stats.count_decision(policy, outcome);
+        decided
+    }
+
+    fn route_inner(&mut self, request: RouteRequest) -> Result<RouteDecision, RouteRequestError> {
+        let load = request.load();
+        let (worker, candidates) = self.choose(&load).ok_or(RouteRequestError::NoWorkers)?;
+        let booking = SchedulerBookingDescriptor::new(request.request_id, worker);
+        match &self.observer {
+            None => self.apply(Op::Book(worker, load.into())),
+            Some(observer) => {
+                match observer.routed(booking.clone(), load) {
+                    Ok(AdmitOutcome::Full) => return Err(RouteRequestError::LeasesFull),
+                    Ok(_) => {}
+                    Err(DeliverEventError::ManagerGone) => {
+                        return Err(RouteRequestError::ManagerGone)
+                    }
+                }
+                // The manager queued the booking: applied now, so the next decision sees it.
+                self.drain();
             }
         }
+        Ok(RouteDecision {
+            booking,
+            policy: self.routing.policy,
+            candidates,
+        })
     }
 
     /// Applies everything queued so far.
@@ -355,6 +758,7 @@ impl SchedulerState {
             return;
         }
         self.stats.wakeups.fetch_add(1, Ordering::Relaxed);
+        self.now = Instant::now();
         let mut batch = mem::take(&mut self.batch);
         for op in batch.drain(..) {
             self.apply(op);
@@ -362,8 +766,12 @@ impl SchedulerState {
         self.batch = batch;
     }
 
+    /// The members and their loads.
     fn loads(&self) -> impl Iterator<Item = (WorkerWithDpRank, WorkerLoad)> + '_ {
-        self.workers.iter().map(|(w, t)| (*w, t.load()))
+        self.workers
+            .iter()
+            .filter(|(_, e)| e.member)
+            .map(|(w, e)| (*w, e.tally.load()))
     }
 
     fn least_loaded(&self) -> Option<(WorkerWithDpRank, WorkerLoad)> {
@@ -410,8 +818,16 @@ impl Scheduler {
         let inbox = Arc::new(Inbox {
             ops: Mutex::new(Vec::new()),
         });
+        let now = Instant::now();
         let state = SchedulerState {
             workers: HashMap::new(),
+            now,
+            worker_idle: DEFAULT_WORKER_IDLE,
+            last_sweep: now,
+            routing: RoutingConfig::default(),
+            members: Vec::new(),
+            members_dirty: false,
+            round_robin: 0,
             inbox: inbox.clone(),
             batch: Vec::new(),
             observer: None,
@@ -426,6 +842,19 @@ impl Scheduler {
             rx,
         };
         (handle, actor)
+    }
+
+    /// Forgets a member with no live booking after `idle` without an event of its own
+    /// (default [`DEFAULT_WORKER_IDLE`]).
+    pub fn with_worker_idle(mut self, idle: Duration) -> Self {
+        self.state.worker_idle = idle;
+        self
+    }
+
+    /// The policy and weights of [`SchedulerHandle::route`].
+    pub fn with_routing(mut self, routing: RoutingConfig) -> Self {
+        self.state.routing = routing;
+        self
     }
 
     /// Starts the actor on `tracker`. `observer` is where [`SchedulerHandle::schedule`]
@@ -448,6 +877,7 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
     while let Some(command) = rx.recv().await {
         // Every command first applies what is queued, so answers reflect it.
         state.drain();
+        state.forget_idle();
         match command {
             Command::Drain => {}
             Command::Loads(reply) => {
@@ -455,12 +885,40 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
                 loads.sort_unstable_by_key(|(w, _)| *w);
                 let _ = reply.send(loads);
             }
+            Command::Workers(reply) => {
+                let now = Instant::now();
+                let mut workers: Vec<_> = state
+                    .workers
+                    .iter()
+                    .filter(|(_, e)| e.member)
+                    .map(|(worker, e)| WorkerStatus {
+                        worker: *worker,
+                        load: e.tally.load(),
+                        last_seen: now.saturating_duration_since(e.last_seen),
+                    })
+                    .collect();
+                workers.sort_unstable_by_key(|w| w.worker);
+                let _ = reply.send(workers);
+            }
             Command::Load(worker, reply) => {
-                let load = state.workers.get(&worker).map(Tally::load);
+                let load = state.workers.get(&worker).map(|e| e.tally.load());
                 let _ = reply.send(load.unwrap_or_default());
             }
             Command::LeastLoaded(reply) => {
                 let _ = reply.send(state.least_loaded());
+            }
+            Command::Route(request, reply) => {
+                let _ = reply.send(state.route(request));
+            }
+            Command::SetRouting(routing, reply) => {
+                state.routing = RoutingConfig {
+                    worker_idle: state.routing.worker_idle,
+                    ..routing
+                };
+                let _ = reply.send(());
+            }
+            Command::Routing(reply) => {
+                let _ = reply.send(state.routing);
             }
             Command::Schedule(request_id, load, reply) => {
                 let _ = reply.send(state.schedule(request_id, load));
@@ -502,7 +960,10 @@ mod tests {
             WorkerLoad {
                 active_bookings: 1,
                 prompt_tokens: 100,
-                expected_output_tokens: 10
+                expected_output_tokens: 10,
+                prefill_tokens: 100,
+                kv_tokens: 100,
+                remaining_output_tokens: 10,
             }
         );
         assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(2));
@@ -538,7 +999,10 @@ mod tests {
             WorkerLoad {
                 active_bookings: 1,
                 prompt_tokens: 5,
-                expected_output_tokens: 0
+                expected_output_tokens: 0,
+                prefill_tokens: 5,
+                kv_tokens: 5,
+                remaining_output_tokens: 0,
             }
         );
     }
@@ -612,6 +1076,311 @@ mod tests {
             .unwrap();
     }
 
+    fn members(loads: &[(WorkerWithDpRank, WorkerLoad)]) -> Vec<WorkerWithDpRank> {
+        loads.iter().map(|(w, _)| *w).collect()
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_leaves_is_no_member_until_it_speaks_again() {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
+        let cleanup = handle.cleanup();
+        let w = weight(10, None);
+        let leave = |worker_id, dp_rank| Op::Membership {
+            worker_id: WorkerId(worker_id),
+            dp_rank,
+            leaving: true,
+        };
+        let a = WorkerWithDpRank::new(1, 0);
+        let b = WorkerWithDpRank::new(1, 1);
+        submit(
+            &cleanup,
+            &[
+                Op::Seen(a),
+                Op::Seen(b),
+                Op::Book(worker(2), w),
+                Op::Book(a, w),
+            ],
+        );
+        assert_eq!(
+            members(&handle.loads().await.unwrap()),
+            vec![a, b, worker(2)]
+        );
+        // Its release comes after the leave (the reaper's, say): the worker stays gone, and
+        // its sums come back to zero.
+        submit(&cleanup, &[leave(1, None)]);
+        assert_eq!(members(&handle.loads().await.unwrap()), vec![worker(2)]);
+        assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(2));
+        assert_eq!(handle.load(a).await.unwrap().active_bookings, 1);
+        submit(&cleanup, &[Op::Release(a, w, ReleaseReason::Expired)]);
+        assert_eq!(handle.load(a).await.unwrap(), WorkerLoad::default());
+        assert_eq!(members(&handle.loads().await.unwrap()), vec![worker(2)]);
+        assert_eq!(handle.stats().workers_left, 2);
+        // Speaking again makes it a member again; a restart of an unknown worker makes one.
+        submit(
+            &cleanup,
+            &[
+                Op::Seen(b),
+                Op::Membership {
+                    worker_id: WorkerId(5),
+                    dp_rank: None,
+                    leaving: false,
+                },
+            ],
+        );
+        assert_eq!(
+            members(&handle.loads().await.unwrap()),
+            vec![b, worker(2), worker(5)]
+        );
+        // One rank leaving leaves the others.
+        submit(&cleanup, &[Op::Seen(a), leave(1, Some(DpRank(1)))]);
+        assert_eq!(
+            members(&handle.loads().await.unwrap()),
+            vec![a, worker(2), worker(5)]
+        );
+    }
+
+    #[tokio::test]
+    async fn an_idle_worker_is_forgotten_but_not_one_with_a_live_booking() {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        let idle = Duration::from_millis(200);
+        actor.with_worker_idle(idle).spawn(None, &tracker);
+        let cleanup = handle.cleanup();
+        submit(
+            &cleanup,
+            &[
+                Op::Seen(worker(1)),
+                Op::Seen(worker(2)),
+                Op::Book(worker(3), weight(1, None)),
+            ],
+        );
+        let workers = handle.workers().await.unwrap();
+        assert_eq!(workers.len(), 3);
+        assert!(workers.iter().all(|w| w.last_seen < idle), "{workers:?}");
+        tokio::time::sleep(idle / 2).await;
+        submit(&cleanup, &[Op::Seen(worker(2))]);
+        let workers = handle.workers().await.unwrap();
+        assert!(workers[0].last_seen >= idle / 2, "{workers:?}");
+        assert!(workers[1].last_seen < idle / 2, "{workers:?}");
+        tokio::time::sleep(idle * 3 / 4).await;
+        handle.loads().await.unwrap();
+        tokio::time::sleep(idle / 2).await;
+        // Workers 1 and 2 have been silent longer than the idle time; worker 3 is booked.
+        let left: Vec<_> = handle
+            .workers()
+            .await
+            .unwrap()
+            .iter()
+            .map(|w| w.worker)
+            .collect();
+        assert_eq!(left, vec![worker(3)]);
+        assert_eq!(handle.stats().workers_forgotten, 2);
+    }
+
+    async fn routed(policy: RoutePolicy, members: &[WorkerWithDpRank]) -> SchedulerHandle {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        // Equal weights keep the expected costs below easy to follow.
+        actor
+            .with_routing(RoutingConfig {
+                policy,
+                weights: routing::CostWeights {
+                    prefill: 1.0,
+                    kv: 1.0,
+                },
+                ..RoutingConfig::default()
+            })
+            .spawn(None, &tracker);
+        let seen: Vec<_> = members.iter().map(|w| Op::Seen(*w)).collect();
+        submit(&handle.cleanup(), &seen);
+        handle
+    }
+
+    fn request(id: &str, prompt: u32) -> RouteRequest {
+        RouteRequest::new(id, prompt)
+    }
+
+    #[tokio::test]
+    async fn weighted_cost_takes_the_cheapest_and_sees_its_own_bookings_at_once() {
+        let handle = routed(
+            RoutePolicy::WeightedCost,
+            &[worker(1), worker(2), worker(3)],
+        )
+        .await;
+        let cleanup = handle.cleanup();
+        // Worker 1 holds much KV, worker 2 has prefill waiting, worker 3 a little of both.
+        submit(
+            &cleanup,
+            &[
+                Op::Book(worker(1), weight(1000, None)),
+                Op::Shift(worker(1), weight(1000, None), {
+                    let mut w = weight(1000, None);
+                    w.prefill_tokens = 0;
+                    w.kv_tokens = 5000;
+                    w
+                }),
+                Op::Book(worker(2), weight(3000, None)),
+                Op::Book(worker(3), weight(100, None)),
+            ],
+        );
+        let decision = handle.route(request("a", 1000)).await.unwrap();
+        assert_eq!(decision.worker(), worker(3));
+        assert_eq!(decision.policy, RoutePolicy::WeightedCost);
+        let costs: Vec<_> = decision
+            .candidates
+            .iter()
+            .map(|c| (c.worker, c.cost))
+            .collect();
+        // prefill + kv, the request's own 1000 + 1000 included.
+        assert_eq!(
+            costs,
+            vec![
+                (worker(3), 100.0 + 100.0 + 2000.0),
+                (worker(1), 0.0 + 5000.0 + 2000.0),
+                (worker(2), 3000.0 + 3000.0 + 2000.0)
+            ]
+        );
+        // Booked at once: worker 3 now costs 2200 + 2000 more, so the next goes elsewhere
+        // only when that makes it dearer than worker 1.
+        assert_eq!(handle.load(worker(3)).await.unwrap().active_bookings, 2);
+        let next = handle.route(request("b", 2000)).await.unwrap();
+        assert_eq!(next.worker(), worker(3), "1100 + 1100 + 4000 < 5000 + 4000");
+        let next = handle.route(request("c", 2000)).await.unwrap();
+        assert_eq!(next.worker(), worker(1), "3100 + 3100 + 4000 > 5000 + 4000");
+        let stats = handle.stats();
+        assert_eq!(
+            stats.decisions(RoutePolicy::WeightedCost, RouteOutcome::Routed),
+            3
+        );
+    }
+
+    #[tokio::test]
+    async fn weighted_cost_reports_the_cheapest_few_in_order() {
+        let members: Vec<_> = (0..30).map(worker).collect();
+        let handle = routed(RoutePolicy::WeightedCost, &members).await;
+        // Loads in a scrambled order: worker i carries (i * 7 mod 30) * 10 prompt tokens.
+        let books: Vec<_> = (0..30)
+            .map(|i| Op::Book(worker(i), weight((i as u32 * 7 % 30) * 10, None)))
+            .collect();
+        submit(&handle.cleanup(), &books);
+        let decision = handle.route(request("a", 1)).await.unwrap();
+        let mut expected: Vec<_> = (0..30u64)
+            .map(|i| ((i * 7 % 30) * 20 + 2, worker(i)))
+            .collect();
+        expected.sort();
+        let got: Vec<_> = decision
+            .candidates
+            .iter()
+            .map(|c| (c.cost as u64, c.worker))
+            .collect();
+        assert_eq!(got, expected[..routing::REPORTED_CANDIDATES].to_vec());
+        assert_eq!(decision.worker(), worker(0));
+    }
+
+    #[tokio::test]
+    async fn power_of_two_never_takes_the_dearest_and_spreads_over_the_rest() {
+        let members: Vec<_> = (0..6).map(worker).collect();
+        let handle = routed(RoutePolicy::PowerOfTwo, &members).await;
+        submit(
+            &handle.cleanup(),
+            &[Op::Book(worker(5), weight(1_000_000, None))],
+        );
+        let mut chosen = std::collections::BTreeSet::new();
+        for i in 0..200 {
+            let decision = handle.route(request(&format!("r{i}"), 10)).await.unwrap();
+            assert_eq!(decision.candidates.len(), 2);
+            assert!(decision.candidates[0].cost <= decision.candidates[1].cost);
+            assert_eq!(decision.worker(), decision.candidates[0].worker);
+            chosen.insert(decision.worker());
+        }
+        assert!(
+            !chosen.contains(&worker(5)),
+            "the lower of two is never the dearest"
+        );
+        assert_eq!(chosen.len(), 5, "{chosen:?}");
+    }
+
+    #[tokio::test]
+    async fn round_robin_takes_members_in_turn_and_random_only_members() {
+        let handle = routed(RoutePolicy::RoundRobin, &[worker(1), worker(2), worker(3)]).await;
+        let mut turns = Vec::new();
+        for i in 0..6 {
+            turns.push(
+                handle
+                    .route(request(&format!("r{i}"), 1))
+                    .await
+                    .unwrap()
+                    .worker(),
+            );
+        }
+        assert_eq!(turns, [1, 2, 3, 1, 2, 3].map(worker));
+
+        let leave = Op::Membership {
+            worker_id: WorkerId(2),
+            dp_rank: None,
+            leaving: true,
+        };
+        submit(&handle.cleanup(), &[leave]);
+        handle
+            .set_routing(RoutingConfig {
+                policy: RoutePolicy::Random,
+                ..RoutingConfig::default()
+            })
+            .await
+            .unwrap();
+        for i in 0..100 {
+            let decision = handle.route(request(&format!("x{i}"), 1)).await.unwrap();
+            assert_ne!(
+                decision.worker(),
+                worker(2),
+                "a worker that left is never chosen"
+            );
+            assert_eq!(decision.policy, RoutePolicy::Random);
+        }
+    }
+
+    #[tokio::test]
+    async fn bad_requests_and_no_members_are_refused_and_counted() {
+        let handle = routed(RoutePolicy::PowerOfTwo, &[]).await;
+        assert_eq!(
+            handle.route(request("a", 10)).await,
+            Err(RouteRequestError::NoWorkers)
+        );
+        for bad in [
+            request("a", 0),
+            request("", 10),
+            request("a", 10).with_cached_tokens(11),
+        ] {
+            assert!(matches!(
+                handle.route(bad).await,
+                Err(RouteRequestError::InvalidRequest(_))
+            ));
+        }
+        let bad_weights = RoutingConfig {
+            weights: routing::CostWeights {
+                prefill: f64::NAN,
+                kv: 1.0,
+            },
+            ..RoutingConfig::default()
+        };
+        assert!(handle.set_routing(bad_weights).await.is_err());
+        let stats = handle.stats();
+        assert_eq!(
+            stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::NoWorkers),
+            1
+        );
+        assert_eq!(
+            stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::Invalid),
+            3
+        );
+        assert_eq!(
+            stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::Routed),
+            0
+        );
+    }
+
     #[tokio::test]
     async fn schedule_places_on_least_loaded_worker() {
         let tracker = TaskTracker::new();
@@ -666,6 +1435,7 @@ mod tests {
             active_bookings: 2,
             prompt_tokens: 3,
             expected_output_tokens: 4,
+            ..WorkerLoad::default()
         };
         assert_eq!(load.rank(), (2, 7));
     }

@@ -27,9 +27,11 @@
 //! | `dp` | u32 | data-parallel rank; nil or absent in `worker_reset` = every rank |
 //! | `ptok` | u32 | `admitted`: prompt tokens |
 //! | `etok` | u32 or nil | `admitted`: expected output tokens; nil or absent = unknown |
+//! | `ctok` | u32 or nil | `admitted` (1.1, optional): prompt tokens already in the worker's prefix cache |
 //! | `stage` | string | `progressed`: `prefill_done` or `decoding` |
 //! | `otok` | u32 | `progressed`: output tokens produced so far |
 //! | `outcome` | string | `completed`: `finished`, `cancelled` or `failed` |
+//! | `leaving` | bool or nil | `worker_reset` (1.1, optional): true = the worker is leaving; absent = it (re)started |
 //!
 //! # Compatibility
 //!
@@ -103,9 +105,13 @@ pub mod keys {
     pub const OUTPUT_TOKENS: &str = "otok";
     /// How the request ended (string), `completed`.
     pub const OUTCOME: &str = "outcome";
+    /// Prompt tokens already cached on the worker (u32 or nil), `admitted`; since 1.1.
+    pub const CACHED_TOKENS: &str = "ctok";
+    /// The worker is leaving (bool or nil), `worker_reset`; since 1.1.
+    pub const LEAVING: &str = "leaving";
 
     /// Every key this version defines, in the order the encoder writes them.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 15] = [
         VERSION,
         PUBLISHER_ID,
         SEQUENCE,
@@ -116,9 +122,11 @@ pub mod keys {
         DP_RANK,
         PROMPT_TOKENS,
         EXPECTED_OUTPUT_TOKENS,
+        CACHED_TOKENS,
         STAGE,
         OUTPUT_TOKENS,
         OUTCOME,
+        LEAVING,
     ];
 }
 
@@ -255,6 +263,9 @@ pub struct Admitted {
     pub prompt_tokens: u32,
     /// `None` when the worker does not know yet how long the answer will be.
     pub expected_output_tokens: Option<u32>,
+    /// Prompt tokens the worker's prefix cache already held (wire 1.1, `ctok`): they need no
+    /// prefill. `None` from publishers that do not say (counted as nothing cached).
+    pub cached_tokens: Option<u32>,
 }
 
 impl Admitted {
@@ -264,6 +275,7 @@ impl Admitted {
 
     pub fn load(&self) -> RequestLoad {
         RequestLoad::new(self.prompt_tokens, self.expected_output_tokens)
+            .with_cached_tokens(self.cached_tokens.unwrap_or(0))
     }
 
     pub fn to_request_id(&self) -> RequestId {
@@ -317,6 +329,9 @@ pub struct WorkerReset {
     pub worker_id: u64,
     /// `None`: every rank of the worker.
     pub dp_rank: Option<u32>,
+    /// The worker is going away (wire 1.1, `leaving`), rather than starting or restarting:
+    /// routers stop choosing it until it publishes again. Absent on the wire means `false`.
+    pub leaving: bool,
 }
 
 impl WorkerReset {
@@ -570,10 +585,15 @@ pub fn encode(envelope: &Envelope) -> Result<Vec<u8>, EncodeEventError> {
 impl Serialize for Envelope {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let event_fields = match &self.event {
-            LeaseEvent::Admitted(e) => 4 + usize::from(e.expected_output_tokens.is_some()),
+            LeaseEvent::Admitted(e) => {
+                4 + usize::from(e.expected_output_tokens.is_some())
+                    + usize::from(e.cached_tokens.is_some())
+            }
             LeaseEvent::Progressed(_) => 5,
             LeaseEvent::Completed(_) => 4,
-            LeaseEvent::WorkerReset(e) => 1 + usize::from(e.dp_rank.is_some()),
+            LeaseEvent::WorkerReset(e) => {
+                1 + usize::from(e.dp_rank.is_some()) + usize::from(e.leaving)
+            }
         };
         let mut map = serializer.serialize_map(Some(5 + event_fields))?;
         map.serialize_entry(keys::VERSION, &self.version)?;
@@ -589,6 +609,9 @@ impl Serialize for Envelope {
                 map.serialize_entry(keys::PROMPT_TOKENS, &e.prompt_tokens)?;
                 if let Some(expected) = &e.expected_output_tokens {
                     map.serialize_entry(keys::EXPECTED_OUTPUT_TOKENS, expected)?;
+                }
+                if let Some(cached) = &e.cached_tokens {
+                    map.serialize_entry(keys::CACHED_TOKENS, cached)?;
                 }
             }
             LeaseEvent::Progressed(e) => {
@@ -608,6 +631,9 @@ impl Serialize for Envelope {
                 map.serialize_entry(keys::WORKER_ID, &e.worker_id)?;
                 if let Some(dp_rank) = &e.dp_rank {
                     map.serialize_entry(keys::DP_RANK, dp_rank)?;
+                }
+                if e.leaving {
+                    map.serialize_entry(keys::LEAVING, &true)?;
                 }
             }
         }
@@ -778,6 +804,8 @@ struct RawEnvelope {
     stage: Option<ProgressStage>,
     output_tokens: Option<u32>,
     outcome: Option<Outcome>,
+    cached_tokens: Option<Option<u32>>,
+    leaving: Option<Option<bool>>,
 }
 
 fn missing(key: &str, kind: Option<EventKind>) -> DecodeEventError {
@@ -824,6 +852,7 @@ impl RawEnvelope {
             LeaseEvent::WorkerReset(WorkerReset {
                 worker_id,
                 dp_rank: self.dp_rank.flatten(),
+                leaving: self.leaving.flatten().unwrap_or(false),
             })
         } else {
             let request_id = required(self.request_id, keys::REQUEST_ID, k)?;
@@ -848,6 +877,7 @@ impl RawEnvelope {
                     dp_rank,
                     prompt_tokens: required(self.prompt_tokens, keys::PROMPT_TOKENS, k)?,
                     expected_output_tokens: self.expected_output_tokens.flatten(),
+                    cached_tokens: self.cached_tokens.flatten(),
                 }),
                 EventKind::Progressed => LeaseEvent::Progressed(Progressed {
                     request_id,
@@ -889,6 +919,8 @@ enum Key {
     Stage,
     OutputTokens,
     Outcome,
+    CachedTokens,
+    Leaving,
     Unknown,
 }
 
@@ -942,6 +974,8 @@ impl Key {
             "stage" => Key::Stage,
             "otok" => Key::OutputTokens,
             "outcome" => Key::Outcome,
+            "ctok" => Key::CachedTokens,
+            "leaving" => Key::Leaving,
             _ => Key::Unknown,
         }
     }
@@ -1142,6 +1176,18 @@ impl<'de> Visitor<'de> for RawSeed<'_> {
                     keys::OUTCOME,
                     "\"finished\", \"cancelled\" or \"failed\"",
                 )?,
+                Key::CachedTokens => fill(
+                    &mut map,
+                    &mut raw.cached_tokens,
+                    keys::CACHED_TOKENS,
+                    U32_OR_NIL,
+                )?,
+                Key::Leaving => fill(
+                    &mut map,
+                    &mut raw.leaving,
+                    keys::LEAVING,
+                    "nil or a boolean",
+                )?,
             }
         }
         Ok(())
@@ -1199,6 +1245,7 @@ mod tests {
                 dp_rank: 2,
                 prompt_tokens: 512,
                 expected_output_tokens: Some(128),
+                cached_tokens: None,
             },
         )
     }
@@ -1216,6 +1263,7 @@ mod tests {
                     dp_rank: u32::MAX,
                     prompt_tokens: 0,
                     expected_output_tokens: None,
+                    cached_tokens: None,
                 },
             ),
             Envelope::new(
@@ -1260,6 +1308,7 @@ mod tests {
                 WorkerReset {
                     worker_id: 7,
                     dp_rank: None,
+                    leaving: false,
                 },
             ),
             Envelope::new(
@@ -1269,6 +1318,7 @@ mod tests {
                 WorkerReset {
                     worker_id: 7,
                     dp_rank: Some(0),
+                    leaving: false,
                 },
             ),
         ]
@@ -1348,6 +1398,7 @@ mod tests {
             WorkerReset {
                 worker_id: 1,
                 dp_rank: None,
+                leaving: false,
             },
         );
         assert_eq!(
@@ -1402,6 +1453,7 @@ mod tests {
         let all = WorkerReset {
             worker_id: 7,
             dp_rank: None,
+            leaving: false,
         };
         assert!(all.covers(WorkerWithDpRank::new(7, 3)));
         assert!(!all.covers(WorkerWithDpRank::new(8, 3)));
@@ -1409,6 +1461,7 @@ mod tests {
         let one = WorkerReset {
             worker_id: 7,
             dp_rank: Some(1),
+            leaving: false,
         };
         assert!(one.covers(WorkerWithDpRank::new(7, 1)));
         assert!(!one.covers(WorkerWithDpRank::new(7, 0)));
@@ -1437,6 +1490,7 @@ mod tests {
         let reset = WorkerReset {
             worker_id: 1,
             dp_rank: None,
+            leaving: false,
         };
         let a = stamper.stamp(reset.clone());
         let b = stamper.stamp(reset);
@@ -1475,7 +1529,8 @@ mod tests {
                 7,
                 WorkerReset {
                     worker_id: 3,
-                    dp_rank: None
+                    dp_rank: None,
+                    leaving: false,
                 }
             )
         );
@@ -1516,6 +1571,7 @@ mod tests {
                     dp_rank: 3,
                     prompt_tokens: 256,
                     expected_output_tokens: None,
+                    cached_tokens: None,
                 }
             )
         );

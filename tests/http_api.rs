@@ -268,6 +268,7 @@ async fn admit(
             dp_rank: 0,
             prompt_tokens: 100,
             expected_output_tokens: Some(20),
+            cached_tokens: None,
         },
     );
     let payload = wire::encode(&envelope).unwrap();
@@ -660,16 +661,17 @@ async fn every_error_is_json() {
         service.get(path).await.assert_error(404, path);
     }
 
-    // A body where none is read is ignored, whatever it claims to be.
+    // A body where none is read is ignored, whatever it claims to be (a PUT reads its
+    // optional routing body: see route_over_http).
     let request = Request::builder()
-        .method("PUT")
+        .method("GET")
         .uri("/v1/deployments/d")
         .header(header::CONTENT_TYPE, "application/json")
         .body(Body::from("{not json"))
         .unwrap();
     let reply = service.send(request).await;
     assert_eq!(reply.status, 200, "{reply:?}");
-    assert_eq!(reply.json()["created"], false);
+    assert_eq!(reply.json()["deployment"]["name"], "d");
     // An unknown query string where none is read, too.
     assert_eq!(service.get("/healthz?verbose=%FF").await.status, 200);
 
@@ -770,5 +772,157 @@ async fn concurrent_puts_and_deletes_agree() {
         .assert_error(503, "PUT after shutdown_all")
         .contains("shutting down"));
     assert_eq!(service.get("/readyz").await.status, 503);
+    service.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Routing
+// ---------------------------------------------------------------------------------------------
+
+impl Service {
+    async fn post_json(&self, uri: &str, method: &str, body: &str) -> Reply {
+        let request = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_owned()))
+            .expect("a valid request");
+        self.send(request).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_over_http() {
+    let service = Service::start(None).await;
+    let publisher = common::client(&service.nats.url()).await.client().clone();
+
+    // A bad body creates nothing; a good one sets the routing.
+    for bad in [
+        r#"{"policy": "nope"}"#,
+        r#"{"weights": {"prefill": -1, "kv": 1}}"#,
+        "{",
+    ] {
+        service
+            .post_json("/v1/deployments/r", "PUT", bad)
+            .await
+            .assert_error(400, bad);
+    }
+    assert_eq!(service.get("/v1/deployments/r").await.status, 404);
+    let reply = service
+        .post_json("/v1/deployments/r", "PUT", r#"{"policy": "weighted_cost"}"#)
+        .await;
+    assert_eq!(reply.status, 201, "{}", reply.body);
+    assert_eq!(reply.json()["routing"]["policy"], "weighted_cost");
+    assert_eq!(reply.json()["routing"]["weights"]["kv"], 0.25);
+
+    let route = |body: &'static str| service.post_json("/v1/deployments/r/route", "POST", body);
+    let ok = r#"{"request_id": "x", "prompt_tokens": 50}"#;
+    service
+        .post_json("/v1/deployments/nope/route", "POST", ok)
+        .await
+        .assert_error(404, "unknown deployment");
+    route(ok).await.assert_error(409, "no worker yet");
+
+    admit(&publisher, "r", 21, 1, 7, "a").await;
+    admit(&publisher, "r", 22, 1, 8, "b").await;
+    let workers = poll("both workers are members", || async {
+        let body = service.get("/v1/deployments/r/workers").await.json();
+        (body["workers"].as_array().unwrap().len() == 2).then_some(body)
+    })
+    .await;
+    for worker in workers["workers"].as_array().unwrap() {
+        assert!(
+            worker["last_seen_ms"].as_u64().unwrap() < 20_000,
+            "{worker}"
+        );
+        assert_eq!(worker["prefill_tokens"], 100);
+        assert_eq!(worker["kv_tokens"], 100);
+    }
+
+    let reply = route(ok).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let decision = reply.json();
+    assert_eq!(decision["policy"], "weighted_cost");
+    assert_eq!(decision["request_id"], "x");
+    // Equal costs: the lower worker. Cost = (100 + 50) prefill + 0.25 × (100 + 50) KV.
+    assert_eq!(
+        (decision["worker_id"].clone(), decision["dp_rank"].clone()),
+        (7.into(), 0.into())
+    );
+    let candidates = decision["candidates"].as_array().unwrap();
+    assert_eq!(candidates.len(), 2, "{decision}");
+    assert_eq!(candidates[0]["worker_id"], 7);
+    assert_eq!(candidates[0]["cost"], 187.5);
+    // Booked at once: the next one goes to worker 8.
+    let next = route(r#"{"request_id": "y", "prompt_tokens": 50, "cached_tokens": 10, "expected_output_tokens": 5}"#).await;
+    assert_eq!(next.json()["worker_id"], 8, "{}", next.body);
+
+    for bad in [
+        r#"{"request_id": "z"}"#,
+        r#"{"request_id": "z", "prompt_tokens": 0}"#,
+        r#"{"request_id": "z", "prompt_tokens": 5, "cached_tokens": 6}"#,
+        r#"{"request_id": "z", "prompt_tokens": -5}"#,
+        r#"{"request_id": "z", "prompt_tokens": 5, "colour": "red"}"#,
+        "not json",
+    ] {
+        route(bad).await.assert_error(400, bad);
+    }
+
+    let text = service.metrics().await;
+    let decisions = |outcome: &str| {
+        metric(
+            &text,
+            &format!("lease_router_route_decisions_total{{deployment=\"r\",policy=\"weighted_cost\",outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert_eq!(decisions("routed"), Some(2.0), "{text}");
+    assert_eq!(decisions("no_workers"), Some(1.0));
+    assert_eq!(decisions("invalid"), Some(6.0));
+    let worker_series = |name: &str, worker: u64| {
+        metric(
+            &text,
+            &format!(
+                "lease_router_{name}{{deployment=\"r\",worker_id=\"{worker}\",dp_rank=\"0\"}}"
+            ),
+        )
+    };
+    assert_eq!(worker_series("worker_kv_tokens", 7), Some(150.0));
+    assert_eq!(worker_series("worker_prefill_tokens", 8), Some(140.0));
+    assert_eq!(
+        worker_series("worker_remaining_output_tokens", 8),
+        Some(25.0)
+    );
+
+    // Worker 8 leaves: gone from /workers, its series removed, never chosen.
+    let leaving = Envelope::new(
+        22,
+        2,
+        wire::unix_micros_now(),
+        wire::WorkerReset {
+            worker_id: 8,
+            dp_rank: None,
+            leaving: true,
+        },
+    );
+    publisher
+        .publish("leases.r.8", wire::encode(&leaving).unwrap().into())
+        .await
+        .unwrap();
+    publisher.flush().await.unwrap();
+    poll("worker 8 is gone", || async {
+        let body = service.get("/v1/deployments/r/workers").await.json();
+        (body["workers"].as_array().unwrap().len() == 1).then_some(())
+    })
+    .await;
+    let text = service.metrics().await;
+    assert!(!text.contains("worker_id=\"8\""), "{text}");
+    assert!(text.contains("worker_id=\"7\""), "{text}");
+    for i in 0..10 {
+        let body = format!(r#"{{"request_id": "after-{i}", "prompt_tokens": 1}}"#);
+        let reply = service
+            .post_json("/v1/deployments/r/route", "POST", &body)
+            .await;
+        assert_eq!(reply.json()["worker_id"], 7, "{}", reply.body);
+    }
     service.stop().await;
 }

@@ -44,7 +44,10 @@ async fn round_trip_moves_scheduler_load_up_and_back_down() {
         WorkerLoad {
             active_bookings: 1,
             prompt_tokens: 500,
-            expected_output_tokens: 16
+            expected_output_tokens: 16,
+            prefill_tokens: 500,
+            kv_tokens: 500,
+            remaining_output_tokens: 16,
         }
     );
 
@@ -241,6 +244,7 @@ async fn received_is_applied_plus_dropped_plus_held_under_every_kind_of_trouble(
         .send(WorkerReset {
             worker_id: 1,
             dp_rank: None,
+            leaving: false,
         })
         .await;
     sent += 1;
@@ -407,6 +411,7 @@ async fn forged_worker_identity_is_dropped() {
     let reset = p.envelope(WorkerReset {
         worker_id: 7,
         dp_rank: None,
+        leaving: false,
     });
     p.send_bytes(p.subjects.worker_subject(6), wire::encode(&reset).unwrap())
         .await;

@@ -44,16 +44,18 @@ fn event() -> impl Strategy<Value = LeaseEvent> {
             any::<u64>(),
             any::<u32>(),
             any::<u32>(),
+            any::<Option<u32>>(),
             any::<Option<u32>>()
         )
             .prop_map(
-                |(request_id, worker_id, dp_rank, prompt_tokens, expected)| {
+                |(request_id, worker_id, dp_rank, prompt_tokens, expected, cached)| {
                     LeaseEvent::Admitted(Admitted {
                         request_id,
                         worker_id,
                         dp_rank,
                         prompt_tokens,
                         expected_output_tokens: expected,
+                        cached_tokens: cached,
                     })
                 }
             ),
@@ -83,9 +85,15 @@ fn event() -> impl Strategy<Value = LeaseEvent> {
                 })
             }
         ),
-        (any::<u64>(), any::<Option<u32>>()).prop_map(|(worker_id, dp_rank)| {
-            LeaseEvent::WorkerReset(WorkerReset { worker_id, dp_rank })
-        }),
+        (any::<u64>(), any::<Option<u32>>(), any::<bool>()).prop_map(
+            |(worker_id, dp_rank, leaving)| {
+                LeaseEvent::WorkerReset(WorkerReset {
+                    worker_id,
+                    dp_rank,
+                    leaving,
+                })
+            }
+        ),
     ]
 }
 
@@ -319,6 +327,7 @@ fn trailing_incomplete_value_is_refused() {
         WorkerReset {
             worker_id: 0,
             dp_rank: None,
+            leaving: false,
         },
     );
     let mut bytes = wire::encode(&envelope).unwrap();

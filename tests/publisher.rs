@@ -141,6 +141,7 @@ fn event(i: u64) -> LeaseEvent {
             dp_rank,
             prompt_tokens: 100,
             expected_output_tokens: Some(10),
+            cached_tokens: None,
         }
         .into(),
         1 => wire::Progressed {
@@ -161,6 +162,7 @@ fn event(i: u64) -> LeaseEvent {
         _ => wire::WorkerReset {
             worker_id,
             dp_rank: None,
+            leaving: false,
         }
         .into(),
     }

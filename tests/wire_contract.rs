@@ -44,6 +44,7 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                     dp_rank: 1,
                     prompt_tokens: 512,
                     expected_output_tokens: Some(128),
+                    cached_tokens: None,
                 },
             ),
         ),
@@ -59,6 +60,7 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                     dp_rank: 0,
                     prompt_tokens: 70_000,
                     expected_output_tokens: None,
+                    cached_tokens: None,
                 },
             ),
         ),
@@ -100,6 +102,36 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                 WorkerReset {
                     worker_id: 3,
                     dp_rank: None,
+                    leaving: false,
+                },
+            ),
+        ),
+        (
+            "worker_reset_leaving",
+            Envelope::new(
+                PUBLISHER_ID,
+                7,
+                TS + 3_000_000,
+                WorkerReset {
+                    worker_id: 3,
+                    dp_rank: None,
+                    leaving: true,
+                },
+            ),
+        ),
+        (
+            "admitted_cached",
+            Envelope::new(
+                PUBLISHER_ID,
+                8,
+                TS + 3_000_100,
+                Admitted {
+                    request_id: "req-9c04".into(),
+                    worker_id: 3,
+                    dp_rank: 1,
+                    prompt_tokens: 4096,
+                    expected_output_tokens: Some(256),
+                    cached_tokens: Some(3584),
                 },
             ),
         ),
@@ -112,6 +144,7 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                 WorkerReset {
                     worker_id: 3,
                     dp_rank: Some(1),
+                    leaving: false,
                 },
             ),
         ),
@@ -438,7 +471,9 @@ fn schema_matches_the_decoder() {
             .as_object()
             .unwrap()
             .keys()
-            .filter(|k| !["v", "pub", "seq", "ts", "kind", "etok"].contains(&k.as_str()))
+            .filter(|k| {
+                !["v", "pub", "seq", "ts", "kind", "etok", "ctok", "leaving"].contains(&k.as_str())
+            })
             .filter(|k| !(kind == EventKind::WorkerReset && k.as_str() == "dp"))
             .cloned()
             .collect();

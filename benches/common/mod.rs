@@ -239,6 +239,7 @@ impl LifecycleGen {
                 dp_rank: 0,
                 prompt_tokens: 256 + self.rng.below(4096) as u32,
                 expected_output_tokens: Some(64 + self.rng.below(512) as u32),
+                cached_tokens: None,
             };
             self.active.push(InFlight {
                 id,

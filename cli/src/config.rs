@@ -221,6 +221,25 @@ pub struct ServeArgs {
     )]
     pub stream_replicas: Option<String>,
 
+    /// How new deployments choose a worker for `POST .../route`: weighted_cost,
+    /// power_of_two, round_robin or random (a PUT body may set one per deployment)
+    /// [default: weighted_cost].
+    #[arg(
+        long = "route-policy",
+        value_name = "POLICY",
+        env = "LEASE_ROUTER_ROUTE_POLICY"
+    )]
+    pub route_policy: Option<String>,
+
+    /// A worker with no live lease that says nothing this long is forgotten. Seconds, or with
+    /// a unit: 600s, 10m [default: twice the lease scan interval].
+    #[arg(
+        long = "worker-idle",
+        value_name = "DURATION",
+        env = "LEASE_ROUTER_WORKER_IDLE"
+    )]
+    pub worker_idle: Option<String>,
+
     /// Authentication and TLS to NATS (boxed: they make the struct large).
     #[command(flatten)]
     #[serde(flatten)]
@@ -246,6 +265,8 @@ impl fmt::Debug for ServeArgs {
             .field("subscription_capacity", &self.subscription_capacity)
             .field("durable", &self.durable)
             .field("stream_replicas", &self.stream_replicas)
+            .field("route_policy", &self.route_policy)
+            .field("worker_idle", &self.worker_idle)
             .field("nats_credentials", &self.nats_credentials)
             .finish()
     }
@@ -725,6 +746,29 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
                         "expected a whole number from 1 to {MAX_STREAM_REPLICAS} (JetStream's \
                          limit), at most the number of NATS servers in the cluster"
                     ),
+                })
+            }
+        };
+    }
+    if let Some((value, origin)) = given.one("route_policy") {
+        settings.host.route_policy = value.trim().parse().map_err(|_| ConfigError::Invalid {
+            setting: "route_policy".into(),
+            value,
+            origin,
+            expected: "expected weighted_cost, power_of_two, round_robin or random".into(),
+        })?;
+    }
+    if let Some((value, origin)) = given.one("worker_idle") {
+        settings.host.worker_idle = match parse_duration(&value) {
+            Some(d) if !d.is_zero() => Some(d),
+            _ => {
+                return Err(ConfigError::Invalid {
+                    setting: "worker_idle".into(),
+                    value,
+                    origin,
+                    expected: "expected a positive duration: seconds (600) or a number with a \
+                               unit ms, s, m or h (600s, 10m)"
+                        .into(),
                 })
             }
         };
@@ -1416,7 +1460,8 @@ mod tests {
                     "the accepted keys are nats_url, deployments, http_addr, subject_prefix, \
                      lease_scan_interval, log_format, connect_deadline, max_event_bytes, \
                      max_active_leases, max_tombstones, max_held_progress, max_publishers, \
-                     subscription_capacity, durable, stream_replicas, nats_user, \
+                     subscription_capacity, durable, stream_replicas, route_policy, \
+                     worker_idle, nats_user, \
                      nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, \
                      nats_tls_cert, nats_tls_key, nats_ping_interval"
                 ),
@@ -1551,12 +1596,14 @@ mod tests {
                 "deployments" => "[\"a\", \"b\"]".to_owned(),
                 "http_addr" => "\"0.0.0.0:9000\"".to_owned(),
                 "subject_prefix" => "\"acme.leases\"".to_owned(),
-                "lease_scan_interval" | "connect_deadline" | "nats_ping_interval" => {
-                    "\"7s\"".to_owned()
-                }
+                "lease_scan_interval"
+                | "connect_deadline"
+                | "nats_ping_interval"
+                | "worker_idle" => "\"7s\"".to_owned(),
                 "log_format" => "\"json\"".to_owned(),
                 "durable" => "true".to_owned(),
                 "stream_replicas" => "3".to_owned(),
+                "route_policy" => "\"round_robin\"".to_owned(),
                 // One way to authenticate: user and password; the other ways stay unset.
                 "nats_user" | "nats_password" => "\"router\"".to_owned(),
                 "nats_token" | "nats_nkey" | "nats_creds" | "nats_tls_cert" | "nats_tls_key" => {
@@ -1790,5 +1837,28 @@ mod tests {
                 "{m}"
             );
         }
+    }
+
+    #[test]
+    fn route_policy_and_worker_idle_resolve_and_refuse_nonsense() {
+        let args = |f: fn(&mut ServeArgs)| {
+            let mut a = ServeArgs::default();
+            f(&mut a);
+            a
+        };
+        let s = resolve(&args(|a| {
+            a.route_policy = Some("round_robin".into());
+            a.worker_idle = Some("90s".into());
+        }))
+        .unwrap();
+        assert_eq!(s.host.route_policy, lease_router::RoutePolicy::RoundRobin);
+        assert_eq!(s.host.worker_idle, Some(Duration::from_secs(90)));
+        let s = resolve(&args(|_| {})).unwrap();
+        assert_eq!(s.host.route_policy, lease_router::RoutePolicy::WeightedCost);
+        assert_eq!(s.host.worker_idle, None);
+        let m = message(&args(|a| a.route_policy = Some("fastest".into())));
+        assert!(m.contains("route_policy = \"fastest\""), "{m}");
+        let m = message(&args(|a| a.worker_idle = Some("0s".into())));
+        assert!(m.contains("worker_idle = \"0s\""), "{m}");
     }
 }

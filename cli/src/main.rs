@@ -42,7 +42,7 @@ enum Command {
     /// Settings: flags, then environment, then the --config file, then defaults. A first
     /// SIGINT/SIGTERM stops taking events, shuts every router down and exits 0; a second one
     /// exits at once (130). Invalid settings exit 2.
-    Serve(config::ServeArgs),
+    Serve(Box<config::ServeArgs>),
     /// Publish one lease event and wait until the NATS server has it.
     Publish(commands::publish::PublishArgs),
     /// Simulated workers publishing realistic request lifecycles at a target rate.
@@ -82,7 +82,7 @@ fn main() -> ExitCode {
         let force = signals.force.clone();
         let run = async {
             match cli.command {
-                Command::Serve(args) => commands::serve::run(args, &signals).await,
+                Command::Serve(args) => commands::serve::run(*args, &signals).await,
                 Command::Publish(args) => commands::publish::run(args, &signals).await,
                 Command::Simulate(args) => commands::simulate::run(args, &signals).await,
                 Command::Demo(args) => commands::demo::run(args, &signals).await,

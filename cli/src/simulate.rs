@@ -600,6 +600,7 @@ impl Worker {
             dp_rank: plan.dp_rank,
             prompt_tokens: plan.prompt_tokens,
             expected_output_tokens: plan.expected_output_tokens,
+            cached_tokens: None,
         }
     }
 
@@ -772,6 +773,7 @@ impl Worker {
             self.send(WorkerReset {
                 worker_id: self.worker_id,
                 dp_rank: None,
+                leaving: false,
             });
         }
         let mut ticker = tokio::time::interval(step);

@@ -353,6 +353,8 @@ async fn published_events_are_seen_by_serve_over_http() {
         "300",
         "--expected-output-tokens",
         "50",
+        "--cached-tokens",
+        "100",
     ]);
     assert!(
         out.starts_with("published admitted on leases.cli-a.7"),
@@ -375,6 +377,7 @@ async fn published_events_are_seen_by_serve_over_http() {
     assert_eq!(worker["worker_id"], 7, "{workers}");
     assert_eq!(worker["active_bookings"], 1, "{workers}");
     assert_eq!(worker["prompt_tokens"], 300, "{workers}");
+    assert_eq!(worker["prefill_tokens"], 200, "--cached-tokens: {workers}");
     assert_eq!(active_leases(addr, "cli-a"), Some(1));
 
     publish(&[
@@ -411,6 +414,12 @@ async fn published_events_are_seen_by_serve_over_http() {
     assert!(out.contains("worker 7 rank 1"), "{out}");
     eventually("the reset releases it", BOUND, || {
         (active_leases(addr, "cli-a") == Some(0)).then_some(())
+    });
+    let members = |addr| json(addr, "/v1/deployments/cli-a/workers")["workers"].clone();
+    assert_eq!(members(addr)[0]["worker_id"], 7, "a restart stays a member");
+    publish(&["reset", "--leaving"]);
+    eventually("the worker that left is gone", BOUND, || {
+        (members(addr) == serde_json::json!([])).then_some(())
     });
     terminate(serve);
 }

@@ -81,6 +81,22 @@ CASES = {
         {"v": 1, "pub": PUBLISHER_ID, "seq": 9, "ts": TS + 9, "kind": "worker_reset", "wid": 12, "dp": None},
         {"v": 1, "pub": PUBLISHER_ID, "seq": 9, "ts": TS + 9, "kind": "worker_reset", "wid": 12},
     ),
+    # 1.1's optional fields: `ctok` on an admission (nil would mean none), `leaving` on a reset
+    # (None or False would mean a restart, and is left out of the canonical form).
+    "python_admitted_cached": (
+        {
+            "kind": "admitted", "rid": "req-py-2", "wid": 12, "dp": 0, "ptok": 2048,
+            "ctok": 1536, "etok": 64, "v": 1, "pub": PUBLISHER_ID, "seq": 10, "ts": TS + 10,
+        },
+        {
+            "v": 1, "pub": PUBLISHER_ID, "seq": 10, "ts": TS + 10, "kind": "admitted",
+            "rid": "req-py-2", "wid": 12, "dp": 0, "ptok": 2048, "etok": 64, "ctok": 1536,
+        },
+    ),
+    "python_worker_leaving": (
+        {"leaving": True, "v": 1, "pub": PUBLISHER_ID, "seq": 11, "ts": TS + 11, "kind": "worker_reset", "wid": 12, "dp": None},
+        {"v": 1, "pub": PUBLISHER_ID, "seq": 11, "ts": TS + 11, "kind": "worker_reset", "wid": 12, "leaving": True},
+    ),
 }
 
 

@@ -305,12 +305,15 @@ impl EventApplier {
     }
 
     fn hold(&mut self, map: Hold, request_id: RequestId, e: WorkerWithDpRank) -> Applied {
-        let map = match map {
-            Hold::Tombstone => &mut self.tombstones,
-            Hold::Progress => &mut self.held_progress,
-        };
         self.stats.reorder_held();
-        match map.insert(request_id, e) {
+        let inserted = match map {
+            Hold::Tombstone => self.tombstones.insert(request_id, e),
+            Hold::Progress(output_tokens) => {
+                self.held_progress
+                    .insert_progress(request_id, e, output_tokens)
+            }
+        };
+        match inserted {
             InsertOutcome::Inserted => {}
             // The evicted entry's events are the ones lost; this one is kept.
             InsertOutcome::EvictedOldest { events } => {
@@ -345,8 +348,11 @@ impl EventApplier {
         &mut self,
         request_id: &str,
         worker: WorkerWithDpRank,
+        output_tokens: u32,
     ) -> Result<Option<ProgressOutcome>, DeliverEventError> {
-        Ok(self.leases()?.touch_current(request_id, worker))
+        Ok(self
+            .leases()?
+            .progress_current(request_id, worker, output_tokens))
     }
 
     fn complete_current(
@@ -381,10 +387,11 @@ impl EventApplier {
             }
             AdmitOutcome::Registered | AdmitOutcome::Duplicate | AdmitOutcome::Superseded => {}
         }
-        let progress = self.held_progress.take(request_id, worker);
+        let (progress, output_tokens) = self.held_progress.take_progress(request_id, worker);
         if progress > 0 {
-            // One touch applies them all, as touches between two scans coalesce.
-            match self.progress_current(request_id, worker) {
+            // One touch applies them all, as touches between two scans coalesce, with the
+            // highest output count they carried (the count never goes backwards anyway).
+            match self.progress_current(request_id, worker, output_tokens) {
                 Ok(Some(ProgressOutcome::Renewed | ProgressOutcome::Coalesced)) => {
                     self.counts.applied_n(EventKind::Progressed, progress);
                 }
@@ -400,7 +407,7 @@ impl EventApplier {
 
     fn progressed(&mut self, e: Progressed) -> Result<Applied, DeliverEventError> {
         let worker = e.worker();
-        match self.progress_current(&e.request_id, worker)? {
+        match self.progress_current(&e.request_id, worker, e.output_tokens)? {
             Some(ProgressOutcome::Renewed | ProgressOutcome::Coalesced) => Ok(Applied::Applied),
             Some(ProgressOutcome::Stale) => Ok(Applied::Dropped(DropReason::Stale)),
             None => {
@@ -408,7 +415,7 @@ impl EventApplier {
                     Ok(Applied::Dropped(DropReason::Stale))
                 } else {
                     let request_id = RequestId::from(e.request_id);
-                    Ok(self.hold(Hold::Progress, request_id, worker))
+                    Ok(self.hold(Hold::Progress(e.output_tokens), request_id, worker))
                 }
             }
         }
@@ -430,9 +437,9 @@ impl EventApplier {
     }
 
     fn worker_reset(&mut self, e: WorkerReset) -> Result<Applied, DeliverEventError> {
-        let dropped = self
-            .leases()?
-            .reset_worker(WorkerId(e.worker_id), e.dp_rank.map(DpRank));
+        let dropped =
+            self.leases()?
+                .reset_worker(WorkerId(e.worker_id), e.dp_rank.map(DpRank), e.leaving);
         // Held events of the reset worker's requests: their leases are gone.
         let forgotten = self.tombstones.forget_worker(|w| e.covers(w))
             + self.held_progress.forget_worker(|w| e.covers(w));
@@ -444,7 +451,8 @@ impl EventApplier {
 
 enum Hold {
     Tombstone,
-    Progress,
+    /// With the event's output token count.
+    Progress(u32),
 }
 
 impl Drop for EventApplier {
@@ -536,6 +544,7 @@ mod tests {
             dp_rank: 0,
             prompt_tokens: 10,
             expected_output_tokens: None,
+            cached_tokens: None,
         }
     }
 
@@ -602,6 +611,7 @@ mod tests {
         let reset = WorkerReset {
             worker_id: 1,
             dp_rank: None,
+            leaving: false,
         };
         assert_eq!(f.feed(1, next(), reset), APPLIED);
         f.check(6, 5, 0);
@@ -672,6 +682,7 @@ mod tests {
         let reset = WorkerReset {
             worker_id: 4,
             dp_rank: None,
+            leaving: false,
         };
         f.feed(999, 1, reset);
         f.feed(999, 2, admitted("again", 4));

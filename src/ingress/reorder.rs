@@ -41,6 +41,9 @@ struct Entry {
     slot: u64,
     /// Events this entry stands for: the same request held again adds one.
     events: u64,
+    /// The highest output token count of the held `progressed` events (0 for tombstones),
+    /// applied with them when the admission arrives.
+    output_tokens: u32,
 }
 
 /// What [`ExpiringMap::insert`] had to do to stay within its bound.
@@ -91,13 +94,27 @@ impl ExpiringMap {
     /// Remembers one event of `request_id` on `worker` until the TTL passes (an entry of
     /// the same request and worker counts one event more and lives on from now).
     pub fn insert(&mut self, request_id: RequestId, worker: WorkerWithDpRank) -> InsertOutcome {
+        self.insert_progress(request_id, worker, 0)
+    }
+
+    /// [`ExpiringMap::insert`] of a `progressed` with `output_tokens` so far: the entry keeps
+    /// the highest count of the events it holds.
+    pub fn insert_progress(
+        &mut self,
+        request_id: RequestId,
+        worker: WorkerWithDpRank,
+        mut output_tokens: u32,
+    ) -> InsertOutcome {
         let now = Instant::now();
         let expires = now + self.ttl;
         self.expire(now);
         let mut outcome = InsertOutcome::Inserted;
         let mut events = 1;
         match self.entries.get(&request_id) {
-            Some(old) if old.worker == worker => events += old.events,
+            Some(old) if old.worker == worker => {
+                events += old.events;
+                output_tokens = output_tokens.max(old.output_tokens);
+            }
             Some(old) => {
                 outcome = InsertOutcome::Displaced { events: old.events };
                 self.events -= old.events;
@@ -128,6 +145,7 @@ impl ExpiringMap {
             expires,
             slot,
             events,
+            output_tokens,
         };
         self.entries.insert(request_id, entry);
         outcome
@@ -136,19 +154,24 @@ impl ExpiringMap {
     /// Takes the live entry of `request_id` if it names `worker`: how many events it stood
     /// for (0: none).
     pub fn take(&mut self, request_id: &str, worker: WorkerWithDpRank) -> u64 {
+        self.take_progress(request_id, worker).0
+    }
+
+    /// [`ExpiringMap::take`], with the highest output token count the entry held.
+    pub fn take_progress(&mut self, request_id: &str, worker: WorkerWithDpRank) -> (u64, u32) {
         if self.entries.is_empty() {
             // The common case, on every admission: no clock read.
-            return 0;
+            return (0, 0);
         }
         self.expire(Instant::now());
         match self.entries.get(request_id) {
             Some(entry) if entry.worker == worker => {
-                let events = entry.events;
+                let taken = (entry.events, entry.output_tokens);
                 self.entries.remove(request_id);
-                self.events -= events;
-                events
+                self.events -= taken.0;
+                taken
             }
-            _ => 0,
+            _ => (0, 0),
         }
     }
 

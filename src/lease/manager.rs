@@ -27,8 +27,9 @@ use tracing::debug;
 
 use super::clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
 use super::key::{hash_id, LeaseKey};
+use super::load::LeaseLoad;
 use crate::observer::{AdmitOutcome, CompleteOutcome, ProgressOutcome};
-use crate::scheduler::{BookingWeight, Op, ReleaseReason, SchedulerBookingCleanup};
+use crate::scheduler::{Op, ReleaseReason, SchedulerBookingCleanup, WorkerLoad};
 use crate::types::{
     AttemptId, DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId,
     WorkerWithDpRank,
@@ -119,9 +120,11 @@ enum Counter {
     ResetReleased,
     RefusedFull,
     Scans,
+    Provisional,
+    TakenOver,
 }
 
-const COUNTERS: usize = Counter::Scans as usize + 1;
+const COUNTERS: usize = Counter::TakenOver as usize + 1;
 
 /// Counters of a manager, for dashboards and tests.
 #[derive(Debug, Default)]
@@ -154,6 +157,11 @@ pub struct LeaseStats {
     /// Admissions refused because [`LeaseConfig::max_active_leases`] were live.
     pub refused_full: u64,
     pub scans: u64,
+    /// Bookings made by this replica's route decisions, before any `admitted`.
+    pub provisional: u64,
+    /// Provisional bookings taken over by their worker's `admitted` (same request, same
+    /// worker): the admission's sizes replace the estimate, counted once.
+    pub taken_over: u64,
 }
 
 /// One live lease. The request id is the other half of its table entry.
@@ -161,10 +169,13 @@ pub struct LeaseStats {
 struct Lease {
     attempt_id: AttemptId,
     worker: WorkerWithDpRank,
-    /// What the booking added to its worker's load, given back by its release: the
-    /// scheduler keeps no per-booking record of its own.
-    weight: BookingWeight,
+    /// What the booking weighs on its worker, phase by phase; every change is sent to the
+    /// scheduler as a shift and the release gives back the last weight: the scheduler keeps
+    /// no per-booking record of its own.
+    load: LeaseLoad,
     clock: LeaseClock,
+    /// Booked by a route decision of this replica; the worker's `admitted` has not come.
+    provisional: bool,
     /// Seconds since the manager started; four bytes instead of an `Instant`'s sixteen.
     admitted_at: u32,
 }
@@ -178,8 +189,26 @@ impl Lease {
         }
     }
 
+    /// The release of a lease the caller has claimed: seals its weight and gives it back.
     fn release(&self, reason: ReleaseReason) -> Op {
-        Op::Release(self.worker, self.weight, reason)
+        Op::Release(self.worker, self.load.seal(), reason)
+    }
+
+    fn new(
+        attempt_id: AttemptId,
+        worker: WorkerWithDpRank,
+        load: RequestLoad,
+        provisional: bool,
+        admitted_at: u32,
+    ) -> Self {
+        Self {
+            attempt_id,
+            worker,
+            load: LeaseLoad::new(load),
+            clock: LeaseClock::touched(),
+            provisional,
+            admitted_at,
+        }
     }
 }
 
@@ -196,17 +225,34 @@ pub struct LeaseRecord {
 type Table = HashTable<(LeaseKey, Lease)>;
 type Shard = RwLock<Table>;
 
+/// Slots of [`Pending`]'s filter of workers already reported seen.
+const SEEN_SLOTS: usize = 16;
+
 /// Scheduler operations and counts gathered by one or more calls, handed over at once.
 #[derive(Default)]
 struct Pending {
     ops: Vec<Op>,
     counts: [u64; COUNTERS],
     now_secs: Option<u32>,
+    /// Workers this batch has reported seen, direct-mapped by id and rank: a burst of events
+    /// of a few workers sends a few `Seen` operations, not one per event.
+    seen: [Option<WorkerWithDpRank>; SEEN_SLOTS],
 }
 
 impl Pending {
     fn count(&mut self, counter: Counter) {
         self.counts[counter as usize] += 1;
+    }
+
+    /// `worker` spoke (an event of its own): the scheduler keeps it a member, and its
+    /// last-seen time fresh.
+    fn seen(&mut self, worker: WorkerWithDpRank) {
+        let slot =
+            (worker.worker_id.0 as usize ^ (worker.dp_rank.0 as usize).rotate_left(3)) % SEEN_SLOTS;
+        if self.seen[slot] != Some(worker) {
+            self.seen[slot] = Some(worker);
+            self.ops.push(Op::Seen(worker));
+        }
     }
 
     fn flush(&mut self, inner: &RequestLeaseManagerInner) {
@@ -277,15 +323,23 @@ impl RequestLeaseManagerInner {
     /// Finds or creates the lease of `request_id` under one shard lock and one hash: `same`
     /// says whether a live lease is this very booking (then the admission is a touch),
     /// `fresh` makes the key and attempt of a new lease.
+    ///
+    /// A `provisional` admission is a route decision's booking; a non-provisional one that
+    /// finds the same booking provisional takes it over: its sizes replace the estimate.
+    #[allow(clippy::too_many_arguments)]
     fn admit(
         &self,
         pending: &mut Pending,
         request_id: &str,
         worker: WorkerWithDpRank,
-        weight: BookingWeight,
+        load: RequestLoad,
+        provisional: bool,
         same: impl FnOnce(&Lease) -> bool,
         fresh: impl FnOnce() -> (LeaseKey, AttemptId),
     ) -> AdmitOutcome {
+        if !provisional {
+            pending.seen(worker);
+        }
         // One clock read per batch: every admission of a burst shares it.
         let admitted_at = *pending.now_secs.get_or_insert_with(|| self.now_secs());
         let hash = self.hash(request_id);
@@ -301,21 +355,27 @@ impl RequestLeaseManagerInner {
                 // A lease the reaper has claimed but not removed yet is dead: replaced below
                 // like a vacant slot (the reaper releases its booking).
                 if same(lease) && lease.clock.touch() != TouchOutcome::Claimed {
+                    if lease.provisional && !provisional {
+                        // The worker's own sizes replace the route decision's estimate;
+                        // under the write lock, so no claim runs meanwhile.
+                        lease.provisional = false;
+                        let (from, to) = lease.load.readmit(load);
+                        pending.ops.push(Op::Shift(worker, from, to));
+                        pending.count(Counter::TakenOver);
+                        return AdmitOutcome::Registered;
+                    }
                     pending.count(Counter::DuplicateAdmits);
                     return AdmitOutcome::Duplicate;
                 }
                 let (_, attempt_id) = fresh();
                 let old = mem::replace(
                     lease,
-                    Lease {
-                        attempt_id,
-                        worker,
-                        weight,
-                        clock: LeaseClock::touched(),
-                        admitted_at,
-                    },
+                    Lease::new(attempt_id, worker, load, provisional, admitted_at),
                 );
-                pending.ops.push(Op::Book(worker, weight));
+                pending.ops.push(Op::Book(worker, lease.load.weight()));
+                if provisional {
+                    pending.count(Counter::Provisional);
+                }
                 if old.clock.claim() {
                     pending.ops.push(old.release(ReleaseReason::Superseded));
                     debug!(request_id = %key, worker = %worker, "a new attempt superseded a live lease");
@@ -334,19 +394,15 @@ impl RequestLeaseManagerInner {
                     return AdmitOutcome::Full;
                 }
                 let (key, attempt_id) = fresh();
-                entry.insert((
-                    key,
-                    Lease {
-                        attempt_id,
-                        worker,
-                        weight,
-                        clock: LeaseClock::touched(),
-                        admitted_at,
-                    },
-                ));
+                let lease = Lease::new(attempt_id, worker, load, provisional, admitted_at);
+                pending.ops.push(Op::Book(worker, lease.load.weight()));
+                entry.insert((key, lease));
                 self.active.fetch_add(1, Ordering::Relaxed);
-                pending.ops.push(Op::Book(worker, weight));
-                pending.count(Counter::Registered);
+                pending.count(if provisional {
+                    Counter::Provisional
+                } else {
+                    Counter::Registered
+                });
                 AdmitOutcome::Registered
             }
         }
@@ -376,11 +432,16 @@ impl RequestLeaseManagerInner {
         });
     }
 
-    /// Renews the lease of `request_id` if `matches` it. `None` when there is no such lease.
+    /// Renews the lease of `request_id` if `matches` it, and with `output_tokens` (a
+    /// `progressed`) moves its load to the decode phase. `None` when there is no such lease.
+    ///
+    /// Under the read lock: the load moves through its atomic progress word, which a
+    /// claimer seals (see [`super::load`]).
     fn touch(
         &self,
         pending: &mut Pending,
         request_id: &str,
+        output_tokens: Option<u32>,
         matches: impl FnOnce(&Lease) -> bool,
     ) -> Option<ProgressOutcome> {
         let hash = self.hash(request_id);
@@ -388,11 +449,17 @@ impl RequestLeaseManagerInner {
         let (_, lease) = table
             .find(hash, |(key, _)| key.is(request_id))
             .filter(|(_, lease)| matches(lease))?;
+        pending.seen(lease.worker);
         let outcome = match lease.clock.touch() {
             TouchOutcome::Renewed => ProgressOutcome::Renewed,
             TouchOutcome::Coalesced => ProgressOutcome::Coalesced,
             TouchOutcome::Claimed => ProgressOutcome::Stale,
         };
+        if outcome != ProgressOutcome::Stale {
+            if let Some((from, to)) = output_tokens.and_then(|n| lease.load.advance(n)) {
+                pending.ops.push(Op::Shift(lease.worker, from, to));
+            }
+        }
         drop(table);
         Some(count_touch(pending, outcome))
     }
@@ -412,6 +479,7 @@ impl RequestLeaseManagerInner {
             .ok()
             .filter(|entry| matches(&entry.get().1))?;
         let ((_, lease), _) = entry.remove();
+        pending.seen(lease.worker);
         drop(table);
         self.active.fetch_sub(1, Ordering::Relaxed);
         let released = lease.clock.claim();
@@ -487,9 +555,25 @@ impl LeaseBatch {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<ProgressOutcome> {
+        self.pending.seen(worker);
         self.manager
             .inner
-            .touch(&mut self.pending, request_id, |l| l.worker == worker)
+            .touch(&mut self.pending, request_id, None, |l| l.worker == worker)
+    }
+
+    /// [`RequestLeaseManager::progress_current`] within the batch.
+    pub fn progress_current(
+        &mut self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        output_tokens: u32,
+    ) -> Option<ProgressOutcome> {
+        self.pending.seen(worker);
+        self.manager
+            .inner
+            .touch(&mut self.pending, request_id, Some(output_tokens), |l| {
+                l.worker == worker
+            })
     }
 
     /// [`RequestLeaseManager::complete_current`] within the batch.
@@ -498,14 +582,23 @@ impl LeaseBatch {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<CompleteOutcome> {
+        self.pending.seen(worker);
         self.manager
             .inner
             .complete(&mut self.pending, request_id, |l| l.worker == worker)
     }
 
-    /// [`RequestLeaseManager::reset_worker`] within the batch.
-    pub fn reset_worker(&mut self, worker_id: WorkerId, dp_rank: Option<DpRank>) -> usize {
-        self.manager.reset_worker(worker_id, dp_rank)
+    /// [`RequestLeaseManager::reset_worker`] (or, `leaving`,
+    /// [`RequestLeaseManager::worker_left`]) within the batch: its operations follow the
+    /// batch's earlier ones, so a departure is never overtaken by the worker's own events.
+    pub fn reset_worker(
+        &mut self,
+        worker_id: WorkerId,
+        dp_rank: Option<DpRank>,
+        leaving: bool,
+    ) -> usize {
+        self.manager
+            .reset_in(&mut self.pending, worker_id, dp_rank, leaving)
     }
 
     /// Gathers this batch's scheduler operations in `buffer` (emptied first): a caller that
@@ -602,7 +695,8 @@ impl RequestLeaseManager {
                 pending,
                 &request_id,
                 worker,
-                load.into(),
+                load,
+                false,
                 |lease| lease.attempt_id == attempt_id,
                 || (LeaseKey::new(&request_id), attempt_id),
             )
@@ -632,7 +726,8 @@ impl RequestLeaseManager {
             pending,
             request_id,
             worker,
-            load.into(),
+            load,
+            false,
             |lease| lease.worker == worker,
             || (LeaseKey::new(request_id), AttemptId::mint()),
         )
@@ -642,7 +737,7 @@ impl RequestLeaseManager {
     pub fn touch_booking(&self, booking: &SchedulerBookingDescriptor) -> ProgressOutcome {
         self.single(|inner, pending| {
             inner
-                .touch(pending, &booking.request_id, |lease| {
+                .touch(pending, &booking.request_id, None, |lease| {
                     lease.attempt_id == booking.attempt_id
                 })
                 .unwrap_or_else(|| count_touch(pending, ProgressOutcome::Stale))
@@ -657,7 +752,73 @@ impl RequestLeaseManager {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<ProgressOutcome> {
-        self.single(|inner, pending| inner.touch(pending, request_id, |l| l.worker == worker))
+        self.single(|inner, pending| inner.touch(pending, request_id, None, |l| l.worker == worker))
+    }
+
+    /// A wire `progressed` with `output_tokens` so far: renews the live lease of
+    /// `request_id` on `worker`, ends its prefill and counts its output as KV held (the count
+    /// never goes backwards). `None` when there is no such lease.
+    pub fn progress_current(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        output_tokens: u32,
+    ) -> Option<ProgressOutcome> {
+        self.single(|inner, pending| {
+            inner.touch(pending, request_id, Some(output_tokens), |l| {
+                l.worker == worker
+            })
+        })
+    }
+
+    /// Books `booking` provisionally: a route decision of this replica counted on its worker
+    /// before the worker's `admitted` arrives. That admission (same request id, same worker)
+    /// takes it over; one on another worker supersedes it; if none comes, it expires.
+    pub fn book_provisional(
+        &self,
+        booking: SchedulerBookingDescriptor,
+        load: RequestLoad,
+    ) -> AdmitOutcome {
+        let SchedulerBookingDescriptor {
+            request_id,
+            worker,
+            attempt_id,
+        } = booking;
+        self.single(|inner, pending| {
+            inner.admit(
+                pending,
+                &request_id,
+                worker,
+                load,
+                true,
+                |lease| lease.attempt_id == attempt_id,
+                || (LeaseKey::new(&request_id), attempt_id),
+            )
+        })
+    }
+
+    /// Per-worker sums over the live leases, computed from the lease table (O(leases)):
+    /// what the scheduler's sums must equal once it has applied everything handed over.
+    pub fn live_loads(&self) -> Vec<(WorkerWithDpRank, WorkerLoad)> {
+        let mut sums: hashbrown::HashMap<WorkerWithDpRank, WorkerLoad> = Default::default();
+        for shard in self.inner.shards.iter() {
+            for (_, lease) in shard.read().iter() {
+                if lease.clock.state() == LeaseState::Claimed {
+                    continue;
+                }
+                let w = lease.load.weight();
+                let sum = sums.entry(lease.worker).or_default();
+                sum.active_bookings += 1;
+                sum.prompt_tokens += u64::from(w.prompt_tokens);
+                sum.expected_output_tokens += u64::from(w.expected_output_tokens);
+                sum.prefill_tokens += u64::from(w.prefill_tokens);
+                sum.kv_tokens += u64::from(w.kv_tokens);
+                sum.remaining_output_tokens += u64::from(w.remaining_output_tokens);
+            }
+        }
+        let mut sums: Vec<_> = sums.into_iter().collect();
+        sums.sort_unstable_by_key(|(w, _)| *w);
+        sums
     }
 
     /// Ends the lease of `booking` and releases its booking, if that attempt is still live;
@@ -683,29 +844,53 @@ impl RequestLeaseManager {
         self.single(|inner, pending| inner.complete(pending, request_id, |l| l.worker == worker))
     }
 
-    /// Drops every lease of a worker that restarted or left (all its ranks when `dp_rank` is
-    /// `None`) and releases their bookings. Returns how many were dropped.
+    /// Drops every lease of a worker that (re)started (all its ranks when `dp_rank` is
+    /// `None`) and releases their bookings; the worker stays a member. Returns how many were
+    /// dropped.
     pub fn reset_worker(&self, worker_id: WorkerId, dp_rank: Option<DpRank>) -> usize {
+        self.single(|_, pending| self.reset_in(pending, worker_id, dp_rank, false))
+    }
+
+    /// As [`Self::reset_worker`], for a worker that is leaving: it also leaves the scheduler's
+    /// membership, so no decision chooses it until it publishes again.
+    pub fn worker_left(&self, worker_id: WorkerId, dp_rank: Option<DpRank>) -> usize {
+        self.single(|_, pending| self.reset_in(pending, worker_id, dp_rank, true))
+    }
+
+    fn reset_in(
+        &self,
+        pending: &mut Pending,
+        worker_id: WorkerId,
+        dp_rank: Option<DpRank>,
+        leaving: bool,
+    ) -> usize {
         let matches = |w: &WorkerWithDpRank| {
             w.worker_id == worker_id && dp_rank.is_none_or(|rank| w.dp_rank == rank)
         };
         let mut dropped = 0;
         for shard in self.inner.shards.iter() {
-            self.single(|inner, pending| {
-                inner.retain_counted(&mut shard.write(), |_, lease| {
-                    if !matches(&lease.worker) {
-                        return true;
-                    }
-                    if lease.clock.claim() {
-                        dropped += 1;
-                        pending.count(Counter::ResetReleased);
-                        pending.ops.push(lease.release(ReleaseReason::WorkerReset));
-                    }
-                    false
-                });
+            self.inner.retain_counted(&mut shard.write(), |_, lease| {
+                if !matches(&lease.worker) {
+                    return true;
+                }
+                if lease.clock.claim() {
+                    dropped += 1;
+                    pending.count(Counter::ResetReleased);
+                    pending.ops.push(lease.release(ReleaseReason::WorkerReset));
+                }
+                false
             });
         }
-        debug!(deployment = %self.inner.deployment, worker = %worker_id, dropped, "worker reset");
+        // After the releases, in the same hand-over: the scheduler forgets a departed worker
+        // once its sums are back to zero.
+        pending.ops.push(Op::Membership {
+            worker_id,
+            dp_rank,
+            leaving,
+        });
+        // Later events of these workers in the same batch must report them seen again.
+        pending.seen = Default::default();
+        debug!(deployment = %self.inner.deployment, worker = %worker_id, dropped, leaving, "worker reset");
         dropped
     }
 
@@ -785,6 +970,8 @@ impl RequestLeaseManager {
             reset_released: c.get(Counter::ResetReleased),
             refused_full: c.get(Counter::RefusedFull),
             scans: c.get(Counter::Scans),
+            provisional: c.get(Counter::Provisional),
+            taken_over: c.get(Counter::TakenOver),
         }
     }
 
@@ -846,7 +1033,10 @@ mod tests {
             WorkerLoad {
                 active_bookings: 1,
                 prompt_tokens: 10,
-                expected_output_tokens: 1
+                expected_output_tokens: 1,
+                prefill_tokens: 10,
+                kv_tokens: 10,
+                remaining_output_tokens: 1,
             }
         );
         let stats = manager.stats();
@@ -881,6 +1071,7 @@ mod tests {
     const LOAD: RequestLoad = RequestLoad {
         prompt_tokens: 10,
         expected_output_tokens: Some(1),
+        cached_tokens: 0,
     };
 
     /// Issue 18: removals keep the live-lease count in step (a count that wraps refuses
@@ -1083,6 +1274,7 @@ mod tests {
                 reset_released: 1,
                 refused_full: 1,
                 scans: 3,
+                ..LeaseStats::default()
             }
         );
         for w in [w1, w2, w3] {

@@ -8,6 +8,7 @@
 
 mod clock;
 mod key;
+pub(crate) mod load;
 mod manager;
 mod reaper;
 mod weak_observer;

@@ -46,6 +46,14 @@ impl ReplicaRequestLeaseObserver for WeakRequestLeaseObserver {
         self.with_manager(|m| m.complete_remote(booking))
     }
 
+    fn routed(
+        &self,
+        booking: SchedulerBookingDescriptor,
+        load: RequestLoad,
+    ) -> Result<AdmitOutcome, DeliverEventError> {
+        self.with_manager(|m| m.book_provisional(booking, load))
+    }
+
     fn worker_reset(
         &self,
         worker_id: WorkerId,

@@ -60,6 +60,10 @@ fn load(bookings: u64, prompt: u64, output: u64) -> WorkerLoad {
         active_bookings: bookings,
         prompt_tokens: prompt,
         expected_output_tokens: output,
+        // The observer's `progressed` carries no output count: still in prefill.
+        prefill_tokens: prompt,
+        kv_tokens: prompt,
+        remaining_output_tokens: output,
     }
 }
 

@@ -59,6 +59,11 @@ pub struct HostSettings {
     pub durable: Option<LeaseStreamConfig>,
     /// Live leases per deployment; past it new admissions are refused and counted.
     pub max_active_leases: usize,
+    /// Routing policy of each new deployment (a PUT body may change it).
+    pub route_policy: crate::routing::RoutePolicy,
+    /// How long a silent worker with nothing live stays a member; `None`: twice the lease
+    /// scan interval.
+    pub worker_idle: Option<Duration>,
 }
 
 impl Default for HostSettings {
@@ -70,6 +75,8 @@ impl Default for HostSettings {
             task_stop_timeout: DEFAULT_TASK_STOP_TIMEOUT,
             durable: None,
             max_active_leases: LeaseConfig::default().max_active_leases,
+            route_policy: Default::default(),
+            worker_idle: None,
         }
     }
 }
@@ -799,6 +806,11 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
             scan_interval: settings.lease_scan_interval,
             max_active_leases: settings.max_active_leases,
             ..LeaseConfig::default()
+        },
+        routing: crate::routing::RoutingConfig {
+            policy: settings.route_policy,
+            worker_idle: settings.worker_idle,
+            ..Default::default()
         },
     };
     // Bounded for both modes: dropping an unfinished start cancels whatever it spawned.

@@ -6,10 +6,11 @@
 //! | `GET /readyz` | 200 once every deployment's router is live (and the [`ReadinessHook`], if any, agrees), 503 otherwise |
 //! | `GET /metrics` | OpenMetrics text (see [`super::metrics`]) |
 //! | `GET /v1/deployments` | the deployments with their active lease counts |
-//! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name, 503 if NATS does not answer within the connect deadline |
+//! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name or body, 503 if NATS does not answer within the connect deadline; an optional JSON body `{"policy": "...", "weights": {"prefill": x, "kv": y}}` sets its routing (also of a router that exists) |
 //! | `DELETE /v1/deployments/{name}` | tear it down: 204, 404 if absent |
 //! | `GET /v1/deployments/{name}/leases?limit=N` | active leases (default limit 1000) |
-//! | `GET /v1/deployments/{name}/workers` | load per worker, and the least loaded |
+//! | `GET /v1/deployments/{name}/workers` | load by phase of each member worker, with its last-seen age, and the least loaded |
+//! | `POST /v1/deployments/{name}/route` | a routing decision for the JSON body `{"request_id", "prompt_tokens", "cached_tokens"?, "expected_output_tokens"?}`, booked provisionally: 200 with the worker, the policy and the candidates with their costs; 404 unknown deployment, 409 no live worker, 400 missing or nonsense sizes, 503 leases full or router gone |
 //!
 //! Every error is JSON, `{"error": "..."}`, also those axum would answer itself: an
 //! unknown route (404), a wrong method (405, with its `Allow` header), a name in the path
@@ -19,12 +20,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Bytes;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::request::Parts;
 use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -35,7 +37,8 @@ use tracing::{info, warn};
 use super::host::{AddDeploymentError, AddOutcome, DeploymentHost, DeploymentView};
 use super::metrics::{Metrics, CONTENT_TYPE};
 use crate::lease::LeaseState;
-use crate::scheduler::WorkerLoad;
+use crate::routing::{CostWeights, RoutePolicy, RouteRequest, RouteRequestError, RoutingConfig};
+use crate::scheduler::{WorkerLoad, WorkerStatus};
 use crate::subject::DeploymentName;
 use crate::types::WorkerWithDpRank;
 
@@ -117,6 +120,7 @@ pub fn router(state: ApiState) -> axum::Router {
         )
         .route("/v1/deployments/{name}/leases", get(leases))
         .route("/v1/deployments/{name}/workers", get(workers))
+        .route("/v1/deployments/{name}/route", post(route))
         .fallback(not_found)
         // After the routes: it applies to those registered before it.
         .method_not_allowed_fallback(method_not_allowed)
@@ -281,19 +285,73 @@ async fn get_deployment(
     Ok(Json(json!({ "deployment": summary, "ingress": stats })).into_response())
 }
 
+/// The optional body of a PUT: the deployment's routing.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PutBody {
+    policy: Option<RoutePolicy>,
+    weights: Option<CostWeights>,
+}
+
+fn bad_body(err: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::BAD_REQUEST, format!("invalid JSON body: {err}"))
+}
+
 async fn put_deployment(
     State(state): State<ApiState>,
     NameInPath(name): NameInPath,
+    body: Bytes,
 ) -> ApiResult<Response> {
+    // Checked before anything starts: a bad body creates nothing.
+    let routing = if body.iter().all(u8::is_ascii_whitespace) {
+        None
+    } else {
+        let body: PutBody = serde_json::from_slice(&body).map_err(bad_body)?;
+        if let Some(weights) = &body.weights {
+            weights.validate().map_err(bad_body)?;
+        }
+        Some(body)
+    };
     match state.host.add(&name).await {
         Ok(outcome) => {
             let (status, created) = match outcome {
                 AddOutcome::Created => (StatusCode::CREATED, true),
                 AddOutcome::Existed => (StatusCode::OK, false),
             };
+            let scheduler = running_view(&state, &name)?.scheduler().clone();
+            let applied = async {
+                let current = scheduler.routing().await.map_err(|e| e.to_string())?;
+                let Some(body) = routing else {
+                    return Ok(current);
+                };
+                let wanted = RoutingConfig {
+                    policy: body.policy.unwrap_or(current.policy),
+                    weights: body.weights.unwrap_or(current.weights),
+                    ..current
+                };
+                scheduler
+                    .set_routing(wanted)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok::<_, String>(wanted)
+            };
+            let routing = tokio::time::timeout(SCHEDULER_QUERY_TIMEOUT, applied)
+                .await
+                .map_err(|_| "no answer".to_owned())
+                .and_then(|r| r)
+                .map_err(|err| {
+                    ApiError(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("the scheduler of deployment {name} did not answer: {err}"),
+                    )
+                })?;
             Ok((
                 status,
-                Json(json!({ "deployment": name, "created": created })),
+                Json(json!({
+                    "deployment": name,
+                    "created": created,
+                    "routing": { "policy": routing.policy, "weights": routing.weights },
+                })),
             )
                 .into_response())
         }
@@ -392,6 +450,23 @@ impl WorkerJson {
     }
 }
 
+/// A member worker in `/workers`: its load and how long ago it last spoke.
+#[derive(Serialize)]
+struct MemberJson {
+    #[serde(flatten)]
+    worker: WorkerJson,
+    last_seen_ms: u64,
+}
+
+impl MemberJson {
+    fn new(status: WorkerStatus) -> Self {
+        Self {
+            worker: WorkerJson::new((status.worker, status.load)),
+            last_seen_ms: u64::try_from(status.last_seen.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+}
+
 async fn workers(
     State(state): State<ApiState>,
     NameInPath(name): NameInPath,
@@ -408,7 +483,7 @@ async fn workers(
     };
     let query = async {
         Ok::<_, crate::scheduler::QuerySchedulerError>((
-            scheduler.loads().await?,
+            scheduler.workers().await?,
             scheduler.least_loaded().await?,
         ))
     };
@@ -418,8 +493,57 @@ async fn workers(
         .map_err(|err| stopped(err.to_string()))?;
     let body = json!({
         "deployment": name,
-        "workers": loads.into_iter().map(WorkerJson::new).collect::<Vec<_>>(),
+        "workers": loads.into_iter().map(MemberJson::new).collect::<Vec<_>>(),
         "least_loaded": least.map(WorkerJson::new),
     });
     Ok(Json(body).into_response())
+}
+
+async fn route(
+    State(state): State<ApiState>,
+    NameInPath(name): NameInPath,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let view = running_view(&state, &name)?;
+    let scheduler = view.scheduler().clone();
+    // Do not hold the view (the manager) while waiting for the scheduler.
+    drop(view);
+    let request: RouteRequest = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(err) => {
+            scheduler.count_invalid_request().await;
+            return Err(bad_body(err));
+        }
+    };
+    let decided = tokio::time::timeout(SCHEDULER_QUERY_TIMEOUT, scheduler.route(request))
+        .await
+        .map_err(|_| {
+            ApiError(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "the scheduler of deployment {name} did not answer within \
+                     {SCHEDULER_QUERY_TIMEOUT:?}"
+                ),
+            )
+        })?;
+    match decided {
+        Ok(decision) => Ok(Json(json!({
+            "request_id": decision.booking.request_id,
+            "worker_id": decision.worker().worker_id,
+            "dp_rank": decision.worker().dp_rank,
+            "policy": decision.policy,
+            "candidates": decision.candidates,
+        }))
+        .into_response()),
+        Err(err) => {
+            let status = match err {
+                RouteRequestError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
+                RouteRequestError::NoWorkers => StatusCode::CONFLICT,
+                RouteRequestError::LeasesFull
+                | RouteRequestError::ManagerGone
+                | RouteRequestError::Stopped => StatusCode::SERVICE_UNAVAILABLE,
+            };
+            Err(ApiError(status, err.to_string()))
+        }
+    }
 }

@@ -20,7 +20,8 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use super::host::{DeploymentHost, HostMetricsSnapshot};
-use crate::scheduler::WorkerLoad;
+use crate::routing::{RouteOutcome, RoutePolicy};
+use crate::scheduler::{SchedulerStatsSnapshot, WorkerLoad};
 use crate::stats::LagSnapshot;
 use crate::types::WorkerWithDpRank;
 
@@ -72,7 +73,7 @@ impl Collector for WorkerLoads {
             })
             .collect();
         type Pick = fn(&WorkerLoad) -> u64;
-        let gauges: [(&str, &str, Pick); 3] = [
+        let gauges: [(&str, &str, Pick); 6] = [
             (
                 "worker_active_bookings",
                 "Bookings counted against each worker by the scheduler.",
@@ -88,6 +89,21 @@ impl Collector for WorkerLoads {
                 "Expected output tokens of the bookings of each worker.",
                 |l| l.expected_output_tokens,
             ),
+            (
+                "worker_prefill_tokens",
+                "Prompt tokens waiting for prefill on each worker (uncached, prefill not done).",
+                |l| l.prefill_tokens,
+            ),
+            (
+                "worker_kv_tokens",
+                "KV tokens held on each worker: prompt plus output so far of its bookings.",
+                |l| l.kv_tokens,
+            ),
+            (
+                "worker_remaining_output_tokens",
+                "Expected output tokens still to come on each worker.",
+                |l| l.remaining_output_tokens,
+            ),
         ];
         for (name, help, pick) in gauges {
             let series: Vec<_> = labels
@@ -96,6 +112,61 @@ impl Collector for WorkerLoads {
                 .map(|(labels, (_, _, load))| (labels.as_slice(), pick(load)))
                 .collect();
             gauge_family(&mut encoder, name, help, &series)?;
+        }
+        Ok(())
+    }
+}
+
+/// The scheduler counters of the running deployments, at one scrape.
+#[derive(Debug, Default)]
+struct SchedulerCounters(Vec<(String, SchedulerStatsSnapshot)>);
+
+impl Collector for SchedulerCounters {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let decisions: Vec<_> = self
+            .0
+            .iter()
+            .flat_map(|(name, stats)| {
+                RoutePolicy::ALL.into_iter().flat_map(move |policy| {
+                    RouteOutcome::ALL.into_iter().map(move |outcome| {
+                        (
+                            [
+                                ("deployment", name.as_str()),
+                                ("policy", policy.as_str()),
+                                ("outcome", outcome.as_str()),
+                            ],
+                            stats.decisions(policy, outcome),
+                        )
+                    })
+                })
+            })
+            .collect();
+        counter_family(
+            &mut encoder,
+            "route_decisions",
+            "Route decisions of each running deployment, by policy and outcome.",
+            &decisions,
+        )?;
+        type Pick = fn(&SchedulerStatsSnapshot) -> u64;
+        let counters: [(&str, &str, Pick); 2] = [
+            (
+                "workers_left",
+                "Worker ranks that said they were leaving.",
+                |s| s.workers_left,
+            ),
+            (
+                "workers_forgotten",
+                "Worker ranks forgotten after their idle time with no live booking.",
+                |s| s.workers_forgotten,
+            ),
+        ];
+        for (name, help, pick) in counters {
+            let series: Vec<_> = self
+                .0
+                .iter()
+                .map(|(deployment, stats)| ([("deployment", deployment.as_str())], pick(stats)))
+                .collect();
+            counter_family(&mut encoder, name, help, &series)?;
         }
         Ok(())
     }
@@ -148,8 +219,12 @@ impl Metrics {
     /// most `WORKER_LOAD_TIMEOUT`; one that does not answer is left out).
     pub async fn render(&self) -> String {
         let mut loads = WorkerLoads::default();
+        let mut counters = SchedulerCounters::default();
         if let Some(host) = &self.host {
             for view in host.views() {
+                counters
+                    .0
+                    .push((view.name().to_string(), view.scheduler().stats()));
                 let answer =
                     tokio::time::timeout(WORKER_LOAD_TIMEOUT, view.scheduler().loads()).await;
                 if let Ok(Ok(workers)) = answer {
@@ -164,6 +239,7 @@ impl Metrics {
         }
         let mut per_scrape = Registry::with_prefix(METRIC_PREFIX);
         per_scrape.register_collector(Box::new(loads));
+        per_scrape.register_collector(Box::new(counters));
         let mut out = String::new();
         let _ = encode_registry(&mut out, &self.registry)
             .and_then(|()| encode_registry(&mut out, &per_scrape))
@@ -612,6 +688,9 @@ mod tests {
         metrics
             .registry_mut()
             .register_collector(Box::new(WorkerLoads::default()));
+        metrics
+            .registry_mut()
+            .register_collector(Box::new(SchedulerCounters::default()));
         let text = metrics.encode();
         text.lines()
             .filter_map(|l| l.strip_prefix("# TYPE lease_router_"))
@@ -646,6 +725,9 @@ mod tests {
                 active_bookings: 2,
                 prompt_tokens: 300,
                 expected_output_tokens: 40,
+                prefill_tokens: 250,
+                kv_tokens: 310,
+                remaining_output_tokens: 30,
             },
         )]);
         let mut registry = Registry::with_prefix(METRIC_PREFIX);
@@ -656,6 +738,9 @@ mod tests {
             "lease_router_worker_active_bookings{deployment=\"prod\",worker_id=\"7\",dp_rank=\"1\"} 2",
             "lease_router_worker_prompt_tokens{deployment=\"prod\",worker_id=\"7\",dp_rank=\"1\"} 300",
             "lease_router_worker_expected_output_tokens{deployment=\"prod\",worker_id=\"7\",dp_rank=\"1\"} 40",
+            "lease_router_worker_prefill_tokens{deployment=\"prod\",worker_id=\"7\",dp_rank=\"1\"} 250",
+            "lease_router_worker_kv_tokens{deployment=\"prod\",worker_id=\"7\",dp_rank=\"1\"} 310",
+            "lease_router_worker_remaining_output_tokens{deployment=\"prod\",worker_id=\"7\",dp_rank=\"1\"} 30",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
         }

@@ -153,6 +153,7 @@ pub fn admitted(request_id: &str, worker_id: u64, prompt_tokens: u32) -> Admitte
         dp_rank: 0,
         prompt_tokens,
         expected_output_tokens: Some(16),
+        cached_tokens: None,
     }
 }
 

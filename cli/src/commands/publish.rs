@@ -62,6 +62,9 @@ enum EventArgs {
         /// Tokens the answer is expected to have, if known.
         #[arg(long, value_name = "N")]
         expected_output_tokens: Option<u32>,
+        /// Prompt tokens already in the worker's prefix cache (wire 1.1 `ctok`).
+        #[arg(long, value_name = "N")]
+        cached_tokens: Option<u32>,
     },
     /// The request is alive and moving: renews its lease.
     Progressed {
@@ -81,7 +84,12 @@ enum EventArgs {
         outcome: OutcomeArg,
     },
     /// The worker restarted or left: every lease of it (or of --dp-rank) is dropped.
-    Reset,
+    Reset {
+        /// The worker is leaving (wire 1.1 `leaving`), not restarting: routers stop
+        /// choosing it until it publishes again.
+        #[arg(long)]
+        leaving: bool,
+    },
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -106,12 +114,14 @@ impl PublishArgs {
                 request_id,
                 prompt_tokens,
                 expected_output_tokens,
+                cached_tokens,
             } => Admitted {
                 request_id: request_id.clone(),
                 worker_id,
                 dp_rank,
                 prompt_tokens: *prompt_tokens,
                 expected_output_tokens: *expected_output_tokens,
+                cached_tokens: *cached_tokens,
             }
             .into(),
             EventArgs::Progressed {
@@ -143,9 +153,10 @@ impl PublishArgs {
                 },
             }
             .into(),
-            EventArgs::Reset => WorkerReset {
+            EventArgs::Reset { leaving } => WorkerReset {
                 worker_id,
                 dp_rank: self.dp_rank,
+                leaving: *leaving,
             }
             .into(),
         }
