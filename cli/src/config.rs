@@ -1549,7 +1549,7 @@ mod tests {
                 )
             })
             .collect();
-        assert_eq!(declared.len(), 24);
+        assert_eq!(declared.len(), 26);
         assert_eq!(
             readme_settings(),
             declared,
