@@ -1051,3 +1051,15 @@ mod tests {
         assert_eq!(scheduler.load(worker).await.unwrap(), WorkerLoad::default());
     }
 }
+
+#[cfg(test)]
+mod sizes {
+    /// Guards what the load by phase costs per lease (+16 bytes: the sizes and the progress
+    /// word) and per queued operation (a shift carries two weights); BENCHMARKS.md's
+    /// bytes-per-lease figure was taken with a 40-byte lease and a 32-byte operation.
+    #[test]
+    fn lease_and_operation_sizes() {
+        assert_eq!(std::mem::size_of::<super::Lease>(), 56);
+        assert_eq!(std::mem::size_of::<crate::scheduler::Op>(), 64);
+    }
+}
