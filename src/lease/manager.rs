@@ -226,7 +226,7 @@ type Table = HashTable<(LeaseKey, Lease)>;
 type Shard = RwLock<Table>;
 
 /// Slots of [`Pending`]'s filter of workers already reported seen.
-const SEEN_SLOTS: usize = 16;
+const SEEN_SLOTS: usize = 32;
 
 /// Scheduler operations and counts gathered by one or more calls, handed over at once.
 #[derive(Default)]
@@ -247,8 +247,9 @@ impl Pending {
     /// `worker` spoke (an event of its own): the scheduler keeps it a member, and its
     /// last-seen time fresh.
     fn seen(&mut self, worker: WorkerWithDpRank) {
-        let slot =
-            (worker.worker_id.0 as usize ^ (worker.dp_rank.0 as usize).rotate_left(3)) % SEEN_SLOTS;
+        let mixed = (worker.worker_id.0 ^ u64::from(worker.dp_rank.0).rotate_left(32))
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let slot = (mixed >> 59) as usize % SEEN_SLOTS;
         if self.seen[slot] != Some(worker) {
             self.seen[slot] = Some(worker);
             self.ops.push(Op::Seen(worker));
