@@ -338,9 +338,6 @@ impl RequestLeaseManagerInner {
         same: impl FnOnce(&Lease) -> bool,
         fresh: impl FnOnce() -> (LeaseKey, AttemptId),
     ) -> AdmitOutcome {
-        if !provisional {
-            pending.seen(worker);
-        }
         // One clock read per batch: every admission of a burst shares it.
         let admitted_at = *pending.now_secs.get_or_insert_with(|| self.now_secs());
         let hash = self.hash(request_id);
@@ -365,6 +362,9 @@ impl RequestLeaseManagerInner {
                         pending.count(Counter::TakenOver);
                         return AdmitOutcome::Registered;
                     }
+                    if !provisional {
+                        pending.seen(worker);
+                    }
                     pending.count(Counter::DuplicateAdmits);
                     return AdmitOutcome::Duplicate;
                 }
@@ -373,7 +373,7 @@ impl RequestLeaseManagerInner {
                     lease,
                     Lease::new(attempt_id, worker, load, provisional, admitted_at),
                 );
-                pending.ops.push(Op::Book(worker, lease.load.weight()));
+                pending.ops.push(book(worker, &lease.load, provisional));
                 if provisional {
                     pending.count(Counter::Provisional);
                 }
@@ -391,12 +391,15 @@ impl RequestLeaseManagerInner {
                 // Counted across shards without their locks: approximate by the number of
                 // concurrent admitters, which is enough to bound memory.
                 if self.active.load(Ordering::Relaxed) >= self.max_active_leases {
+                    if !provisional {
+                        pending.seen(worker);
+                    }
                     pending.count(Counter::RefusedFull);
                     return AdmitOutcome::Full;
                 }
                 let (key, attempt_id) = fresh();
                 let lease = Lease::new(attempt_id, worker, load, provisional, admitted_at);
-                pending.ops.push(Op::Book(worker, lease.load.weight()));
+                pending.ops.push(book(worker, &lease.load, provisional));
                 entry.insert((key, lease));
                 self.active.fetch_add(1, Ordering::Relaxed);
                 pending.count(if provisional {
@@ -450,16 +453,18 @@ impl RequestLeaseManagerInner {
         let (_, lease) = table
             .find(hash, |(key, _)| key.is(request_id))
             .filter(|(_, lease)| matches(lease))?;
-        pending.seen(lease.worker);
         let outcome = match lease.clock.touch() {
             TouchOutcome::Renewed => ProgressOutcome::Renewed,
             TouchOutcome::Coalesced => ProgressOutcome::Coalesced,
             TouchOutcome::Claimed => ProgressOutcome::Stale,
         };
-        if outcome != ProgressOutcome::Stale {
-            if let Some((from, to)) = output_tokens.and_then(|n| lease.load.advance(n)) {
-                pending.ops.push(Op::Shift(lease.worker, from, to));
-            }
+        let shift = (outcome != ProgressOutcome::Stale)
+            .then(|| output_tokens.and_then(|n| lease.load.advance(n)))
+            .flatten();
+        match shift {
+            // The worker spoke: a shift says so itself.
+            Some((from, to)) => pending.ops.push(Op::Shift(lease.worker, from, to)),
+            None => pending.seen(lease.worker),
         }
         drop(table);
         Some(count_touch(pending, outcome))
@@ -480,14 +485,26 @@ impl RequestLeaseManagerInner {
             .ok()
             .filter(|entry| matches(&entry.get().1))?;
         let ((_, lease), _) = entry.remove();
-        pending.seen(lease.worker);
         drop(table);
         self.active.fetch_sub(1, Ordering::Relaxed);
         let released = lease.clock.claim();
         if released {
+            // The worker spoke: a completion's release says so itself.
             pending.ops.push(lease.release(ReleaseReason::Completed));
+        } else {
+            pending.seen(lease.worker);
         }
         Some(count_completion(pending, released))
+    }
+}
+
+/// The booking of a new lease: a worker's admission also says the worker spoke; a route
+/// decision's does not.
+fn book(worker: WorkerWithDpRank, load: &LeaseLoad, provisional: bool) -> Op {
+    if provisional {
+        Op::Book(worker, load.weight())
+    } else {
+        Op::Admitted(worker, load.weight())
     }
 }
 
@@ -556,10 +573,14 @@ impl LeaseBatch {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<ProgressOutcome> {
-        self.pending.seen(worker);
-        self.manager
+        let outcome = self
+            .manager
             .inner
-            .touch(&mut self.pending, request_id, None, |l| l.worker == worker)
+            .touch(&mut self.pending, request_id, None, |l| l.worker == worker);
+        if outcome.is_none() {
+            self.pending.seen(worker);
+        }
+        outcome
     }
 
     /// [`RequestLeaseManager::progress_current`] within the batch.
@@ -569,12 +590,16 @@ impl LeaseBatch {
         worker: WorkerWithDpRank,
         output_tokens: u32,
     ) -> Option<ProgressOutcome> {
-        self.pending.seen(worker);
-        self.manager
-            .inner
-            .touch(&mut self.pending, request_id, Some(output_tokens), |l| {
-                l.worker == worker
-            })
+        let outcome =
+            self.manager
+                .inner
+                .touch(&mut self.pending, request_id, Some(output_tokens), |l| {
+                    l.worker == worker
+                });
+        if outcome.is_none() {
+            self.pending.seen(worker);
+        }
+        outcome
     }
 
     /// [`RequestLeaseManager::complete_current`] within the batch.
@@ -583,10 +608,14 @@ impl LeaseBatch {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<CompleteOutcome> {
-        self.pending.seen(worker);
-        self.manager
+        let outcome = self
+            .manager
             .inner
-            .complete(&mut self.pending, request_id, |l| l.worker == worker)
+            .complete(&mut self.pending, request_id, |l| l.worker == worker);
+        if outcome.is_none() {
+            self.pending.seen(worker);
+        }
+        outcome
     }
 
     /// [`RequestLeaseManager::reset_worker`] (or, `leaving`,
