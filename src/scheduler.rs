@@ -255,12 +255,16 @@ pub enum ScheduleRequestError {
 /// One change to a worker's load, queued by the lease manager.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Op {
+    /// A booking that its worker did not announce (a route decision's).
     Book(WorkerWithDpRank, BookingWeight),
+    /// A booking its worker admitted: the worker spoke.
+    Admitted(WorkerWithDpRank, BookingWeight),
+    /// A release; one by completion also says the worker spoke.
     Release(WorkerWithDpRank, BookingWeight, ReleaseReason),
     /// A live booking's weight moved (its request progressed, or an admission took a
-    /// provisional booking over): from the first weight to the second.
+    /// provisional booking over): from the first weight to the second. The worker spoke.
     Shift(WorkerWithDpRank, BookingWeight, BookingWeight),
-    /// The worker sent an event of its own: a member, seen now.
+    /// The worker sent an event of its own that changed no load: a member, seen now.
     Seen(WorkerWithDpRank),
     /// A `worker_reset` (every rank when `dp_rank` is `None`), after its releases: a
     /// restart keeps the worker a member, leaving takes it out of every decision.
@@ -527,6 +531,15 @@ impl SchedulerState {
         })
     }
 
+    /// `worker` spoke: a member, seen now.
+    fn seen(&mut self, worker: WorkerWithDpRank) {
+        let now = self.now;
+        let entry = self.entry(worker);
+        let joined = !mem::replace(&mut entry.member, true);
+        entry.last_seen = now;
+        self.members_dirty |= joined;
+    }
+
     /// Drops a non-member whose sums are back to zero.
     fn collect(&mut self, worker: WorkerWithDpRank) {
         if let Some(entry) = self.workers.get(&worker) {
@@ -541,29 +554,32 @@ impl SchedulerState {
             Op::Book(worker, weight) => {
                 let entry = self.entry(worker);
                 entry.tally.add(1, weight);
-                // Booked on by an admission, or by a decision (which chose a member).
+                // Booked on by a decision, which chose a member.
                 let joined = !mem::replace(&mut entry.member, true);
                 self.members_dirty |= joined;
                 self.stats.booked.fetch_add(1, Ordering::Relaxed);
             }
+            Op::Admitted(worker, weight) => {
+                self.entry(worker).tally.add(1, weight);
+                self.stats.booked.fetch_add(1, Ordering::Relaxed);
+                self.seen(worker);
+            }
             Op::Release(worker, weight, reason) => {
                 self.entry(worker).tally.add(-1, weight);
                 self.stats.count_release(reason);
-                self.collect(worker);
+                if reason == ReleaseReason::Completed {
+                    self.seen(worker);
+                } else {
+                    self.collect(worker);
+                }
             }
             Op::Shift(worker, from, to) => {
                 let entry = self.entry(worker);
                 entry.tally.add_tokens(-1, from);
                 entry.tally.add_tokens(1, to);
-                self.collect(worker);
+                self.seen(worker);
             }
-            Op::Seen(worker) => {
-                let now = self.now;
-                let entry = self.entry(worker);
-                let joined = !mem::replace(&mut entry.member, true);
-                entry.last_seen = now;
-                self.members_dirty |= joined;
-            }
+            Op::Seen(worker) => self.seen(worker),
             Op::Membership {
                 worker_id,
                 dp_rank,
@@ -1139,6 +1155,55 @@ mod tests {
             members(&handle.loads().await.unwrap()),
             vec![a, worker(2), worker(5)]
         );
+    }
+
+    #[tokio::test]
+    async fn operations_of_a_worker_that_spoke_refresh_it_and_the_others_do_not() {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
+        let cleanup = handle.cleanup();
+        let w = weight(10, None);
+        let mut moved = w;
+        moved.prefill_tokens = 0;
+        let spoke = [
+            Op::Admitted(worker(1), w),
+            Op::Shift(worker(2), w, moved),
+            Op::Release(worker(3), w, ReleaseReason::Completed),
+            Op::Seen(worker(4)),
+        ];
+        let silent = [
+            Op::Release(worker(5), w, ReleaseReason::Expired),
+            Op::Release(worker(6), w, ReleaseReason::Superseded),
+        ];
+        submit(&cleanup, &spoke);
+        submit(&cleanup, &silent);
+        let members: Vec<_> = handle
+            .workers()
+            .await
+            .unwrap()
+            .iter()
+            .map(|s| s.worker)
+            .collect();
+        assert_eq!(members, [1, 2, 3, 4].map(worker));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        submit(
+            &cleanup,
+            &[Op::Release(worker(1), w, ReleaseReason::Expired)],
+        );
+        submit(&cleanup, &[Op::Shift(worker(2), moved, w)]);
+        let ages: Vec<_> = handle
+            .workers()
+            .await
+            .unwrap()
+            .iter()
+            .map(|s| s.last_seen)
+            .collect();
+        assert!(
+            ages[0] >= Duration::from_millis(50),
+            "an expiry is not the worker: {ages:?}"
+        );
+        assert!(ages[1] < Duration::from_millis(50), "a shift is: {ages:?}");
     }
 
     #[tokio::test]

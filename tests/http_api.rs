@@ -867,6 +867,14 @@ async fn route_over_http() {
     ] {
         route(bad).await.assert_error(400, bad);
     }
+    let huge = format!(
+        r#"{{"request_id": "{}", "prompt_tokens": 1}}"#,
+        "x".repeat(3 << 20)
+    );
+    service
+        .post_json("/v1/deployments/r/route", "POST", &huge)
+        .await
+        .assert_error(413, "a body over axum's limit");
 
     let text = service.metrics().await;
     let decisions = |outcome: &str| {
@@ -877,7 +885,7 @@ async fn route_over_http() {
     };
     assert_eq!(decisions("routed"), Some(2.0), "{text}");
     assert_eq!(decisions("no_workers"), Some(1.0));
-    assert_eq!(decisions("invalid"), Some(6.0));
+    assert_eq!(decisions("invalid"), Some(7.0));
     let worker_series = |name: &str, worker: u64| {
         metric(
             &text,

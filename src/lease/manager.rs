@@ -226,7 +226,7 @@ type Table = HashTable<(LeaseKey, Lease)>;
 type Shard = RwLock<Table>;
 
 /// Slots of [`Pending`]'s filter of workers already reported seen.
-const SEEN_SLOTS: usize = 16;
+const SEEN_SLOTS: usize = 32;
 
 /// Scheduler operations and counts gathered by one or more calls, handed over at once.
 #[derive(Default)]
@@ -247,8 +247,9 @@ impl Pending {
     /// `worker` spoke (an event of its own): the scheduler keeps it a member, and its
     /// last-seen time fresh.
     fn seen(&mut self, worker: WorkerWithDpRank) {
-        let slot =
-            (worker.worker_id.0 as usize ^ (worker.dp_rank.0 as usize).rotate_left(3)) % SEEN_SLOTS;
+        let mixed = (worker.worker_id.0 ^ u64::from(worker.dp_rank.0).rotate_left(32))
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let slot = (mixed >> 59) as usize % SEEN_SLOTS;
         if self.seen[slot] != Some(worker) {
             self.seen[slot] = Some(worker);
             self.ops.push(Op::Seen(worker));
@@ -337,9 +338,6 @@ impl RequestLeaseManagerInner {
         same: impl FnOnce(&Lease) -> bool,
         fresh: impl FnOnce() -> (LeaseKey, AttemptId),
     ) -> AdmitOutcome {
-        if !provisional {
-            pending.seen(worker);
-        }
         // One clock read per batch: every admission of a burst shares it.
         let admitted_at = *pending.now_secs.get_or_insert_with(|| self.now_secs());
         let hash = self.hash(request_id);
@@ -364,6 +362,9 @@ impl RequestLeaseManagerInner {
                         pending.count(Counter::TakenOver);
                         return AdmitOutcome::Registered;
                     }
+                    if !provisional {
+                        pending.seen(worker);
+                    }
                     pending.count(Counter::DuplicateAdmits);
                     return AdmitOutcome::Duplicate;
                 }
@@ -372,7 +373,7 @@ impl RequestLeaseManagerInner {
                     lease,
                     Lease::new(attempt_id, worker, load, provisional, admitted_at),
                 );
-                pending.ops.push(Op::Book(worker, lease.load.weight()));
+                pending.ops.push(book(worker, &lease.load, provisional));
                 if provisional {
                     pending.count(Counter::Provisional);
                 }
@@ -390,12 +391,15 @@ impl RequestLeaseManagerInner {
                 // Counted across shards without their locks: approximate by the number of
                 // concurrent admitters, which is enough to bound memory.
                 if self.active.load(Ordering::Relaxed) >= self.max_active_leases {
+                    if !provisional {
+                        pending.seen(worker);
+                    }
                     pending.count(Counter::RefusedFull);
                     return AdmitOutcome::Full;
                 }
                 let (key, attempt_id) = fresh();
                 let lease = Lease::new(attempt_id, worker, load, provisional, admitted_at);
-                pending.ops.push(Op::Book(worker, lease.load.weight()));
+                pending.ops.push(book(worker, &lease.load, provisional));
                 entry.insert((key, lease));
                 self.active.fetch_add(1, Ordering::Relaxed);
                 pending.count(if provisional {
@@ -449,16 +453,18 @@ impl RequestLeaseManagerInner {
         let (_, lease) = table
             .find(hash, |(key, _)| key.is(request_id))
             .filter(|(_, lease)| matches(lease))?;
-        pending.seen(lease.worker);
         let outcome = match lease.clock.touch() {
             TouchOutcome::Renewed => ProgressOutcome::Renewed,
             TouchOutcome::Coalesced => ProgressOutcome::Coalesced,
             TouchOutcome::Claimed => ProgressOutcome::Stale,
         };
-        if outcome != ProgressOutcome::Stale {
-            if let Some((from, to)) = output_tokens.and_then(|n| lease.load.advance(n)) {
-                pending.ops.push(Op::Shift(lease.worker, from, to));
-            }
+        let shift = (outcome != ProgressOutcome::Stale)
+            .then(|| output_tokens.and_then(|n| lease.load.advance(n)))
+            .flatten();
+        match shift {
+            // The worker spoke: a shift says so itself.
+            Some((from, to)) => pending.ops.push(Op::Shift(lease.worker, from, to)),
+            None => pending.seen(lease.worker),
         }
         drop(table);
         Some(count_touch(pending, outcome))
@@ -479,14 +485,26 @@ impl RequestLeaseManagerInner {
             .ok()
             .filter(|entry| matches(&entry.get().1))?;
         let ((_, lease), _) = entry.remove();
-        pending.seen(lease.worker);
         drop(table);
         self.active.fetch_sub(1, Ordering::Relaxed);
         let released = lease.clock.claim();
         if released {
+            // The worker spoke: a completion's release says so itself.
             pending.ops.push(lease.release(ReleaseReason::Completed));
+        } else {
+            pending.seen(lease.worker);
         }
         Some(count_completion(pending, released))
+    }
+}
+
+/// The booking of a new lease: a worker's admission also says the worker spoke; a route
+/// decision's does not.
+fn book(worker: WorkerWithDpRank, load: &LeaseLoad, provisional: bool) -> Op {
+    if provisional {
+        Op::Book(worker, load.weight())
+    } else {
+        Op::Admitted(worker, load.weight())
     }
 }
 
@@ -555,10 +573,14 @@ impl LeaseBatch {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<ProgressOutcome> {
-        self.pending.seen(worker);
-        self.manager
+        let outcome = self
+            .manager
             .inner
-            .touch(&mut self.pending, request_id, None, |l| l.worker == worker)
+            .touch(&mut self.pending, request_id, None, |l| l.worker == worker);
+        if outcome.is_none() {
+            self.pending.seen(worker);
+        }
+        outcome
     }
 
     /// [`RequestLeaseManager::progress_current`] within the batch.
@@ -568,12 +590,16 @@ impl LeaseBatch {
         worker: WorkerWithDpRank,
         output_tokens: u32,
     ) -> Option<ProgressOutcome> {
-        self.pending.seen(worker);
-        self.manager
-            .inner
-            .touch(&mut self.pending, request_id, Some(output_tokens), |l| {
-                l.worker == worker
-            })
+        let outcome =
+            self.manager
+                .inner
+                .touch(&mut self.pending, request_id, Some(output_tokens), |l| {
+                    l.worker == worker
+                });
+        if outcome.is_none() {
+            self.pending.seen(worker);
+        }
+        outcome
     }
 
     /// [`RequestLeaseManager::complete_current`] within the batch.
@@ -582,10 +608,14 @@ impl LeaseBatch {
         request_id: &str,
         worker: WorkerWithDpRank,
     ) -> Option<CompleteOutcome> {
-        self.pending.seen(worker);
-        self.manager
+        let outcome = self
+            .manager
             .inner
-            .complete(&mut self.pending, request_id, |l| l.worker == worker)
+            .complete(&mut self.pending, request_id, |l| l.worker == worker);
+        if outcome.is_none() {
+            self.pending.seen(worker);
+        }
+        outcome
     }
 
     /// [`RequestLeaseManager::reset_worker`] (or, `leaving`,
@@ -1286,5 +1316,17 @@ mod tests {
             (4, 1, 1)
         );
         assert_eq!((s.released_expired, s.released_reset), (1, 1));
+    }
+}
+
+#[cfg(test)]
+mod sizes {
+    /// Guards what the load by phase costs per lease (+16 bytes: the sizes and the progress
+    /// word) and per queued operation (a shift carries two weights); BENCHMARKS.md's
+    /// bytes-per-lease figure was taken with a 40-byte lease and a 32-byte operation.
+    #[test]
+    fn lease_and_operation_sizes() {
+        assert_eq!(std::mem::size_of::<super::Lease>(), 56);
+        assert_eq!(std::mem::size_of::<crate::scheduler::Op>(), 64);
     }
 }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::rejection::QueryRejection;
+use axum::extract::rejection::{BytesRejection, QueryRejection};
 use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::request::Parts;
 use axum::http::{header, Method, StatusCode};
@@ -297,11 +297,21 @@ fn bad_body(err: impl std::fmt::Display) -> ApiError {
     ApiError(StatusCode::BAD_REQUEST, format!("invalid JSON body: {err}"))
 }
 
+/// A body that could not be read (too large, say), as a JSON error where axum's own
+/// rejection would be plain text.
+fn unread_body(err: BytesRejection) -> ApiError {
+    ApiError(
+        err.status(),
+        format!("the request body could not be read: {}", err.body_text()),
+    )
+}
+
 async fn put_deployment(
     State(state): State<ApiState>,
     NameInPath(name): NameInPath,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> ApiResult<Response> {
+    let body = body.map_err(unread_body)?;
     // Checked before anything starts: a bad body creates nothing.
     let routing = if body.iter().all(u8::is_ascii_whitespace) {
         None
@@ -502,17 +512,20 @@ async fn workers(
 async fn route(
     State(state): State<ApiState>,
     NameInPath(name): NameInPath,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> ApiResult<Response> {
     let view = running_view(&state, &name)?;
     let scheduler = view.scheduler().clone();
     // Do not hold the view (the manager) while waiting for the scheduler.
     drop(view);
-    let request: RouteRequest = match serde_json::from_slice(&body) {
+    let parsed = body
+        .map_err(unread_body)
+        .and_then(|body| serde_json::from_slice(&body).map_err(bad_body));
+    let request: RouteRequest = match parsed {
         Ok(request) => request,
         Err(err) => {
             scheduler.count_invalid_request().await;
-            return Err(bad_body(err));
+            return Err(err);
         }
     };
     let decided = tokio::time::timeout(SCHEDULER_QUERY_TIMEOUT, scheduler.route(request))
