@@ -46,8 +46,11 @@ done
 if [[ -z $report_only ]]; then
   file_args=()
   for f in "${files[@]}"; do file_args+=(--file "$f"); done
-  # cargo mutants exits non-zero when a mutant is missed: the report below says which.
-  cargo mutants --jobs 1 --cargo-arg=--lib --output . "${file_args[@]}" "${args[@]}" || true
+  # Exit 2: some mutant missed, 3: some timed out; the report below says which. Any other
+  # failure (bad arguments, unmutated tests failing) stops here.
+  rc=0
+  cargo mutants --cargo-arg=--lib --output . "${file_args[@]}" "${args[@]}" || rc=$?
+  case $rc in 0 | 2 | 3) ;; *) echo "cargo mutants failed (exit $rc)" >&2; exit "$rc" ;; esac
 fi
 
 [[ -d $out ]] || { echo "no $out: cargo mutants did not run" >&2; exit 2; }
