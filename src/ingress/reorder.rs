@@ -243,7 +243,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn entries_expire_after_ttl() {
         let mut m = ExpiringMap::new(Duration::from_secs(10), 100);
+        assert!(m.is_empty());
         m.insert("a".into(), w(1));
+        assert!(!m.is_empty(), "the applier expires nothing in an empty map");
         tokio::time::advance(Duration::from_secs(5)).await;
         m.insert("b".into(), w(1));
         assert!(m.contains("a", w(1)));
@@ -439,6 +441,7 @@ mod tests {
             }
             left += m.take_expired();
             assert!(m.len() <= capacity, "{m:?}");
+            assert_eq!(m.is_empty(), m.entries.is_empty());
             assert!(m.order.len() <= 2 * capacity, "{m:?}");
             assert_eq!(held, left + m.events(), "{m:?}");
             let sum: u64 = m.entries.values().map(|e| e.events).sum();

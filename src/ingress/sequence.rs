@@ -427,4 +427,26 @@ mod tests {
         assert!(t.knows(2) && !t.knows(1));
         assert_eq!(SequenceTracker::new(0).max_publishers, 1, "at least one");
     }
+
+    /// The worker map is pruned once it holds twice `max_publishers` workers, not before:
+    /// until then a restart is told even for a worker whose publisher was forgotten.
+    #[test]
+    fn workers_are_pruned_only_at_twice_the_publisher_bound() {
+        let mut t = SequenceTracker::new(100);
+        for worker in 0..199 {
+            assert!(!t.new_publisher_of(worker, 1_000 + worker));
+        }
+        assert!(
+            t.new_publisher_of(150, 5),
+            "worker 150 had another publisher"
+        );
+        assert!(!t.new_publisher_of(199, 1_199));
+        assert_eq!(t.worker_publishers.len(), 200);
+        t.new_publisher_of(200, 1_200);
+        assert_eq!(
+            t.worker_publishers.len(),
+            1,
+            "pruned: no other worker's publisher is tracked"
+        );
+    }
 }

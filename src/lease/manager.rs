@@ -1317,6 +1317,44 @@ mod tests {
         );
         assert_eq!((s.released_expired, s.released_reset), (1, 1));
     }
+
+    #[tokio::test]
+    async fn a_manager_names_its_deployment_and_rounds_its_shards_up() {
+        let tracker = TaskTracker::new();
+        let (scheduler, actor) = Scheduler::new("d");
+        let config = LeaseConfig {
+            shards: 3,
+            ..LeaseConfig::default()
+        };
+        let manager = RequestLeaseManager::new("deploy-a", config, scheduler.cleanup());
+        actor.spawn(None, &tracker);
+        assert_eq!(manager.deployment(), "deploy-a");
+        assert_eq!(manager.shard_count(), 4, "a power of two");
+        assert_eq!(manager.inner.shard_count(), 4);
+        assert_eq!(manager.inner.scan_interval(), DEFAULT_SCAN_INTERVAL);
+    }
+
+    /// A batch's reset is the manager's: its count, its releases.
+    #[tokio::test]
+    async fn a_batch_resets_a_worker_as_the_manager_does() {
+        let tracker = TaskTracker::new();
+        let (scheduler, manager) = manager(LeaseConfig::default(), &tracker);
+        let worker = WorkerWithDpRank::new(1, 0);
+        let mut batch = manager.batch();
+        for id in ["a", "b"] {
+            assert_eq!(
+                batch.admit_current(id, worker, LOAD),
+                AdmitOutcome::Registered
+            );
+        }
+        batch.finish();
+        let mut batch = manager.batch();
+        assert_eq!(batch.reset_worker(WorkerId(1), None), 2);
+        drop(batch);
+        assert_eq!(manager.active_leases(), 0);
+        assert_eq!(scheduler.load(worker).await.unwrap(), WorkerLoad::default());
+        assert_eq!(manager.stats().reset_released, 2);
+    }
 }
 
 #[cfg(test)]
