@@ -1349,7 +1349,7 @@ mod tests {
         }
         batch.finish();
         let mut batch = manager.batch();
-        assert_eq!(batch.reset_worker(WorkerId(1), None), 2);
+        assert_eq!(batch.reset_worker(WorkerId(1), None, false), 2);
         drop(batch);
         assert_eq!(manager.active_leases(), 0);
         assert_eq!(scheduler.load(worker).await.unwrap(), WorkerLoad::default());
