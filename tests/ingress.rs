@@ -537,22 +537,7 @@ async fn router_torn_down_while_publishers_send_counts_late_events() {
     let h = router(&conn, "teardown", NO_EXPIRY, ApplyConfig::default()).await;
     let publisher_conn = client(&server.url()).await;
     let stop = tokio_util::sync::CancellationToken::new();
-    let sender = tokio::spawn({
-        let mut p = RawPublisher::new(publisher_conn.client().clone(), "teardown", 31);
-        let stop = stop.clone();
-        async move {
-            let mut i = 0u64;
-            while !stop.is_cancelled() {
-                p.send(admitted(&format!("r{i}"), i % 4, 1)).await;
-                i += 1;
-                if i.is_multiple_of(64) {
-                    tokio::task::yield_now().await;
-                }
-            }
-            p.flush().await;
-            i
-        }
-    });
+    let sender = flood(&publisher_conn, "teardown", 31, &stop);
     let stats = h.stats.clone();
     assert!(eventually(BOUND, || async { stats.snapshot().applied_total() > 1000 }).await);
 
@@ -692,20 +677,7 @@ async fn removing_a_deployment_under_load_counts_late_events() {
     let name = lease_router::DeploymentName::new("removed").unwrap();
     let publisher_conn = client(&server.url()).await;
     let stop = tokio_util::sync::CancellationToken::new();
-    let sender = tokio::spawn({
-        let mut p = RawPublisher::new(publisher_conn.client().clone(), "removed", 41);
-        let stop = stop.clone();
-        async move {
-            let mut i = 0u64;
-            while !stop.is_cancelled() {
-                p.send(admitted(&format!("r{i}"), i % 4, 1)).await;
-                i += 1;
-                if i.is_multiple_of(64) {
-                    tokio::task::yield_now().await;
-                }
-            }
-        }
-    });
+    let sender = flood(&publisher_conn, "removed", 41, &stop);
     let mut late = 0;
     for _ in 0..20 {
         host.add(&name).await.expect("added");
@@ -729,4 +701,27 @@ async fn removing_a_deployment_under_load_counts_late_events() {
         late > 0,
         "events still buffered at the removal were counted late"
     );
+}
+
+/// Admissions as fast as one publisher sends them, until `stop`; returns how many were sent.
+fn flood(
+    connection: &lease_router::NatsConnection,
+    deployment: &str,
+    publisher_id: u64,
+    stop: &tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<u64> {
+    let mut p = RawPublisher::new(connection.client().clone(), deployment, publisher_id);
+    let stop = stop.clone();
+    tokio::spawn(async move {
+        let mut i = 0u64;
+        while !stop.is_cancelled() {
+            p.send(admitted(&format!("r{i}"), i % 4, 1)).await;
+            i += 1;
+            if i.is_multiple_of(64) {
+                tokio::task::yield_now().await;
+            }
+        }
+        p.flush().await;
+        i
+    })
 }
