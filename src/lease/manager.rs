@@ -715,22 +715,7 @@ impl RequestLeaseManager {
         booking: SchedulerBookingDescriptor,
         load: RequestLoad,
     ) -> AdmitOutcome {
-        let SchedulerBookingDescriptor {
-            request_id,
-            worker,
-            attempt_id,
-        } = booking;
-        self.single(|inner, pending| {
-            inner.admit(
-                pending,
-                &request_id,
-                worker,
-                load,
-                false,
-                |lease| lease.attempt_id == attempt_id,
-                || (LeaseKey::new(&request_id), attempt_id),
-            )
-        })
+        self.admit_booking(booking, load, false)
     }
 
     /// Admits `request_id` on `worker` in one lookup, as a wire `admitted` (which carries
@@ -809,6 +794,16 @@ impl RequestLeaseManager {
         booking: SchedulerBookingDescriptor,
         load: RequestLoad,
     ) -> AdmitOutcome {
+        self.admit_booking(booking, load, true)
+    }
+
+    /// Admits a booking that names its attempt: a duplicate is the same attempt again.
+    fn admit_booking(
+        &self,
+        booking: SchedulerBookingDescriptor,
+        load: RequestLoad,
+        provisional: bool,
+    ) -> AdmitOutcome {
         let SchedulerBookingDescriptor {
             request_id,
             worker,
@@ -820,7 +815,7 @@ impl RequestLeaseManager {
                 &request_id,
                 worker,
                 load,
-                true,
+                provisional,
                 |lease| lease.attempt_id == attempt_id,
                 || (LeaseKey::new(&request_id), attempt_id),
             )
