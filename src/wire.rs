@@ -1321,6 +1321,16 @@ mod tests {
                     leaving: false,
                 },
             ),
+            Envelope::new(
+                9,
+                8,
+                9,
+                WorkerReset {
+                    worker_id: 7,
+                    dp_rank: Some(1),
+                    leaving: true,
+                },
+            ),
         ]
     }
 
@@ -1382,6 +1392,16 @@ mod tests {
             }
             let back: Envelope = serde_json::from_value(json).unwrap();
             assert_eq!(back, envelope);
+        }
+    }
+
+    /// `Serialize` declares the map's length up front: a serializer that writes it (as
+    /// MessagePack does) must produce what `encode` does.
+    #[test]
+    fn serde_messagepack_matches_the_encoder() {
+        for envelope in samples() {
+            let via_serde = rmp_serde::to_vec(&envelope).unwrap();
+            assert_eq!(via_serde, encode(&envelope).unwrap(), "{envelope:?}");
         }
     }
 
@@ -1447,6 +1467,7 @@ mod tests {
         assert_eq!(a.load(), RequestLoad::new(512, Some(128)));
         assert_eq!(a.to_request_id().as_str(), "req-1");
         assert_eq!(envelope.event.worker_id(), 7);
+        assert_eq!(envelope.event.worker(), Some(WorkerWithDpRank::new(7, 2)));
         assert_eq!(envelope.event.dp_rank(), Some(2));
         assert_eq!(envelope.event.request_id(), Some("req-1"));
         assert_eq!(envelope.kind().as_str(), "admitted");
@@ -1463,6 +1484,7 @@ mod tests {
             dp_rank: Some(1),
             leaving: false,
         };
+        assert_eq!(one.worker(), Some(WorkerWithDpRank::new(7, 1)));
         assert!(one.covers(WorkerWithDpRank::new(7, 1)));
         assert!(!one.covers(WorkerWithDpRank::new(7, 0)));
         let reset = LeaseEvent::from(one);
@@ -1475,12 +1497,15 @@ mod tests {
         );
         for kind in EventKind::ALL {
             assert_eq!(EventKind::from_wire(kind.as_str()), Some(kind));
+            assert_eq!(kind.to_string(), kind.as_str());
         }
         for stage in ProgressStage::ALL {
             assert_eq!(ProgressStage::from_wire(stage.as_str()), Some(stage));
+            assert_eq!(stage.to_string(), stage.as_str());
         }
         for outcome in Outcome::ALL {
             assert_eq!(Outcome::from_wire(outcome.as_str()), Some(outcome));
+            assert_eq!(outcome.to_string(), outcome.as_str());
         }
     }
 
@@ -1676,6 +1701,15 @@ mod tests {
 
     #[test]
     fn malformed_fields_are_named() {
+        // A key that is not a string, a kind that is not a string: the error says what was
+        // expected.
+        let bytes = reset_with(
+            |m| m.ks("kind", "worker_reset").kv("wid", 1).uint(3).uint(4),
+            7,
+        );
+        assert_malformed(&bytes, "a string map key");
+        let bytes = reset_with(|m| m.kv("kind", 3).kv("wid", 1), 6);
+        assert_malformed(&bytes, "an event kind string");
         // Wrong type.
         let bytes = reset_with(|m| m.ks("kind", "worker_reset").ks("wid", "seven"), 6);
         assert_malformed(&bytes, "field `wid`");
@@ -1793,6 +1827,51 @@ mod tests {
             9,
         );
         assert_malformed(&bytes, "field `rid`");
+    }
+
+    /// The deepest unknown value the decoder takes as the last field is also one the
+    /// end-of-map check can measure: one level deeper is refused for its depth, never taken
+    /// for trailing bytes.
+    #[test]
+    fn nesting_limit_of_the_last_field() {
+        let nested_last = |levels: usize| {
+            let mut bytes =
+                reset_with(|m| m.ks("kind", "worker_reset").kv("wid", 7).str("deep"), 7);
+            bytes.extend(std::iter::repeat_n(0x91, levels));
+            bytes.push(0x01);
+            bytes
+        };
+        let accepted = (0..MAX_NESTING_DEPTH)
+            .filter(|&levels| decode_default(&nested_last(levels)).is_ok())
+            .count();
+        assert_eq!(accepted, MAX_NESTING_DEPTH - 1);
+        assert_malformed(&nested_last(MAX_NESTING_DEPTH - 1), "depth");
+    }
+
+    /// Containers with 16-bit and 32-bit lengths as the last field: measured whole, so the
+    /// message is not taken for one with trailing bytes.
+    #[test]
+    fn wide_containers_last_are_measured() {
+        let map16 = [0xde, 0x00, 0x03, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06];
+        let map32 = [0xdf, 0x00, 0x00, 0x00, 0x03, 1, 2, 3, 4, 5, 6];
+        let array16 = [0xdc, 0x00, 0x03, 0x01, 0x02, 0x03];
+        let array32 = [0xdd, 0x00, 0x00, 0x00, 0x03, 0x01, 0x02, 0x03];
+        let str16 = [0xda, 0x00, 0x02, b'o', b'k'];
+        for last in [&map16[..], &map32, &array16, &array32, &str16] {
+            let bytes = reset_with(
+                |m| {
+                    m.ks("kind", "worker_reset")
+                        .kv("wid", 7)
+                        .str("wide")
+                        .raw(last)
+                },
+                7,
+            );
+            assert!(decode_default(&bytes).is_ok(), "{last:x?}");
+            let mut trailing = bytes.clone();
+            trailing.push(0x00);
+            assert_malformed(&trailing, "trailing bytes");
+        }
     }
 
     #[test]
