@@ -278,6 +278,11 @@ impl Running {
     fn is_live(&self) -> bool {
         self.tracker.len() >= self.tasks_at_start
     }
+
+    /// Tasks that ended on their own since the start (0 while live).
+    fn tasks_ended(&self) -> u64 {
+        self.tasks_at_start.saturating_sub(self.tracker.len()) as u64
+    }
 }
 
 enum Slot {
@@ -685,9 +690,7 @@ impl DeploymentHost {
                         _ => None,
                     },
                     tasks_ended: match state.slots.get(name) {
-                        Some(Slot::Running(running)) => Some(
-                            running.tasks_at_start.saturating_sub(running.tracker.len()) as u64,
-                        ),
+                        Some(Slot::Running(running)) => Some(running.tasks_ended()),
                         _ => None,
                     },
                 })

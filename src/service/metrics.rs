@@ -620,7 +620,8 @@ mod tests {
         has("# TYPE lease_router_router_tasks_ended gauge");
         has("lease_router_router_tasks_ended{deployment=\"prod\"} 1");
         assert!(
-            !text.contains("deployment=\"gone\"} 100") && !text.contains("ended{deployment=\"gone\"}"),
+            !text.contains("deployment=\"gone\"} 100")
+                && !text.contains("ended{deployment=\"gone\"}"),
             "no bound or task gauge for a removed deployment"
         );
         assert!(
