@@ -242,6 +242,40 @@ fn every_alert_has_a_runbook_and_a_firing_unit_test() {
     }
 }
 
+/// deploy/README.md's table of alerts names exactly the rules, with their severities.
+#[test]
+fn readme_lists_exactly_the_alerts() {
+    let rules_text = read(RULES);
+    let mut declared = BTreeMap::new();
+    let mut name = None;
+    for line in rules_text.lines().map(str::trim) {
+        if let Some(n) = line.strip_prefix("- alert: ") {
+            name = Some(n.to_string());
+        } else if let Some(severity) = line.strip_prefix("severity: ") {
+            let name = name.take().expect("a severity follows its alert");
+            declared.insert(name, severity.to_string());
+        }
+    }
+    let readme = read("deploy/README.md");
+    let section = readme
+        .split("\n## Alerts\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("deploy/README.md has an Alerts section");
+    let documented: BTreeMap<String, String> = section
+        .lines()
+        .filter(|l| l.starts_with("| `"))
+        .map(|row| {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            (cells[1].trim_matches('`').to_string(), cells[2].to_string())
+        })
+        .collect();
+    assert_eq!(
+        documented, declared,
+        "deploy/README.md's alerts and the rules differ"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Dashboard
 // ---------------------------------------------------------------------------------------------
@@ -502,9 +536,18 @@ fn kubernetes_manifests_validate() {
         "a validator is missing (`.ci/run` installs it):\n{stderr}"
     );
     assert!(output.status.success(), "{stdout}\n{stderr}");
-    for kind in ["Deployment", "Service", "ServiceMonitor", "Secret"] {
+    for kind in [
+        "Deployment",
+        "Service",
+        "ServiceMonitor",
+        "Secret",
+        "PodDisruptionBudget",
+        "PrometheusRule",
+    ] {
         assert!(
-            stdout.contains(&format!("] {kind}/lease-router")),
+            stdout
+                .lines()
+                .any(|l| l.starts_with("ok ") && l.contains(&format!(" {kind}/lease-router"))),
             "{kind} validated:\n{stdout}"
         );
     }

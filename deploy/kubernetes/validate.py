@@ -3,7 +3,8 @@
 
 Core kinds: `kubernetes-validate` in strict mode (unknown fields are errors), against the
 oldest and the newest Kubernetes version it ships schemas for (from 1.25). The
-ServiceMonitor: the Prometheus Operator's CRD schema, as compiled into the pydantic models
+ServiceMonitor, and the alert rules of deploy/prometheus as a PrometheusRule: the
+Prometheus Operator's CRD schemas, as compiled into the pydantic models
 of `cloudcoil-models-prometheus-operator` (types, patterns, required fields), plus a
 round trip that rejects fields the schema does not know. A kind with no schema is an error,
 never skipped. Then what no schema says: non-root, read-only root filesystem, probes on
@@ -34,7 +35,20 @@ except ImportError as missing:
 OLDEST = "1.25"
 CUSTOM = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): monitoring_v1.ServiceMonitor,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): monitoring_v1.PrometheusRule,
 }
+RULES = pathlib.Path(__file__).parent.parent / "prometheus" / "lease-router.rules.yml"
+
+
+def prometheus_rule():
+    """The PrometheusRule deploy/README.md makes of the alert rules (their `groups:` under
+    `spec:`), for the Prometheus Operator."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "lease-router"},
+        "spec": yaml.safe_load(RULES.read_text()),
+    }
 
 
 def unknown_fields(given, known, path=""):
@@ -146,7 +160,13 @@ def main(argv):
             docs.append((where, doc))
             if not found:
                 print(f"ok {where}")
-    count = len(docs)
+    rule = prometheus_rule()
+    where = f"{RULES.name} as PrometheusRule/lease-router"
+    found = check(rule, where)
+    errors += found
+    if not found:
+        print(f"ok {where}")
+    count = len(docs) + 1
     if not errors:
         errors += policy(docs)
     for error in errors:
