@@ -13,10 +13,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use std::net::SocketAddr;
+
 use lease_router::service::{serve, ApiState, DeploymentHost, HostSettings};
-use lease_router::{DeploymentName, LeaseStreamConfig, SubjectPrefix};
+use lease_router::{DeploymentName, LeaseStreamConfig, NatsConnection, SubjectPrefix};
+use lease_router_testkit::NatsServer;
 use serde_json::Value;
 use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 const PROMTOOL_HINT: &str =
@@ -374,75 +378,135 @@ async fn get(client: &reqwest::Client, url: &str) -> String {
     response.text().await.expect("a body")
 }
 
-/// A durable router (so the catch-up series exist) serving one deployment, fed by three
-/// workers whose leases are live (so the per-worker and lag series exist): every metric
-/// that a dashboard query or an alert rule reads is in its `/metrics`, with the labels the
-/// query selects and groups by.
+/// Workers of the router under test, each with live leases.
+const WORKERS: u64 = 3;
+/// The router's `max_active_leases`, not the default, so the gauge is seen to report it.
+const LEASE_BOUND: usize = 5_000;
+
+/// A durable router (so the catch-up series exist) serving deployment `ops` on a socket,
+/// fed by [`WORKERS`] workers whose leases are live (so the per-worker and lag series
+/// exist).
+struct TestRouter {
+    _server: NatsServer,
+    _workers: NatsConnection,
+    host: DeploymentHost,
+    addr: SocketAddr,
+    shutdown: CancellationToken,
+    served: JoinHandle<std::io::Result<()>>,
+    client: reqwest::Client,
+}
+
+impl TestRouter {
+    /// The router, and its `/metrics` once it has taken the traffic.
+    async fn start() -> (Self, String) {
+        let server = common::js_server().await;
+        let connection = common::client(&server.url()).await;
+        let settings = HostSettings {
+            durable: Some(LeaseStreamConfig::new(
+                SubjectPrefix::default(),
+                Duration::from_secs(300),
+            )),
+            max_active_leases: LEASE_BOUND,
+            ..HostSettings::default()
+        };
+        let host = DeploymentHost::new(connection, settings);
+        host.add(&DeploymentName::new("ops").unwrap())
+            .await
+            .expect("the deployment starts");
+
+        let workers = common::client(&server.url()).await;
+        let mut publisher = common::RawPublisher::new(workers.client().clone(), "ops", 1);
+        for worker in 1..=WORKERS {
+            for request in 0..4 {
+                let id = format!("r-{worker}-{request}");
+                publisher.send(common::admitted(&id, worker, 256)).await;
+                publisher.send(common::progressed(&id, worker)).await;
+            }
+        }
+        publisher.flush().await;
+
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let served = tokio::spawn(serve(
+            listener,
+            ApiState::new(host.clone()),
+            shutdown.clone(),
+        ));
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap();
+        let router = Self {
+            _server: server,
+            _workers: workers,
+            host,
+            addr,
+            shutdown,
+            served,
+            client,
+        };
+
+        // Until every worker has its bookings, the replay is done and the lag histogram has
+        // the events (polled, bounded).
+        let deadline = tokio::time::Instant::now() + common::BOUND;
+        let text = loop {
+            let text = get(&router.client, &router.metrics_url()).await;
+            let busy_workers = text
+                .lines()
+                .filter(|l| {
+                    l.starts_with("lease_router_worker_active_bookings{") && !l.ends_with(" 0")
+                })
+                .count();
+            if busy_workers == WORKERS as usize
+                && text.contains("lease_router_catchup_done{deployment=\"ops\"} 1")
+                && !text.contains(
+                    "lease_router_publish_to_apply_lag_seconds_count{deployment=\"ops\"} 0\n",
+                )
+            {
+                break text;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the router did not take the traffic:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(
+            text.contains(&format!(
+                "lease_router_max_active_leases{{deployment=\"ops\"}} {LEASE_BOUND}\n"
+            )),
+            "{text}"
+        );
+        assert!(text.contains("lease_router_router_tasks_ended{deployment=\"ops\"} 0\n"));
+        (router, text)
+    }
+
+    fn metrics_url(&self) -> String {
+        format!("http://{}/metrics", self.addr)
+    }
+
+    /// Stops the server and every router; checks that no task is left.
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.served
+            .await
+            .unwrap()
+            .expect("the server stops cleanly");
+        tokio::time::timeout(Duration::from_secs(30), self.host.shutdown_all())
+            .await
+            .expect("shutdown_all ends")
+            .expect("clean shutdown");
+        assert_eq!(self.host.live_tasks(), 0);
+    }
+}
+
+/// Every metric that a dashboard query or an alert rule reads is in a running router's
+/// `/metrics`, with the labels the query selects and groups by.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_and_alerts_use_only_exported_metrics() {
-    const WORKERS: u64 = 3;
-    let server = common::js_server().await;
-    let connection = common::client(&server.url()).await;
-    let settings = HostSettings {
-        durable: Some(LeaseStreamConfig::new(
-            SubjectPrefix::default(),
-            Duration::from_secs(300),
-        )),
-        ..HostSettings::default()
-    };
-    let host = DeploymentHost::new(connection, settings);
-    host.add(&DeploymentName::new("ops").unwrap())
-        .await
-        .expect("the deployment starts");
-
-    let workers = common::client(&server.url()).await;
-    let mut publisher = common::RawPublisher::new(workers.client().clone(), "ops", 1);
-    for worker in 1..=WORKERS {
-        for request in 0..4 {
-            let id = format!("r-{worker}-{request}");
-            publisher.send(common::admitted(&id, worker, 256)).await;
-            publisher.send(common::progressed(&id, worker)).await;
-        }
-    }
-    publisher.flush().await;
-
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/metrics", listener.local_addr().unwrap());
-    let shutdown = CancellationToken::new();
-    let served = tokio::spawn(serve(
-        listener,
-        ApiState::new(host.clone()),
-        shutdown.clone(),
-    ));
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(10))
-        .build()
-        .unwrap();
-
-    // Until every worker has its bookings, the replay is done and the lag histogram has the
-    // events (polled, bounded).
-    let deadline = tokio::time::Instant::now() + common::BOUND;
-    let text = loop {
-        let text = get(&client, &url).await;
-        let busy_workers = text
-            .lines()
-            .filter(|l| l.starts_with("lease_router_worker_active_bookings{") && !l.ends_with(" 0"))
-            .count();
-        if busy_workers == WORKERS as usize
-            && text.contains("lease_router_catchup_done{deployment=\"ops\"} 1")
-            && !text
-                .contains("lease_router_publish_to_apply_lag_seconds_count{deployment=\"ops\"} 0\n")
-        {
-            break text;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the router did not take the traffic:\n{text}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-
+    let (router, text) = TestRouter::start().await;
     let series = scraped_series(&text);
     let mut queries: Vec<(String, String)> = dashboard_queries(&dashboard());
     queries.extend(
@@ -481,13 +545,184 @@ async fn dashboard_and_alerts_use_only_exported_metrics() {
         problems.join("\n")
     );
 
-    shutdown.cancel();
-    served.await.unwrap().expect("the server stops cleanly");
-    tokio::time::timeout(Duration::from_secs(30), host.shutdown_all())
-        .await
-        .expect("shutdown_all ends")
-        .expect("clean shutdown");
-    assert_eq!(host.live_tasks(), 0);
+    router.stop().await;
+}
+
+/// A Prometheus server of the test's own (Debian's `prometheus` package, with promtool),
+/// scraping one target every second and evaluating the alert rules every second; killed on
+/// drop.
+struct Prometheus {
+    child: std::process::Child,
+    base: String,
+    client: reqwest::Client,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Prometheus {
+    async fn start(target: SocketAddr) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let config = serde_json::json!({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [repo().join(RULES)],
+            "scrape_configs": [{
+                "job_name": "lease-router",
+                "static_configs": [{"targets": [target.to_string()]}],
+            }],
+        });
+        let config_path = dir.path().join("prometheus.yml");
+        std::fs::write(&config_path, config.to_string()).unwrap();
+        let log = std::fs::File::create(dir.path().join("prometheus.log")).unwrap();
+        let port = lease_router_testkit::pick_free_ports(1).unwrap()[0];
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config_path.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{PROMTOOL_HINT} (prometheus: {e})"));
+        let prometheus = Self {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            client: reqwest::Client::builder()
+                .no_proxy()
+                .timeout(Duration::from_secs(10))
+                .build()
+                .unwrap(),
+            _dir: dir,
+        };
+        prometheus
+            .until("Prometheus is ready", || async {
+                let ready = prometheus
+                    .client
+                    .get(format!("{}/-/ready", prometheus.base));
+                ready.send().await.is_ok_and(|r| r.status().is_success())
+            })
+            .await;
+        prometheus
+    }
+
+    /// Polls `check` until it holds, at most [`common::BOUND`]; shows Prometheus's log if not.
+    async fn until<F, Fut>(&self, what: &str, check: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        if !common::eventually(common::BOUND, check).await {
+            let log = std::fs::read_to_string(self._dir.path().join("prometheus.log"));
+            panic!(
+                "{what}: not within {:?}; log:\n{}",
+                common::BOUND,
+                log.unwrap_or_default()
+            );
+        }
+    }
+
+    async fn api(&self, path_and_query: &str) -> Value {
+        let url = format!("{}/api/v1/{path_and_query}", self.base);
+        let body = get_any(&self.client, &url).await;
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{url}: {e}: {body}"))
+    }
+
+    /// The answer of an instant query: `Ok(series)`, or `Err(Prometheus's error)`.
+    async fn query(&self, promql: &str) -> Result<Vec<Value>, String> {
+        let answer = self
+            .api(&format!("query?query={}", url_encode(promql)))
+            .await;
+        match answer["status"].as_str() {
+            Some("success") => Ok(answer["data"]["result"].as_array().unwrap().clone()),
+            _ => Err(answer.to_string()),
+        }
+    }
+}
+
+/// Percent-encodes everything but unreserved characters (RFC 3986).
+fn url_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// GET whatever the status: Prometheus answers a bad query with 400 and a JSON error.
+async fn get_any(client: &reqwest::Client, url: &str) -> String {
+    let response = client.get(url).send().await.expect("GET");
+    response.text().await.expect("a body")
+}
+
+/// A real Prometheus scraping a running router: every dashboard query answers with series
+/// (one that keeps only values above 0 may be empty: nothing of its kind happened), and every
+/// alert rule evaluates without error and is neither pending nor firing on the healthy
+/// router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_evaluates_dashboard_and_rules_against_a_running_router() {
+    let (router, _) = TestRouter::start().await;
+    let prometheus = Prometheus::start(router.addr).await;
+    let rule_count = alert_rules().len();
+    // Rates need two samples in their window; each rule is evaluated at least once.
+    prometheus
+        .until("a few scrapes and one evaluation of each rule", || async {
+            let scrapes = prometheus
+                .query("count_over_time(lease_router_nats_connected[1m]) >= 4")
+                .await;
+            let rules = prometheus.api("rules").await;
+            let evaluated = rules["data"]["groups"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|g| g["rules"].as_array().unwrap())
+                .filter(|r| r["health"] != "unknown")
+                .count();
+            scrapes.is_ok_and(|s| !s.is_empty()) && evaluated == rule_count
+        })
+        .await;
+
+    let mut problems = Vec::new();
+    for (place, query) in dashboard_queries(&dashboard()) {
+        let promql = match query.strip_prefix("label_values(") {
+            // The variable's values: the label's values among the metric's series.
+            Some(args) => {
+                let (metric, label) = args.trim_end_matches(')').split_once(',').unwrap();
+                format!("group by ({}) ({metric})", label.trim())
+            }
+            None => query
+                .replace("$__rate_interval", "5s")
+                .replace("$deployment", ".*")
+                .replace("$instance", ".*"),
+        };
+        match prometheus.query(&promql).await {
+            Ok(series) if series.is_empty() && !promql.trim_end().ends_with("> 0") => {
+                problems.push(format!("{place}: no series for {promql}"))
+            }
+            Ok(_) => {}
+            Err(error) => problems.push(format!("{place}: {error}")),
+        }
+    }
+    let rules = prometheus.api("rules").await;
+    for group in rules["data"]["groups"].as_array().unwrap() {
+        for rule in group["rules"].as_array().unwrap() {
+            if rule["health"] != "ok" || rule["state"] != "inactive" {
+                problems.push(format!("rule {}: {rule}", rule["name"]));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    drop(prometheus);
+    router.stop().await;
 }
 
 // ---------------------------------------------------------------------------------------------
