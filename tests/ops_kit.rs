@@ -1,7 +1,9 @@
 //! The operations kit in deploy/: the alert rules (promtool's checks and unit tests), the
 //! Grafana dashboard (valid PromQL, wired to its data source), the metrics both use (each
-//! exists in a running router's `/metrics`), docker-compose.yml (`docker-compose config`)
-//! and the Kubernetes manifests (deploy/kubernetes/validate.py: schemas and hardening).
+//! exists in a running router's `/metrics`; a real Prometheus scraping that router answers
+//! every dashboard query and evaluates every rule), docker-compose.yml
+//! (`docker-compose config`) and the Kubernetes manifests (deploy/kubernetes/validate.py:
+//! schemas and hardening).
 //!
 //! Each tool it runs is required: a missing one fails the test with the command that
 //! installs it (`.ci/run` installs them all), it never skips.
