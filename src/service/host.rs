@@ -229,6 +229,12 @@ pub struct DeploymentMetrics {
     pub ingress: IngressStatsSnapshot,
     /// Leases now; `None` when no router runs for this name.
     pub active_leases: Option<u64>,
+    /// The bound of `active_leases` (`HostSettings::max_active_leases`), so an alert can
+    /// compare the two; `None` when no router runs for this name.
+    pub max_active_leases: Option<u64>,
+    /// Tasks of the running router that ended on their own (it is then not ready); `None`
+    /// when no router runs for this name.
+    pub router_tasks_ended: Option<u64>,
     /// Expired leases over every router this name has had.
     pub leases_expired: u64,
     /// Durable mode only: the replay of the running router.
@@ -271,6 +277,11 @@ struct Running {
 impl Running {
     fn is_live(&self) -> bool {
         self.tracker.len() >= self.tasks_at_start
+    }
+
+    /// Tasks that ended on their own since the start (0 while live).
+    fn tasks_ended(&self) -> u64 {
+        self.tasks_at_start.saturating_sub(self.tracker.len()) as u64
     }
 }
 
@@ -659,6 +670,7 @@ impl DeploymentHost {
             expired_before: u64,
             manager: Option<crate::lease::WeakRequestLeaseManager>,
             catch_up: Option<Arc<CatchUpState>>,
+            tasks_ended: Option<u64>,
         }
         let (entries, hosted) = {
             let state = self.inner.state.lock();
@@ -677,6 +689,10 @@ impl DeploymentHost {
                         Some(Slot::Running(running)) => running.catch_up.clone(),
                         _ => None,
                     },
+                    tasks_ended: match state.slots.get(name) {
+                        Some(Slot::Running(running)) => Some(running.tasks_ended()),
+                        _ => None,
+                    },
                 })
                 .collect();
             (entries, state.slots.len())
@@ -692,6 +708,10 @@ impl DeploymentHost {
                     name: entry.name,
                     ingress: entry.stats.snapshot(),
                     active_leases: lease_stats.as_ref().map(|s| s.active),
+                    max_active_leases: lease_stats.as_ref().map(|_| {
+                        u64::try_from(self.inner.settings.max_active_leases).unwrap_or(u64::MAX)
+                    }),
+                    router_tasks_ended: entry.tasks_ended,
                     leases_expired: entry.expired_before
                         + lease_stats.as_ref().map_or(0, |s| s.expired),
                     catch_up: entry.catch_up.map(|c| CatchUpMetrics {

@@ -369,6 +369,26 @@ pub fn encode_snapshot(
         "Live request leases of each hosted deployment.",
         &active,
     )?;
+    let bound: Vec<_> = deps
+        .iter()
+        .filter_map(|d| Some(([("deployment", d.name.as_str())], d.max_active_leases?)))
+        .collect();
+    gauge_family(
+        encoder,
+        "max_active_leases",
+        "The bound of active_leases: past it new admissions are refused.",
+        &bound,
+    )?;
+    let ended: Vec<_> = deps
+        .iter()
+        .filter_map(|d| Some(([("deployment", d.name.as_str())], d.router_tasks_ended?)))
+        .collect();
+    gauge_family(
+        encoder,
+        "router_tasks_ended",
+        "Tasks of the deployment's running router that ended on their own (0 when healthy).",
+        &ended,
+    )?;
     let replay = |value: fn(&super::host::CatchUpMetrics) -> f64| {
         deps.iter()
             .filter_map(|d| {
@@ -537,6 +557,8 @@ mod tests {
                     name: "gone".into(),
                     ingress: removed.snapshot(),
                     active_leases: None,
+                    max_active_leases: None,
+                    router_tasks_ended: None,
                     catch_up: None,
                     leases_expired: 4,
                 },
@@ -544,6 +566,8 @@ mod tests {
                     name: "prod".into(),
                     ingress: live.snapshot(),
                     active_leases: Some(2),
+                    max_active_leases: Some(100),
+                    router_tasks_ended: Some(1),
                     catch_up: None,
                     leases_expired: 1,
                 },
@@ -591,6 +615,15 @@ mod tests {
         has("lease_router_events_held{deployment=\"gone\"} 0");
         has("# TYPE lease_router_active_leases gauge");
         has("lease_router_active_leases{deployment=\"prod\"} 2");
+        has("# TYPE lease_router_max_active_leases gauge");
+        has("lease_router_max_active_leases{deployment=\"prod\"} 100");
+        has("# TYPE lease_router_router_tasks_ended gauge");
+        has("lease_router_router_tasks_ended{deployment=\"prod\"} 1");
+        assert!(
+            !text.contains("deployment=\"gone\"} 100")
+                && !text.contains("ended{deployment=\"gone\"}"),
+            "no bound or task gauge for a removed deployment"
+        );
         assert!(
             !text.contains("lease_router_active_leases{deployment=\"gone\"}"),
             "no lease gauge for a removed deployment"
@@ -642,6 +675,8 @@ mod tests {
             "events_dropped",
             "events_held",
             "active_leases",
+            "max_active_leases",
+            "router_tasks_ended",
             "leases_expired",
             "sequence_gaps",
             "reorders_held",
