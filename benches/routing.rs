@@ -114,9 +114,9 @@ fn main() {
 async fn run() {
     let quick = env("ROUTING_QUICK", 0u8) != 0;
     let seed: u64 = env("ROUTING_SEED", 1);
-    let measure: f64 = env("ROUTING_SECONDS", if quick { 20.0 } else { 60.0 });
+    let measure: f64 = env("ROUTING_SECONDS", if quick { 15.0 } else { 40.0 });
     let warmup: f64 = env("ROUTING_WARMUP", if quick { 5.0 } else { 10.0 });
-    let tail: f64 = env("ROUTING_TAIL", if quick { 10.0 } else { 25.0 });
+    let tail: f64 = env("ROUTING_TAIL", if quick { 3.0 } else { 5.0 });
     let speedup: f64 = env("ROUTING_SPEEDUP", 1.0);
     let plot_path: PathBuf = env(
         "ROUTING_PLOT",
@@ -156,7 +156,7 @@ async fn run() {
     };
     let mut requests: BTreeMap<u32, Arc<Vec<Request>>> = BTreeMap::new();
     for &load in &loads {
-        let r = model::arrivals(seed, load * capacity, plan.end, MIX);
+        let r = model::arrivals(seed, load * capacity, plan.end + sim::MAX_DRAIN, MIX);
         requests.insert((load * 100.0).round() as u32, Arc::new(r));
     }
     let mut cases = Vec::new();
@@ -212,32 +212,41 @@ async fn run() {
     let cpu_before = common::cpu_time(None);
     let nats_cpu_before = common::cpu_time(server.server.pid());
     let wall = Instant::now();
-    let tasks: Vec<_> = shared
-        .iter()
-        .enumerate()
-        .map(|(i, case)| {
-            tokio::spawn(sim::run(
-                *case,
-                shared_plan,
-                arrivals(case),
-                format!("shared-{i}"),
-                Some(url.clone()),
-            ))
-        })
-        .collect();
     let mut lag = Vec::new();
     let (mut bus_sum, mut bus_n, mut bus_1ms, mut bus_5ms, mut dropped) = (0.0, 0, 0, 0, 0);
-    for (case, task) in shared.iter().zip(tasks) {
-        let m = task.await.expect("a shared case panicked");
-        let row = Row::of(&m);
-        print_row(case, &row);
-        rows.insert(key(case), row);
-        lag.extend_from_slice(&m.driver_lag);
-        bus_sum += m.bus_lag_sum;
-        bus_n += m.bus_lag_count;
-        bus_1ms += m.bus_lag_1ms;
-        bus_5ms += m.bus_lag_5ms;
-        dropped += m.bus_dropped;
+    // One load at a time: all of a load's cases at once would load the bus (and these two
+    // cores) more than one deployment's routers ever would.
+    for &load in &loads {
+        let group: Vec<(usize, Case)> = shared
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(_, c)| c.load == load)
+            .collect();
+        let tasks: Vec<_> = group
+            .iter()
+            .map(|(i, case)| {
+                tokio::spawn(sim::run(
+                    *case,
+                    shared_plan,
+                    arrivals(case),
+                    format!("shared-{i}"),
+                    Some(url.clone()),
+                ))
+            })
+            .collect();
+        for ((_, case), task) in group.iter().zip(tasks) {
+            let m = task.await.expect("a shared case panicked");
+            let row = Row::of(&m);
+            print_row(case, &row);
+            rows.insert(key(case), row);
+            lag.extend_from_slice(&m.driver_lag);
+            bus_sum += m.bus_lag_sum;
+            bus_n += m.bus_lag_count;
+            bus_1ms += m.bus_lag_1ms;
+            bus_5ms += m.bus_lag_5ms;
+            dropped += m.bus_dropped;
+        }
     }
     let wall = wall.elapsed().as_secs_f64();
     lag.sort_by(f64::total_cmp);

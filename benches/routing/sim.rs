@@ -97,6 +97,9 @@ pub struct Plan {
     pub speedup: Option<f64>,
 }
 
+/// How far past `end` the model may run for the measured requests to complete.
+pub const MAX_DRAIN: f64 = 600.0;
+
 /// What one case measured.
 #[derive(Debug, Default)]
 pub struct Measured {
@@ -370,6 +373,7 @@ pub async fn run(
     let mut next = 0usize;
     let start = Instant::now();
     let in_window = |t: f64| t >= plan.warmup && t < plan.measure_end;
+    let mut measured_left = requests.iter().filter(|r| in_window(r.arrival)).count();
     loop {
         let step = workers
             .iter()
@@ -383,10 +387,14 @@ pub async fn run(
             (_, Some((s, _))) => (s, false),
             (None, None) => break,
         };
-        if t > plan.end {
+        // Past `end` the routers' part is over: the model runs on in model time alone,
+        // arrivals placed in turn only to keep the load on, until every measured request
+        // has completed.
+        let draining = t > plan.end;
+        if (draining && measured_left == 0) || t > plan.end + MAX_DRAIN {
             break;
         }
-        if let Some(speedup) = plan.speedup {
+        if let (Some(speedup), false) = (plan.speedup, draining) {
             let due = start + Duration::from_secs_f64(t / speedup);
             let now = Instant::now();
             if due > now {
@@ -399,10 +407,15 @@ pub async fn run(
             next += 1;
             let r = &requests[index];
             let replica = index % case.replicas;
-            let w = replicas.route(case.policy, replica, index, r).await;
+            let w = if draining {
+                index % plan.workers
+            } else {
+                let w = replicas.route(case.policy, replica, index, r).await;
+                // The worker accepts it into its queue at once and says so.
+                replicas.feed.admitted(index, r, w, replica);
+                w
+            };
             placed[index] = (w, replica);
-            // The worker accepts it into its queue at once and says so.
-            replicas.feed.admitted(index, r, w, replica);
             workers[w].arrive(t, index, *r);
         } else {
             let w = step.expect("a step").1;
@@ -415,11 +428,14 @@ pub async fn run(
                     }
                     Happened::Completed(i) => {
                         completed[i] = t;
+                        measured_left -= usize::from(in_window(requests[i].arrival));
                         i
                     }
                     Happened::Progress(i, _) => i,
                 };
-                replicas.feed.happened(h, w, placed[index].1);
+                if !draining {
+                    replicas.feed.happened(h, w, placed[index].1);
+                }
             }
         }
     }
@@ -436,7 +452,7 @@ pub async fn run(
         if completed[i].is_nan() {
             measured.unfinished += 1;
         }
-        let or_end = |t: f64| if t.is_nan() { plan.end } else { t };
+        let or_end = |t: f64| if t.is_nan() { plan.end + MAX_DRAIN } else { t };
         measured.ttft.push(or_end(first_token[i]) - r.arrival);
         measured.latency.push(or_end(completed[i]) - r.arrival);
     }
