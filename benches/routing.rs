@@ -1,8 +1,74 @@
 //! What the bus is worth: R router replicas route one model deployment, sharing leases over
-//! the bus or not (`cargo bench --bench routing`).
+//! the bus or not (`cargo bench --bench routing`; BENCHMARKS.md has the figures).
 //!
-//! MODEL-DOCS
-
+//! # Settings, on the same arrivals
+//! - **shared**: the model's workers publish real lease events with [`LeasePublisher`]s (one
+//!   per worker: `admitted` with prompt and cached tokens when a request reaches the worker,
+//!   `progressed` at the first token and every 32 output tokens, `completed`) on a private
+//!   nats-server; each replica is a real `Router` fed by a real `NatsIngress`, and decides
+//!   with the route API, its own decisions booked at once (provisional bookings). The bus's
+//!   delay is in the result: this setting runs in real time (model second = wall second).
+//! - **isolated**: each replica learns only about the requests it routed (admission,
+//!   progress, completion, at once, as a proxy in their response path would), nothing of the
+//!   others': a `Router` with `NoIngress` fed through its manager.
+//! - **single**: one replica routes every request and learns every event at once: the bound.
+//!
+//! Without a bus a result does not depend on wall time, so isolated and single run as fast as
+//! they compute. Arrival i goes to replica i mod R (a front balancer taking turns).
+//!
+//! # Policies
+//! round robin, random, weighted cost (prefill 1, KV 0.25: the crate's default) and power of
+//! two on it, through `SchedulerHandle::route`; least bookings (fewest bookings, then fewest
+//! tokens) through `SchedulerHandle::schedule`. The routers are not told output lengths.
+//!
+//! # The deployment model (`routing/model.rs`)
+//! 8 workers, each an engine serving an 8B-class model (Llama-3.1-8B, bf16) on one
+//! A100-80GB-class GPU, stepped like vLLM or SGLang with chunked prefill: each step gives one
+//! token to every decoding sequence and the rest of a 2,048-token budget to prefill chunks,
+//! first come first served; a queued request joins the batch while fewer than 256 sequences
+//! run (vLLM's default `max_num_seqs`) and its prompt fits in 400,000 KV tokens. A step
+//! takes 8 ms (the 16 GB of weights read once at ~2 TB/s) + prefill tokens / 10,000 per s
+//! (~16 GFLOP per token at ~160 TFLOP/s, half the A100's dense bf16 peak) + KV tokens held /
+//! 15,000,000 per s (128 KiB of KV per token, 32 layers x 8 KV heads x 128 x 2 x 2 bytes, read
+//! at ~2 TB/s). 400,000 KV tokens is what ~52 GB left after weights holds at 128 KiB. Time to
+//! first token = end of the step that finishes the prefill - arrival.
+//!
+//! Requests: prompt and output lengths lognormal around the medians of the conversation
+//! service of the Azure LLM inference trace 2023 (Splitwise, Patel et al., ISCA 2024: median
+//! prompt 1,020 tokens, median output 129), sigma 1 (assumed: a long tail, p99 about 10x
+//! the median), capped at 16,384 and 2,048. ShareGPT (vLLM paper: mean prompt 161, output
+//! 338 tokens) and LMSYS-Chat-1M (mean 69.5 / 214.5) have far shorter prompts, for which
+//! prefill, and so routing, matters less; the conversation trace is the harder case. Half the
+//! requests start with a prefix every worker has cached (a shared system prompt, earlier
+//! turns), 50-90% of their prompt: an assumption, of the order of the prefix reuse SGLang's
+//! RadixAttention and Mooncake papers report for chat.
+//!
+//! Capacity is measured, not assumed: one worker kept saturated with this mix completes
+//! `capacity / 8` requests a second (printed). Arrivals are Poisson at 50%, 80% and 95% of
+//! it; the same seed gives the same requests in the same order at every load (only the gaps
+//! scale), and the same arrivals to every setting and policy.
+//!
+//! # The run
+//! Warm-up 10 s, then requests arriving over 40 s are measured; the routers go on deciding
+//! 5 s more, then the model runs on alone (arrivals placed in turn, no routing) until every
+//! measured request has completed, so the request latency covers every measured request.
+//! The shared cases of one load run at once on one nats-server (each its own deployment),
+//! the three loads one after another: about 3 minutes. The bench prints the bus's
+//! publish-to-apply lag and how late the driver ran, since both add to the delay the shared
+//! replicas see.
+//!
+//! Output: one `routing setting=... replicas=... load=... policy=...` line per case (p50/p99
+//! TTFT and request latency in ms; prefill utilisation of the least and most busy worker in
+//! the measured window), the best policy per setting at 4 replicas and 80% load,
+//! `routing_ttft_p99_bus_vs_isolated=` and `routing_ttft_p99_bus_vs_single=` there (each
+//! setting with its own best policy), and the plot `benches/results/routing_ttft_p99.svg`.
+//!
+//! Environment: `ROUTING_SEED` (1), `ROUTING_SECONDS` (measured, 40), `ROUTING_WARMUP` (10),
+//! `ROUTING_TAIL` (5), `ROUTING_SPEEDUP` (model seconds per wall second for the shared
+//! setting, 1), `ROUTING_PLOT` (the SVG's path), `ROUTING_QUICK=1` (80% load, 4 replicas,
+//! round robin and weighted cost, 15 s: about 25 s).
+//!
+//! [`LeasePublisher`]: lease_router::LeasePublisher
 mod common;
 #[path = "routing/model.rs"]
 mod model;

@@ -28,6 +28,9 @@ pub fn p99_ttft(path: &Path, title: &str, lines: &[Line]) -> Result<(), Box<dyn 
         .x_desc("offered load, % of the deployment's capacity")
         .y_desc("p99 time to first token, ms (log)")
         .x_labels(12)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .light_line_style(WHITE)
         .draw()?;
     let colours = [RED, BLUE, BLACK, GREEN, MAGENTA, CYAN];
     for (line, colour) in lines.iter().zip(colours) {
