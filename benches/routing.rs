@@ -209,7 +209,11 @@ async fn run() {
          tail_s={tail} speedup={speedup} engine={ENGINE:?} mix={MIX:?}"
     );
 
-    let loads: Vec<f64> = if quick { vec![PIN_LOAD] } else { LOADS.to_vec() };
+    let loads: Vec<f64> = if quick {
+        vec![PIN_LOAD]
+    } else {
+        LOADS.to_vec()
+    };
     let replicas: Vec<usize> = if quick {
         vec![PIN_REPLICAS]
     } else {
@@ -251,7 +255,11 @@ async fn run() {
     // Without a bus, a result does not depend on wall time: those run as fast as they
     // compute, one after another, before the real-time ones.
     let mut rows: BTreeMap<Key, Row> = BTreeMap::new();
-    for (i, case) in cases.iter().filter(|c| c.setting != Setting::Shared).enumerate() {
+    for (i, case) in cases
+        .iter()
+        .filter(|c| c.setting != Setting::Shared)
+        .enumerate()
+    {
         let m = sim::run(*case, plan, arrivals(case), format!("direct-{i}"), None).await;
         let row = Row::of(&m);
         print_row(case, &row);
@@ -337,7 +345,12 @@ async fn run() {
 }
 
 /// The best policy of a setting: the lowest p99 TTFT at the pinned point.
-fn best(rows: &BTreeMap<Key, Row>, setting: Setting, replicas: usize, policies: &[Policy]) -> Policy {
+fn best(
+    rows: &BTreeMap<Key, Row>,
+    setting: Setting,
+    replicas: usize,
+    policies: &[Policy],
+) -> Policy {
     let pin = (PIN_LOAD * 100.0).round() as u32;
     *policies
         .iter()
@@ -387,7 +400,10 @@ fn report(rows: &BTreeMap<Key, Row>, loads: &[f64], policies: &[Policy], plot_pa
             .iter()
             .map(|&l| {
                 let load = (l * 100.0).round() as u32;
-                (f64::from(load), rows[&(setting, replicas, load, policy)].ttft_p99)
+                (
+                    f64::from(load),
+                    rows[&(setting, replicas, load, policy)].ttft_p99,
+                )
             })
             .collect(),
     };
@@ -399,9 +415,8 @@ fn report(rows: &BTreeMap<Key, Row>, loads: &[f64], policies: &[Policy], plot_pa
     if let Some(dir) = plot_path.parent() {
         std::fs::create_dir_all(dir).expect("creates the plot's directory");
     }
-    let title = format!(
-        "{WORKERS} workers: p99 TTFT against load, best policy of each setting at {pin}%"
-    );
+    let title =
+        format!("{WORKERS} workers: p99 TTFT against load, best policy of each setting at {pin}%");
     match plot::p99_ttft(plot_path, &title, &lines) {
         Ok(()) => println!("routing_plot={}", plot_path.display()),
         Err(e) => println!("routing_plot_error={e}"),

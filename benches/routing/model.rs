@@ -98,8 +98,18 @@ pub fn sizes(seed: u64, n: usize, mix: Mix) -> Vec<(u32, u32, u32)> {
     let mut rng = Rng::new(seed);
     (0..n)
         .map(|_| {
-            let prompt = lognormal(&mut rng, mix.prompt_median, mix.prompt_sigma, mix.prompt_max);
-            let output = lognormal(&mut rng, mix.output_median, mix.output_sigma, mix.output_max);
+            let prompt = lognormal(
+                &mut rng,
+                mix.prompt_median,
+                mix.prompt_sigma,
+                mix.prompt_max,
+            );
+            let output = lognormal(
+                &mut rng,
+                mix.output_median,
+                mix.output_sigma,
+                mix.output_max,
+            );
             let cached = if uniform(&mut rng) < mix.cached_share {
                 let (lo, hi) = mix.cached_fraction;
                 (f64::from(prompt) * (lo + (hi - lo) * uniform(&mut rng))) as u32

@@ -11,7 +11,11 @@ pub struct Line {
 }
 
 /// Writes an SVG of `lines` to `path` (log scale: the settings differ by multiples).
-pub fn p99_ttft(path: &Path, title: &str, lines: &[Line]) -> Result<(), Box<dyn std::error::Error>> {
+pub fn p99_ttft(
+    path: &Path,
+    title: &str,
+    lines: &[Line],
+) -> Result<(), Box<dyn std::error::Error>> {
     let ys = lines.iter().flat_map(|l| l.points.iter().map(|p| p.1));
     let (lo, hi) = ys.fold((f64::MAX, 0f64), |(lo, hi), y| (lo.min(y), hi.max(y)));
     let (lo, hi) = ((lo * 0.7).max(1.0), (hi * 1.4).max(10.0));

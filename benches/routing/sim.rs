@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use lease_router::wire::{Admitted, Completed, Outcome, ProgressStage, Progressed};
 use lease_router::{
-    ApplyConfig, IngressStats, LeasePublisher, NatsIngress, NoIngress, PublisherConfig,
-    RequestId, RequestLeaseManager, RequestLoad, RouteRequest, RoutePolicy, Router,
-    RouterConfig, WorkerWithDpRank,
+    ApplyConfig, IngressStats, LeasePublisher, NatsIngress, NoIngress, PublisherConfig, RequestId,
+    RequestLeaseManager, RequestLoad, RoutePolicy, RouteRequest, Router, RouterConfig,
+    WorkerWithDpRank,
 };
 use tokio::time::Instant;
 
@@ -363,7 +363,9 @@ pub async fn run(
     let replicas = Replicas::start(&case, &plan, &deployment, nats_url.as_deref()).await;
     replicas.wait_members(plan.workers).await;
 
-    let mut workers: Vec<Worker> = (0..plan.workers).map(|_| Worker::new(plan.engine)).collect();
+    let mut workers: Vec<Worker> = (0..plan.workers)
+        .map(|_| Worker::new(plan.engine))
+        .collect();
     let n = requests.len();
     let mut placed = vec![(0usize, 0usize); n];
     let mut first_token = vec![f64::NAN; n];
