@@ -78,7 +78,7 @@ mod plot;
 mod sim;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -361,7 +361,7 @@ fn best(
         .expect("a policy")
 }
 
-fn report(rows: &BTreeMap<Key, Row>, loads: &[f64], policies: &[Policy], plot_path: &PathBuf) {
+fn report(rows: &BTreeMap<Key, Row>, loads: &[f64], policies: &[Policy], plot_path: &Path) {
     let pin = (PIN_LOAD * 100.0).round() as u32;
     let shared = best(rows, Setting::Shared, PIN_REPLICAS, policies);
     let isolated = best(rows, Setting::Isolated, PIN_REPLICAS, policies);
