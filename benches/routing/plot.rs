@@ -10,15 +10,14 @@ pub struct Line {
     pub points: Vec<(f64, f64)>,
 }
 
-/// Writes an SVG of `lines` to `path` (log scale: the settings differ by multiples).
+/// Writes an SVG of `lines` to `path`.
 pub fn p99_ttft(
     path: &Path,
     title: &str,
     lines: &[Line],
 ) -> Result<(), Box<dyn std::error::Error>> {
     let ys = lines.iter().flat_map(|l| l.points.iter().map(|p| p.1));
-    let (lo, hi) = ys.fold((f64::MAX, 0f64), |(lo, hi), y| (lo.min(y), hi.max(y)));
-    let (lo, hi) = ((lo * 0.7).max(1.0), (hi * 1.4).max(10.0));
+    let hi = ys.fold(0f64, f64::max) * 1.15;
     let root = SVGBackend::new(path, (820, 520)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
@@ -26,11 +25,11 @@ pub fn p99_ttft(
         .margin(16)
         .x_label_area_size(44)
         .y_label_area_size(70)
-        .build_cartesian_2d(45f64..100f64, (lo..hi).log_scale())?;
+        .build_cartesian_2d(45f64..100f64, 0f64..hi.max(10.0))?;
     chart
         .configure_mesh()
         .x_desc("offered load, % of the deployment's capacity")
-        .y_desc("p99 time to first token, ms (log)")
+        .y_desc("p99 time to first token, ms")
         .x_labels(12)
         .x_label_formatter(&|x| format!("{x:.0}"))
         .y_label_formatter(&|y| format!("{y:.0}"))
