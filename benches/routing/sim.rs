@@ -199,6 +199,8 @@ impl Feed {
 /// The routers of one case and what feeds them.
 struct Replicas {
     routers: Vec<Router>,
+    /// Kept for the case's length (each with its connection monitor), like a process's.
+    connections: Vec<lease_router::NatsConnection>,
     stats: Vec<Arc<IngressStats>>,
     feed: Feed,
 }
@@ -221,6 +223,7 @@ impl Replicas {
                 let subjects = crate::common::subjects(deployment);
                 let mut routers = Vec::new();
                 let mut stats = Vec::new();
+                let mut connections = Vec::new();
                 for _ in 0..case.replicas {
                     let connection = crate::common::nats(url, None).await;
                     let s = Arc::new(IngressStats::new());
@@ -235,6 +238,7 @@ impl Replicas {
                         .expect("router starts");
                     routers.push(router);
                     stats.push(s);
+                    connections.push(connection);
                 }
                 // The workers share one connection, each with its own publisher (id and
                 // sequence), as worker processes on one host would.
@@ -255,8 +259,10 @@ impl Replicas {
                         .expect("queued");
                     publisher.flush().await.expect("flushed");
                 }
+                connections.push(connection);
                 Self {
                     routers,
+                    connections,
                     stats,
                     feed: Feed::Bus(publishers),
                 }
@@ -275,6 +281,7 @@ impl Replicas {
                 let managers = routers.iter().map(|r| r.manager().clone()).collect();
                 Self {
                     routers,
+                    connections: Vec::new(),
                     stats: Vec::new(),
                     feed: Feed::Direct(managers),
                 }
@@ -319,6 +326,7 @@ impl Replicas {
     async fn shutdown(self, measured: &mut Measured) {
         let Replicas {
             routers,
+            connections,
             stats,
             feed,
         } = self;
@@ -349,6 +357,7 @@ impl Replicas {
         for router in routers {
             router.shutdown().await.expect("router shuts down cleanly");
         }
+        drop(connections);
     }
 }
 
