@@ -1,0 +1,325 @@
+//! The deployment model: the requests (sizes and Poisson arrivals) and the engine of one
+//! worker, stepped like a continuous-batching server with chunked prefill. Pure and
+//! deterministic: the same seed gives the same requests, the same decisions give the same
+//! times. The parameters and their sources are in the bench's module docs.
+
+use std::collections::VecDeque;
+
+use crate::common::Rng;
+
+/// The engine of one worker (see the bench's module docs for where each figure comes from).
+#[derive(Clone, Copy, Debug)]
+pub struct Engine {
+    /// Prompt tokens prefilled per second of step time (compute-bound).
+    pub prefill_rate: f64,
+    /// Time of a step that reads the weights once (every step pays it).
+    pub step_base: f64,
+    /// KV tokens read per second of step time (every step reads the KV of every running
+    /// sequence: decode is memory-bound).
+    pub kv_read_rate: f64,
+    /// KV tokens the cache holds; a request is let into the batch only while its prompt fits.
+    pub kv_capacity: u64,
+    /// Sequences in the batch at most (prefilling or decoding).
+    pub max_running: usize,
+    /// Tokens one step works on: one per decoding sequence, the rest goes to prefill chunks.
+    pub chunk_tokens: u32,
+}
+
+pub const ENGINE: Engine = Engine {
+    prefill_rate: 10_000.0,
+    step_base: 0.008,
+    kv_read_rate: 15_000_000.0,
+    kv_capacity: 400_000,
+    max_running: 256,
+    chunk_tokens: 2048,
+};
+
+/// A `progressed` event every this many output tokens (and one at the first token).
+pub const PROGRESS_EVERY: u32 = 32;
+
+/// The request mix (see the bench's module docs).
+#[derive(Clone, Copy, Debug)]
+pub struct Mix {
+    pub prompt_median: f64,
+    pub prompt_sigma: f64,
+    pub prompt_max: u32,
+    pub output_median: f64,
+    pub output_sigma: f64,
+    pub output_max: u32,
+    /// Share of requests whose prompt starts with a prefix every worker has cached.
+    pub cached_share: f64,
+    /// That prefix's share of the prompt: uniform in this range.
+    pub cached_fraction: (f64, f64),
+}
+
+pub const MIX: Mix = Mix {
+    prompt_median: 1020.0,
+    prompt_sigma: 1.0,
+    prompt_max: 16_384,
+    output_median: 129.0,
+    output_sigma: 1.0,
+    output_max: 2048,
+    cached_share: 0.5,
+    cached_fraction: (0.5, 0.9),
+};
+
+#[derive(Clone, Copy, Debug)]
+pub struct Request {
+    /// Model seconds since the start.
+    pub arrival: f64,
+    pub prompt: u32,
+    /// Prompt tokens every worker already holds (no prefill needed).
+    pub cached: u32,
+    pub output: u32,
+}
+
+impl Request {
+    pub fn uncached(&self) -> u32 {
+        self.prompt - self.cached
+    }
+}
+
+fn uniform(rng: &mut Rng) -> f64 {
+    (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+fn normal(rng: &mut Rng) -> f64 {
+    // Box-Muller; 1 - u keeps the logarithm finite.
+    let (u, v) = (1.0 - uniform(rng), uniform(rng));
+    (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+}
+
+fn lognormal(rng: &mut Rng, median: f64, sigma: f64, max: u32) -> u32 {
+    ((median * (sigma * normal(rng)).exp()).round() as u32).clamp(1, max)
+}
+
+/// The sizes of `n` requests, the same for every load: only the gaps between them scale.
+pub fn sizes(seed: u64, n: usize, mix: Mix) -> Vec<(u32, u32, u32)> {
+    let mut rng = Rng::new(seed);
+    (0..n)
+        .map(|_| {
+            let prompt = lognormal(
+                &mut rng,
+                mix.prompt_median,
+                mix.prompt_sigma,
+                mix.prompt_max,
+            );
+            let output = lognormal(
+                &mut rng,
+                mix.output_median,
+                mix.output_sigma,
+                mix.output_max,
+            );
+            let cached = if uniform(&mut rng) < mix.cached_share {
+                let (lo, hi) = mix.cached_fraction;
+                (f64::from(prompt) * (lo + (hi - lo) * uniform(&mut rng))) as u32
+            } else {
+                0
+            };
+            (prompt, cached.min(prompt - 1), output)
+        })
+        .collect()
+}
+
+/// Requests arriving as a Poisson stream of `rate` per second until `until`.
+pub fn arrivals(seed: u64, rate: f64, until: f64, mix: Mix) -> Vec<Request> {
+    // Enough sizes for the stream with a wide margin; the gaps draw from their own stream.
+    let sizes = sizes(seed, (rate * until * 1.5) as usize + 1000, mix);
+    let mut gaps = Rng::new(seed ^ 0xA5A5_5A5A);
+    let mut t = 0.0;
+    let mut out = Vec::new();
+    for (prompt, cached, output) in sizes {
+        t += -(1.0 - uniform(&mut gaps)).ln() / rate;
+        if t >= until {
+            break;
+        }
+        out.push(Request {
+            arrival: t,
+            prompt,
+            cached,
+            output,
+        });
+    }
+    out
+}
+
+/// What a worker tells the world at the end of a step: the lease events it publishes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Happened {
+    /// The first token of request `index` (prefill done).
+    FirstToken(usize),
+    /// `output` tokens of `index` so far (every [`PROGRESS_EVERY`]).
+    Progress(usize, u32),
+    /// `index` ended.
+    Completed(usize),
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Running {
+    index: usize,
+    prompt: u32,
+    output: u32,
+    prefill_left: u32,
+    produced: u32,
+    /// Tokens of prefill this step works on (0: none).
+    chunk: u32,
+    /// Decodes one token this step.
+    decoding: bool,
+}
+
+/// One worker's engine: a FIFO queue, a running batch, and the step in progress.
+#[derive(Debug)]
+pub struct Worker {
+    engine: Engine,
+    queue: VecDeque<(usize, Request)>,
+    running: Vec<Running>,
+    /// Prompt plus output so far of every running sequence.
+    kv_held: u64,
+    /// When the step in progress ends; `None` when idle.
+    pub step_end: Option<f64>,
+    /// Prefill seconds of the step in progress.
+    step_prefill: f64,
+    /// Prefill (compute) seconds of the steps that ended inside the measured window.
+    pub prefill_busy: f64,
+}
+
+impl Worker {
+    pub fn new(engine: Engine) -> Self {
+        Self {
+            engine,
+            queue: VecDeque::new(),
+            running: Vec::new(),
+            kv_held: 0,
+            step_end: None,
+            step_prefill: 0.0,
+            prefill_busy: 0.0,
+        }
+    }
+
+    /// Request `index` reaches this worker at `now`: it queues, and an idle engine starts.
+    pub fn arrive(&mut self, now: f64, index: usize, request: Request) {
+        self.queue.push_back((index, request));
+        if self.step_end.is_none() {
+            self.start_step(now);
+        }
+    }
+
+    /// Lets queued requests into the batch (FIFO, while a slot and KV for the prompt are
+    /// free) and plans the next step from `now`: one token for every decoding sequence, the
+    /// rest of the step's budget to prefill chunks in arrival order.
+    fn start_step(&mut self, now: f64) {
+        let e = self.engine;
+        while let Some(&(index, r)) = self.queue.front() {
+            if self.running.len() >= e.max_running
+                || self.kv_held + u64::from(r.prompt) > e.kv_capacity
+            {
+                break;
+            }
+            self.queue.pop_front();
+            self.kv_held += u64::from(r.prompt);
+            self.running.push(Running {
+                index,
+                prompt: r.prompt,
+                output: r.output,
+                prefill_left: r.uncached(),
+                produced: 0,
+                chunk: 0,
+                decoding: false,
+            });
+        }
+        let mut decoders = 0u32;
+        for s in &mut self.running {
+            s.decoding = s.prefill_left == 0;
+            s.chunk = 0;
+            decoders += u32::from(s.decoding);
+        }
+        let mut budget = e.chunk_tokens.saturating_sub(decoders);
+        let mut prefill = 0u32;
+        for s in self.running.iter_mut().filter(|s| s.prefill_left > 0) {
+            if budget == 0 {
+                break;
+            }
+            s.chunk = s.prefill_left.min(budget);
+            budget -= s.chunk;
+            prefill += s.chunk;
+        }
+        if decoders == 0 && prefill == 0 {
+            self.step_end = None;
+            return;
+        }
+        self.step_prefill = f64::from(prefill) / e.prefill_rate;
+        let time = e.step_base + self.step_prefill + self.kv_held as f64 / e.kv_read_rate;
+        self.step_end = Some(now + time);
+    }
+
+    /// Ends the step in progress (at its end time) and starts the next; `measure` says
+    /// whether its prefill counts towards utilisation. Pushes what happened to `out`.
+    pub fn end_step(&mut self, measure: bool, out: &mut Vec<Happened>) {
+        let Some(now) = self.step_end.take() else {
+            return;
+        };
+        if measure {
+            self.prefill_busy += self.step_prefill;
+        }
+        let mut kv = self.kv_held;
+        self.running.retain_mut(|s| {
+            if s.decoding {
+                s.produced += 1;
+                kv += 1;
+                if s.produced % PROGRESS_EVERY == 0 && s.produced < s.output {
+                    out.push(Happened::Progress(s.index, s.produced));
+                }
+            } else if s.chunk > 0 {
+                s.prefill_left -= s.chunk;
+                if s.prefill_left == 0 {
+                    s.produced = 1;
+                    kv += 1;
+                    out.push(Happened::FirstToken(s.index));
+                }
+            }
+            if s.produced >= s.output {
+                out.push(Happened::Completed(s.index));
+                kv -= u64::from(s.prompt + s.produced);
+                return false;
+            }
+            true
+        });
+        self.kv_held = kv;
+        self.start_step(now);
+    }
+}
+
+/// Completed requests per second of one worker kept saturated (an endless queue of the
+/// mix's requests): what "100% load" means for one worker.
+pub fn saturated_throughput(engine: Engine, seed: u64, mix: Mix) -> f64 {
+    const N: usize = 6000;
+    let mut worker = Worker::new(engine);
+    for (i, (prompt, cached, output)) in sizes(seed ^ 0x5A7, N, mix).into_iter().enumerate() {
+        let r = Request {
+            arrival: 0.0,
+            prompt,
+            cached,
+            output,
+        };
+        worker.arrive(0.0, i, r);
+    }
+    // The rate between the 1,000th and the 5,000th completion: past the start, before the
+    // queue runs dry.
+    let mut out = Vec::new();
+    let (mut done, mut from) = (0usize, 0.0);
+    while let Some(end) = worker.step_end {
+        worker.end_step(false, &mut out);
+        for h in out.drain(..) {
+            if let Happened::Completed(_) = h {
+                done += 1;
+                if done == 1000 {
+                    from = end;
+                }
+                if done == 5000 {
+                    return 4000.0 / (end - from);
+                }
+            }
+        }
+    }
+    unreachable!("the queue holds {N} requests")
+}
