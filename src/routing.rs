@@ -124,6 +124,10 @@ pub struct RoutingConfig {
     /// How long a member with no live booking may say nothing before it is forgotten;
     /// `None`: one lease lifetime (twice the lease scan interval).
     pub worker_idle: Option<Duration>,
+    /// Seeds the draws of [`RoutePolicy::Random`] and [`RoutePolicy::PowerOfTwo`], so that a
+    /// simulation or a test makes the same choices from the same state each run; `None`:
+    /// seeded from the OS. Changing it restarts the draws from the new seed.
+    pub seed: Option<u64>,
 }
 
 /// What a route decision is asked to place.

@@ -28,6 +28,8 @@ use std::time::{Duration, Instant};
 
 use hashbrown::HashMap;
 use parking_lot::Mutex;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -513,6 +515,8 @@ struct SchedulerState {
     members: Vec<WorkerWithDpRank>,
     members_dirty: bool,
     round_robin: usize,
+    /// The draws of the random policies (see [`RoutingConfig::seed`]).
+    rng: SmallRng,
 
     inbox: Arc<Inbox>,
     /// The actor's side of the inbox, swapped with it at each drain.
@@ -529,6 +533,15 @@ impl SchedulerState {
             member: false,
             last_seen: now,
         })
+    }
+
+    /// A new seed restarts the draws; the same one (a PUT that changes only the policy)
+    /// leaves them where they are.
+    fn set_routing(&mut self, routing: RoutingConfig) {
+        if let Some(seed) = routing.seed.filter(|&seed| Some(seed) != self.routing.seed) {
+            self.rng = SmallRng::seed_from_u64(seed);
+        }
+        self.routing = routing;
     }
 
     /// `worker` spoke: a member, seen now.
@@ -716,8 +729,8 @@ impl SchedulerState {
         };
         let mut candidates = match self.routing.policy {
             RoutePolicy::PowerOfTwo if n > 1 => {
-                let first = rand::random_range(0..n);
-                let second = (first + rand::random_range(1..n)) % n;
+                let first = self.rng.random_range(0..n);
+                let second = (first + self.rng.random_range(1..n)) % n;
                 vec![pick(self, first), pick(self, second)]
             }
             RoutePolicy::RoundRobin => {
@@ -725,7 +738,10 @@ impl SchedulerState {
                 self.round_robin = self.round_robin.wrapping_add(1);
                 vec![pick(self, i)]
             }
-            _ => vec![pick(self, rand::random_range(0..n))],
+            _ => {
+                let i = self.rng.random_range(0..n);
+                vec![pick(self, i)]
+            }
         };
         candidates.sort_unstable_by(routing::cheaper);
         Some((candidates[0].worker, candidates))
@@ -844,6 +860,7 @@ impl Scheduler {
             members: Vec::new(),
             members_dirty: false,
             round_robin: 0,
+            rng: SmallRng::from_os_rng(),
             inbox: inbox.clone(),
             batch: Vec::new(),
             observer: None,
@@ -869,7 +886,7 @@ impl Scheduler {
 
     /// The policy and weights of [`SchedulerHandle::route`].
     pub fn with_routing(mut self, routing: RoutingConfig) -> Self {
-        self.state.routing = routing;
+        self.state.set_routing(routing);
         self
     }
 
@@ -927,10 +944,10 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
                 let _ = reply.send(state.route(request));
             }
             Command::SetRouting(routing, reply) => {
-                state.routing = RoutingConfig {
+                state.set_routing(RoutingConfig {
                     worker_idle: state.routing.worker_idle,
                     ..routing
-                };
+                });
                 let _ = reply.send(());
             }
             Command::Routing(reply) => {
@@ -1403,6 +1420,51 @@ mod tests {
                 "a worker that left is never chosen"
             );
             assert_eq!(decision.policy, RoutePolicy::Random);
+        }
+    }
+
+    /// The same seed and the same state make the same draws; a different seed, and setting
+    /// the seed again mid-run, restart them.
+    #[tokio::test]
+    async fn a_seed_makes_the_random_policies_repeatable() {
+        let members: Vec<_> = (1..=16).map(worker).collect();
+        let draws = |policy, seed: Option<u64>, reseed_after: Option<usize>| {
+            let members = members.clone();
+            async move {
+                let handle = routed(policy, &members).await;
+                let set = |seed| RoutingConfig {
+                    policy,
+                    seed,
+                    ..RoutingConfig::default()
+                };
+                handle.set_routing(set(seed)).await.unwrap();
+                let mut picks = Vec::new();
+                for i in 0..40 {
+                    if reseed_after == Some(i) {
+                        // The same seed again: no restart.
+                        handle.set_routing(set(seed)).await.unwrap();
+                        handle.set_routing(set(seed.map(|s| s + 1))).await.unwrap();
+                        handle.set_routing(set(seed)).await.unwrap();
+                    }
+                    let decision = handle.route(request(&format!("r{i}"), 1)).await.unwrap();
+                    // The workers drawn, not the one chosen: the choice also depends on the
+                    // loads, which the bookings change.
+                    let mut drawn: Vec<_> = decision.candidates.iter().map(|c| c.worker).collect();
+                    drawn.sort_unstable();
+                    picks.push(drawn);
+                }
+                picks
+            }
+        };
+        for policy in [RoutePolicy::Random, RoutePolicy::PowerOfTwo] {
+            let a = draws(policy, Some(7), None).await;
+            assert_eq!(a, draws(policy, Some(7), None).await, "{policy:?}");
+            assert_ne!(a, draws(policy, Some(8), None).await, "{policy:?}");
+            assert_ne!(a, draws(policy, None, None).await, "{policy:?}");
+            // Reseeded with 7 after 20 draws: the first 20 picks come again.
+            let restarted = draws(policy, Some(7), Some(20)).await;
+            assert_eq!(restarted[..20], a[..20], "{policy:?}");
+            assert_eq!(restarted[20..], a[..20], "{policy:?}");
         }
     }
 
