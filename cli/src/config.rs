@@ -1569,7 +1569,8 @@ mod tests {
         assert!(
             m.starts_with("unknown setting \"listen\" in config file ")
                 && m.ends_with(
-                    "the accepted keys are nats_url, deployments, http_addr, subject_prefix, \
+                    "the accepted keys are nats_url, deployments, http_addr, http_token, \
+                     http_token_file, http_protect_reads, subject_prefix, \
                      lease_scan_interval, log_format, connect_deadline, max_event_bytes, \
                      max_active_leases, max_tombstones, max_held_progress, max_publishers, \
                      subscription_capacity, durable, stream_replicas, route_policy, \
@@ -1903,13 +1904,126 @@ mod tests {
     fn secret_env_values_are_hidden_from_help() {
         use clap::CommandFactory;
         let cmd = Cli::command();
-        for id in ["nats_password", "nats_token"] {
+        for id in ["nats_password", "nats_token", "http_token"] {
             let arg = cmd
                 .get_arguments()
                 .find(|a| a.get_id().as_str() == id)
                 .unwrap();
             assert!(arg.is_hide_env_values_set(), "{id}");
         }
+    }
+
+    #[test]
+    fn http_token_from_a_flag_or_a_file_trimmed_and_never_shown() {
+        let s = resolve(&ServeArgs::default()).unwrap();
+        assert!(s.http_auth.is_none(), "no token: the API is open");
+
+        let cli = Cli::try_parse_from(["serve", "--http-token", SECRETS[1]]).unwrap();
+        assert_no_secret(&format!("{:?}", cli.serve));
+        let s = resolve(&cli.serve).unwrap();
+        assert_no_secret(&format!("{s:?}"));
+        let auth = s.http_auth.expect("a token");
+        assert!(auth.token().matches(SECRETS[1]));
+        assert!(!auth.reads_protected());
+
+        // A file, with the newline an editor leaves; `--http-protect-reads` alone is true.
+        let token_file = file(&format!("  {}\n\n", SECRETS[1]));
+        let path = token_file.path().to_str().unwrap();
+        let cli = Cli::try_parse_from(["serve", "--http-token-file", path, "--http-protect-reads"])
+            .unwrap();
+        let auth = resolve(&cli.serve).unwrap().http_auth.expect("a token");
+        assert!(auth.token().matches(SECRETS[1]));
+        assert!(auth.reads_protected());
+
+        // The config file's keys.
+        let conf = file(&format!(
+            "http_token_file = {path:?}\nhttp_protect_reads = false\n"
+        ));
+        let auth = resolve(&ServeArgs {
+            config: Some(conf.path().to_owned()),
+            ..ServeArgs::default()
+        })
+        .unwrap()
+        .http_auth
+        .expect("a token");
+        assert!(auth.token().matches(SECRETS[1]));
+        assert!(!auth.reads_protected());
+    }
+
+    #[test]
+    fn http_token_errors_are_clear_and_never_show_the_token() {
+        let args = |f: &dyn Fn(&mut ServeArgs)| {
+            let mut a = ServeArgs::default();
+            f(&mut a);
+            a
+        };
+        let blank = file(" \n\t\n");
+        let blank_path = blank.path().display().to_string();
+        let token_file = file(SECRETS[1]);
+        let token_path = token_file.path().display().to_string();
+        let cases: Vec<(ServeArgs, String)> = vec![
+            (
+                args(&|a| a.http_token = Some(String::new())),
+                "invalid setting http_token = \"\" from --http-token: the token is empty".into(),
+            ),
+            (
+                args(&|a| a.http_token_file = Some(blank_path.clone())),
+                format!(
+                    "invalid setting http_token_file = {blank_path:?} from --http-token-file: the \
+                     file holds no usable token: the token is empty"
+                ),
+            ),
+            (
+                args(&|a| a.http_token_file = Some("/nonexistent/token".into())),
+                "invalid setting http_token_file = \"/nonexistent/token\" from \
+                 --http-token-file: expected a readable file"
+                    .into(),
+            ),
+            (
+                args(&|a| a.http_token = Some(format!("{} x", SECRETS[1]))),
+                "invalid setting http_token = \"<redacted>\" from --http-token: the token has a \
+                 character"
+                    .into(),
+            ),
+            (
+                args(&|a| {
+                    a.http_token = Some(SECRETS[1].into());
+                    a.http_token_file = Some(token_path.clone());
+                }),
+                format!(
+                    "invalid setting http_token_file = {token_path:?} from --http-token-file: give \
+                     the token once"
+                ),
+            ),
+            (
+                args(&|a| a.http_protect_reads = Some("true".into())),
+                "invalid setting http_protect_reads = \"true\" from --http-protect-reads: \
+                 protecting the reads needs a token"
+                    .into(),
+            ),
+            (
+                args(&|a| {
+                    a.http_token = Some(SECRETS[1].into());
+                    a.http_protect_reads = Some("maybe".into());
+                }),
+                "invalid setting http_protect_reads = \"maybe\" from --http-protect-reads: \
+                 expected true or false"
+                    .into(),
+            ),
+        ];
+        for (a, start) in cases {
+            let err = resolve(&a).unwrap_err();
+            assert!(err.to_string().starts_with(&start), "{err}\nwanted: {start}");
+            assert_no_secret(&format!("{err} {err:?} {a:?}"));
+        }
+        // A token of the wrong type in the config file: not echoed.
+        let f = file("http_token = 987654321\n");
+        let m = message(&ServeArgs {
+            config: Some(f.path().to_owned()),
+            ..ServeArgs::default()
+        });
+        assert!(m.starts_with("invalid setting http_token = \"<redacted>\""), "{m}");
+        assert!(!m.contains("987654321"), "{m}");
     }
 
     #[test]

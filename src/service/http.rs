@@ -163,11 +163,11 @@ impl BearerToken {
         Ok(Self(token.into()))
     }
 
-    /// Constant time in the bytes: `subtle` keeps the compiler from turning the comparison
-    /// into an early exit. Only the length can show (equal lengths take as long as any other
-    /// comparison of that length), as with every such comparison; use a long random token.
-    fn matches(&self, presented: &[u8]) -> bool {
-        bool::from(self.0.as_bytes().ct_eq(presented))
+    /// Whether `presented` is this token, in time that does not depend on where they differ
+    /// (`subtle` keeps the compiler from turning the comparison into an early exit). Only
+    /// the length can show, as with every such comparison: use a long random token.
+    pub fn matches(&self, presented: impl AsRef<[u8]>) -> bool {
+        bool::from(self.0.as_bytes().ct_eq(presented.as_ref()))
     }
 }
 
@@ -199,6 +199,10 @@ impl ApiAuth {
     pub fn protect_reads(mut self, protect: bool) -> Self {
         self.protect_reads = protect;
         self
+    }
+
+    pub fn token(&self) -> &BearerToken {
+        &self.token
     }
 
     /// Whether the reads need the token too.
