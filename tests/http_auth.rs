@@ -241,7 +241,8 @@ async fn every_route_and_credential(api: &Api, protect_reads: bool) -> BTreeMap<
             Class::Write => true,
         };
         for credential in Credential::ALL {
-            let what = format!("{method} {path} with {credential:?} (reads protected: {protect_reads})");
+            let what =
+                format!("{method} {path} with {credential:?} (reads protected: {protect_reads})");
             let before_b = api.hosts("auth-b");
             let reply = api.call(method, path, credential).await;
             match credential {
@@ -249,7 +250,11 @@ async fn every_route_and_credential(api: &Api, protect_reads: bool) -> BTreeMap<
                 _ if guarded => {
                     reply.assert_refused(&what);
                     *expected.get_mut(credential.reason()).unwrap() += 1;
-                    assert_eq!(api.hosts("auth-b"), before_b, "{what}: a refusal changes nothing");
+                    assert_eq!(
+                        api.hosts("auth-b"),
+                        before_b,
+                        "{what}: a refusal changes nothing"
+                    );
                 }
                 // Unguarded: the header is not looked at.
                 _ => assert_eq!(reply.status, right_status, "{what}: {reply:?}"),
@@ -344,7 +349,11 @@ async fn malformed_authorization_headers_are_refused_and_the_scheme_is_case_inse
     let longer = format!("Bearer {TOKEN}0");
     for value in [&same_length, &prefix, &longer] {
         let reply = api
-            .send("PUT", "/v1/deployments/auth-c", &[("authorization", value.as_bytes())])
+            .send(
+                "PUT",
+                "/v1/deployments/auth-c",
+                &[("authorization", value.as_bytes())],
+            )
             .await;
         reply.assert_refused(value);
         assert!(reply
@@ -356,7 +365,11 @@ async fn malformed_authorization_headers_are_refused_and_the_scheme_is_case_inse
 
     let lower = format!("bearer {TOKEN}");
     let reply = api
-        .send("PUT", "/v1/deployments/auth-c", &[("authorization", lower.as_bytes())])
+        .send(
+            "PUT",
+            "/v1/deployments/auth-c",
+            &[("authorization", lower.as_bytes())],
+        )
         .await;
     assert_eq!(reply.status, 201, "{reply:?}");
     assert!(api.hosts("auth-c"));
@@ -365,7 +378,10 @@ async fn malformed_authorization_headers_are_refused_and_the_scheme_is_case_inse
 
 #[test]
 fn tokens_are_trimmed_refused_when_empty_and_never_shown() {
-    assert_eq!(BearerToken::new("").err(), Some(ParseBearerTokenError::Empty));
+    assert_eq!(
+        BearerToken::new("").err(),
+        Some(ParseBearerTokenError::Empty)
+    );
     assert_eq!(
         BearerToken::new(" \n\t ").err(),
         Some(ParseBearerTokenError::Empty)
@@ -402,7 +418,11 @@ async fn served_over_a_socket() {
         .unwrap();
     let url = |path: &str| format!("http://{addr}{path}");
 
-    let refused = client.put(url("/v1/deployments/auth-d")).send().await.unwrap();
+    let refused = client
+        .put(url("/v1/deployments/auth-d"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(refused.status(), 401);
     assert_eq!(
         refused.headers()["www-authenticate"],
@@ -433,7 +453,11 @@ async fn served_over_a_socket() {
         .await
         .unwrap();
     let listed: Value = serde_json::from_str(&listed).unwrap();
-    assert_eq!(listed["deployments"].as_array().unwrap().len(), 2, "{listed}");
+    assert_eq!(
+        listed["deployments"].as_array().unwrap().len(),
+        2,
+        "{listed}"
+    );
     // The probes and the page stay open.
     for path in ["/healthz", "/readyz", "/"] {
         let reply = client.get(url(path)).send().await.unwrap();

@@ -859,12 +859,18 @@ fn resolve_http_auth(given: &mut Layers) -> Result<Option<ApiAuth>, ConfigError>
             })
         }
         (Some((value, origin)), None) => {
-            Some(BearerToken::new(&value).map_err(|err| ConfigError::Invalid {
-                setting: "http_token".into(),
-                value: if value.is_empty() { value } else { REDACTED.into() },
-                origin,
-                expected: format!("{err}; an empty token would leave the API open"),
-            })?)
+            Some(
+                BearerToken::new(&value).map_err(|err| ConfigError::Invalid {
+                    setting: "http_token".into(),
+                    value: if value.is_empty() {
+                        value
+                    } else {
+                        REDACTED.into()
+                    },
+                    origin,
+                    expected: format!("{err}; an empty token would leave the API open"),
+                })?,
+            )
         }
         (None, Some((value, origin))) => {
             let path = PathBuf::from(value.trim());
@@ -872,7 +878,10 @@ fn resolve_http_auth(given: &mut Layers) -> Result<Option<ApiAuth>, ConfigError>
                 setting: "http_token_file".into(),
                 value: value.clone(),
                 origin: origin.clone(),
-                expected: format!("expected a readable file holding the token ({})", err.kind()),
+                expected: format!(
+                    "expected a readable file holding the token ({})",
+                    err.kind()
+                ),
             })?;
             Some(BearerToken::new(&text).map_err(|err| ConfigError::Invalid {
                 setting: "http_token_file".into(),
@@ -2013,7 +2022,10 @@ mod tests {
         ];
         for (a, start) in cases {
             let err = resolve(&a).unwrap_err();
-            assert!(err.to_string().starts_with(&start), "{err}\nwanted: {start}");
+            assert!(
+                err.to_string().starts_with(&start),
+                "{err}\nwanted: {start}"
+            );
             assert_no_secret(&format!("{err} {err:?} {a:?}"));
         }
         // A token of the wrong type in the config file: not echoed.
@@ -2022,7 +2034,10 @@ mod tests {
             config: Some(f.path().to_owned()),
             ..ServeArgs::default()
         });
-        assert!(m.starts_with("invalid setting http_token = \"<redacted>\""), "{m}");
+        assert!(
+            m.starts_with("invalid setting http_token = \"<redacted>\""),
+            "{m}"
+        );
         assert!(!m.contains("987654321"), "{m}");
     }
 

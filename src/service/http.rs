@@ -263,7 +263,8 @@ fn access(method: &Method, path: &str) -> Access {
         return Access::Read;
     }
     let segments: Vec<&str> = path.split('/').collect();
-    let is_route = matches!(segments.as_slice(), ["", "v1", "deployments", name, "route"] if !name.is_empty());
+    let is_route =
+        matches!(segments.as_slice(), ["", "v1", "deployments", name, "route"] if !name.is_empty());
     if method == Method::POST && is_route {
         Access::Read
     } else {
@@ -518,7 +519,10 @@ async fn get_deployment(
         .find(|d| d.name == name.as_str())
         .and_then(|d| d.catch_up)
         .map(|c| json!({ "done": c.done, "replayed": c.replayed, "seconds": c.seconds }));
-    Ok(Json(json!({ "deployment": summary, "ingress": stats, "catch_up": catch_up })).into_response())
+    Ok(
+        Json(json!({ "deployment": summary, "ingress": stats, "catch_up": catch_up }))
+            .into_response(),
+    )
 }
 
 /// The optional body of a PUT: the deployment's routing.
