@@ -39,11 +39,19 @@ use common::RawPublisher;
 /// Bound of every poll of the page (it refreshes every second).
 const POLL_DEADLINE: Duration = Duration::from_secs(30);
 const TOKEN: &str = "page-token-91f3c0";
+const INSTALL_HINT: &str = "the status page is tested in a real browser; install it with \
+    `apt-get install -y chromium` (Debian/Ubuntu) or `brew install --cask chromium`";
 
 /// The Chromium binary: `$CHROMIUM`, else the first of the usual names on `PATH`.
 fn chromium() -> PathBuf {
     if let Some(path) = std::env::var_os("CHROMIUM") {
-        return PathBuf::from(path);
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "CHROMIUM={} is not a file: {INSTALL_HINT}",
+            path.display()
+        );
+        return path;
     }
     let names = [
         "chromium",
@@ -59,8 +67,7 @@ fn chromium() -> PathBuf {
         .unwrap_or_else(|| {
             panic!(
                 "no Chromium found on PATH (tried {names:?}, or set CHROMIUM=/path/to/chrome): \
-                 the status page is tested in a real browser; install it with \
-                 `apt-get install -y chromium` (Debian/Ubuntu) or `brew install --cask chromium`"
+                 {INSTALL_HINT}"
             )
         })
 }
@@ -92,9 +99,12 @@ impl Chrome {
             .launch_timeout(Duration::from_secs(60))
             .build()
             .expect("a browser config");
-        let (browser, mut handler) = Browser::launch(config)
-            .await
-            .unwrap_or_else(|e| panic!("Chromium does not start ({}): {e}", chromium().display()));
+        let (browser, mut handler) = Browser::launch(config).await.unwrap_or_else(|e| {
+            panic!(
+                "Chromium does not start ({}): {e}; {INSTALL_HINT}",
+                chromium().display()
+            )
+        });
         let handler = tokio::spawn(async move {
             // Ends when the browser's connection closes.
             while handler.next().await.is_some() {}
