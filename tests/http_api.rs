@@ -599,6 +599,7 @@ async fn every_error_is_json() {
         ("POST", "/healthz", "GET,HEAD"),
         ("DELETE", "/metrics", "GET,HEAD"),
         ("BREW", "/readyz", "GET,HEAD"),
+        ("POST", "/", "GET,HEAD"),
     ] {
         let what = format!("{method} {path}");
         let reply = service.call(method, path).await;
@@ -650,7 +651,7 @@ async fn every_error_is_json() {
     // Unknown routes.
     for path in [
         "/nope",
-        "/",
+        "/index.html",
         "/v1",
         "/v1/deployments/",
         "/v1/deployments/d/",

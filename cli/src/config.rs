@@ -45,7 +45,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use lease_router::service::HostSettings;
+use lease_router::service::{ApiAuth, BearerToken, HostSettings};
 use lease_router::wire::DEFAULT_MAX_EVENT_BYTES;
 use lease_router::LeaseStreamConfig;
 use lease_router::{DeploymentName, SubjectPrefix, DEFAULT_SUBJECT_PREFIX};
@@ -111,6 +111,38 @@ pub struct ServeArgs {
         env = "LEASE_ROUTER_HTTP_ADDR"
     )]
     pub http_addr: Option<String>,
+
+    /// Bearer token the HTTP API asks of PUT and DELETE (and, with --http-protect-reads, of
+    /// the reads); prefer --http-token-file or the environment: flags show in the process
+    /// list [default: none, the API is open].
+    #[arg(
+        long = "http-token",
+        value_name = "TOKEN",
+        env = "LEASE_ROUTER_HTTP_TOKEN",
+        hide_env_values = true
+    )]
+    pub http_token: Option<String>,
+
+    /// File holding the HTTP API's bearer token (whitespace around it is trimmed); instead of
+    /// --http-token.
+    #[arg(
+        long = "http-token-file",
+        value_name = "FILE",
+        env = "LEASE_ROUTER_HTTP_TOKEN_FILE"
+    )]
+    pub http_token_file: Option<String>,
+
+    /// The reads need the token too: /metrics, the GETs of /v1 and POST .../route (not the
+    /// probes /healthz and /readyz, nor the status page's HTML) [default: off;
+    /// `--http-protect-reads` alone means true].
+    #[arg(
+        long = "http-protect-reads",
+        value_name = "BOOL",
+        env = "LEASE_ROUTER_HTTP_PROTECT_READS",
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub http_protect_reads: Option<String>,
 
     /// First token(s) of every lease subject: {prefix}.{deployment}.{worker_id}
     /// [default: leases].
@@ -253,6 +285,9 @@ impl fmt::Debug for ServeArgs {
             .field("nats_url", &self.nats_url.as_deref().map(redact_url_list))
             .field("deployments", &self.deployments)
             .field("http_addr", &self.http_addr)
+            .field("http_token", &self.http_token.as_ref().map(|_| REDACTED))
+            .field("http_token_file", &self.http_token_file)
+            .field("http_protect_reads", &self.http_protect_reads)
             .field("subject_prefix", &self.subject_prefix)
             .field("lease_scan_interval", &self.lease_scan_interval)
             .field("log_format", &self.log_format)
@@ -452,6 +487,9 @@ pub struct ServeSettings {
     /// Deployments hosted from the start, without duplicates, in the order given.
     pub deployments: Vec<DeploymentName>,
     pub http_addr: SocketAddr,
+    /// The HTTP API's bearer token and what it guards; `None`: the API is open (its `Debug`
+    /// redacts the token).
+    pub http_auth: Option<ApiAuth>,
     pub log_format: LogFormat,
 }
 
@@ -465,6 +503,7 @@ impl ServeSettings {
             host: HostSettings::default(),
             deployments: Vec::new(),
             http_addr: DEFAULT_HTTP_ADDR,
+            http_auth: None,
             log_format: LogFormat::default(),
         }
     }
@@ -639,6 +678,7 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
     if let Some((value, origin)) = given.one("http_addr") {
         settings.http_addr = parse_http_addr(&value, origin)?;
     }
+    settings.http_auth = resolve_http_auth(&mut given)?;
     if let Some((value, origin)) = given.one("subject_prefix") {
         settings.host.subject_prefix =
             SubjectPrefix::new(value.trim()).map_err(|err| ConfigError::Invalid {
@@ -787,6 +827,87 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
         given.values.keys().collect::<Vec<_>>()
     );
     Ok(settings)
+}
+
+/// The HTTP API's token, from `http_token` or the file `http_token_file` (one of them), and
+/// whether it guards the reads. The token never enters an error.
+fn resolve_http_auth(given: &mut Layers) -> Result<Option<ApiAuth>, ConfigError> {
+    let inline = given.one("http_token");
+    let file = given.one("http_token_file");
+    let protect_reads = match given.one("http_protect_reads") {
+        None => None,
+        Some((value, origin)) => Some(match value.trim().to_ascii_lowercase().as_str() {
+            "true" | "yes" | "on" | "1" => (true, value, origin),
+            "false" | "no" | "off" | "0" => (false, value, origin),
+            _ => {
+                return Err(ConfigError::Invalid {
+                    setting: "http_protect_reads".into(),
+                    value,
+                    origin,
+                    expected: "expected true or false".into(),
+                })
+            }
+        }),
+    };
+    let token = match (inline, file) {
+        (Some(_), Some((path, origin))) => {
+            return Err(ConfigError::Invalid {
+                setting: "http_token_file".into(),
+                value: path,
+                origin,
+                expected: "give the token once: http_token or http_token_file, not both".into(),
+            })
+        }
+        (Some((value, origin)), None) => {
+            Some(
+                BearerToken::new(&value).map_err(|err| ConfigError::Invalid {
+                    setting: "http_token".into(),
+                    value: if value.is_empty() {
+                        value
+                    } else {
+                        REDACTED.into()
+                    },
+                    origin,
+                    expected: format!("{err}; an empty token would leave the API open"),
+                })?,
+            )
+        }
+        (None, Some((value, origin))) => {
+            let path = PathBuf::from(value.trim());
+            let text = std::fs::read_to_string(&path).map_err(|err| ConfigError::Invalid {
+                setting: "http_token_file".into(),
+                value: value.clone(),
+                origin: origin.clone(),
+                expected: format!(
+                    "expected a readable file holding the token ({})",
+                    err.kind()
+                ),
+            })?;
+            Some(BearerToken::new(&text).map_err(|err| ConfigError::Invalid {
+                setting: "http_token_file".into(),
+                value,
+                origin,
+                expected: format!(
+                    "the file holds no usable token: {err}; an empty token would leave the API \
+                     open"
+                ),
+            })?)
+        }
+        (None, None) => None,
+    };
+    match (token, protect_reads) {
+        (Some(token), protect) => Ok(Some(
+            ApiAuth::new(token).protect_reads(protect.is_some_and(|(on, _, _)| on)),
+        )),
+        (None, Some((true, value, origin))) => Err(ConfigError::Invalid {
+            setting: "http_protect_reads".into(),
+            value,
+            origin,
+            expected: "protecting the reads needs a token: give http_token or http_token_file"
+                .into(),
+        }),
+        (None, _) => Ok(None),
+    }
 }
 
 /// The authentication and TLS settings. Secret values never enter an error.
@@ -1457,7 +1578,8 @@ mod tests {
         assert!(
             m.starts_with("unknown setting \"listen\" in config file ")
                 && m.ends_with(
-                    "the accepted keys are nats_url, deployments, http_addr, subject_prefix, \
+                    "the accepted keys are nats_url, deployments, http_addr, http_token, \
+                     http_token_file, http_protect_reads, subject_prefix, \
                      lease_scan_interval, log_format, connect_deadline, max_event_bytes, \
                      max_active_leases, max_tombstones, max_held_progress, max_publishers, \
                      subscription_capacity, durable, stream_replicas, route_policy, \
@@ -1549,7 +1671,7 @@ mod tests {
                 )
             })
             .collect();
-        assert_eq!(declared.len(), 26);
+        assert_eq!(declared.len(), 29);
         assert_eq!(
             readme_settings(),
             declared,
@@ -1610,6 +1732,10 @@ mod tests {
                     continue
                 }
                 "nats_tls_ca" => format!("{:?}", ca.path()),
+                // The token inline; the file is the other way to give it.
+                "http_token" => "\"s3cret-token\"".to_owned(),
+                "http_token_file" => continue,
+                "http_protect_reads" => "true".to_owned(),
                 _ => "4242".to_owned(),
             };
             text.push_str(&format!("{key} = {value}\n"));
@@ -1627,6 +1753,7 @@ mod tests {
         assert_eq!(s.nats.connect_deadline, Duration::from_secs(7));
         assert_eq!(s.nats.ping_interval, Some(Duration::from_secs(7)));
         assert!(s.nats.tls.is_some());
+        assert!(s.http_auth.expect("a token").reads_protected());
     }
 
     #[test]
@@ -1786,13 +1913,132 @@ mod tests {
     fn secret_env_values_are_hidden_from_help() {
         use clap::CommandFactory;
         let cmd = Cli::command();
-        for id in ["nats_password", "nats_token"] {
+        for id in ["nats_password", "nats_token", "http_token"] {
             let arg = cmd
                 .get_arguments()
                 .find(|a| a.get_id().as_str() == id)
                 .unwrap();
             assert!(arg.is_hide_env_values_set(), "{id}");
         }
+    }
+
+    #[test]
+    fn http_token_from_a_flag_or_a_file_trimmed_and_never_shown() {
+        let s = resolve(&ServeArgs::default()).unwrap();
+        assert!(s.http_auth.is_none(), "no token: the API is open");
+
+        let cli = Cli::try_parse_from(["serve", "--http-token", SECRETS[1]]).unwrap();
+        assert_no_secret(&format!("{:?}", cli.serve));
+        let s = resolve(&cli.serve).unwrap();
+        assert_no_secret(&format!("{s:?}"));
+        let auth = s.http_auth.expect("a token");
+        assert!(auth.token().matches(SECRETS[1]));
+        assert!(!auth.reads_protected());
+
+        // A file, with the newline an editor leaves; `--http-protect-reads` alone is true.
+        let token_file = file(&format!("  {}\n\n", SECRETS[1]));
+        let path = token_file.path().to_str().unwrap();
+        let cli = Cli::try_parse_from(["serve", "--http-token-file", path, "--http-protect-reads"])
+            .unwrap();
+        let auth = resolve(&cli.serve).unwrap().http_auth.expect("a token");
+        assert!(auth.token().matches(SECRETS[1]));
+        assert!(auth.reads_protected());
+
+        // The config file's keys.
+        let conf = file(&format!(
+            "http_token_file = {path:?}\nhttp_protect_reads = false\n"
+        ));
+        let auth = resolve(&ServeArgs {
+            config: Some(conf.path().to_owned()),
+            ..ServeArgs::default()
+        })
+        .unwrap()
+        .http_auth
+        .expect("a token");
+        assert!(auth.token().matches(SECRETS[1]));
+        assert!(!auth.reads_protected());
+    }
+
+    #[test]
+    fn http_token_errors_are_clear_and_never_show_the_token() {
+        let args = |f: &dyn Fn(&mut ServeArgs)| {
+            let mut a = ServeArgs::default();
+            f(&mut a);
+            a
+        };
+        let blank = file(" \n\t\n");
+        let blank_path = blank.path().display().to_string();
+        let token_file = file(SECRETS[1]);
+        let token_path = token_file.path().display().to_string();
+        let cases: Vec<(ServeArgs, String)> = vec![
+            (
+                args(&|a| a.http_token = Some(String::new())),
+                "invalid setting http_token = \"\" from --http-token: the token is empty".into(),
+            ),
+            (
+                args(&|a| a.http_token_file = Some(blank_path.clone())),
+                format!(
+                    "invalid setting http_token_file = {blank_path:?} from --http-token-file: the \
+                     file holds no usable token: the token is empty"
+                ),
+            ),
+            (
+                args(&|a| a.http_token_file = Some("/nonexistent/token".into())),
+                "invalid setting http_token_file = \"/nonexistent/token\" from \
+                 --http-token-file: expected a readable file"
+                    .into(),
+            ),
+            (
+                args(&|a| a.http_token = Some(format!("{} x", SECRETS[1]))),
+                "invalid setting http_token = \"<redacted>\" from --http-token: the token has a \
+                 character"
+                    .into(),
+            ),
+            (
+                args(&|a| {
+                    a.http_token = Some(SECRETS[1].into());
+                    a.http_token_file = Some(token_path.clone());
+                }),
+                format!(
+                    "invalid setting http_token_file = {token_path:?} from --http-token-file: give \
+                     the token once"
+                ),
+            ),
+            (
+                args(&|a| a.http_protect_reads = Some("true".into())),
+                "invalid setting http_protect_reads = \"true\" from --http-protect-reads: \
+                 protecting the reads needs a token"
+                    .into(),
+            ),
+            (
+                args(&|a| {
+                    a.http_token = Some(SECRETS[1].into());
+                    a.http_protect_reads = Some("maybe".into());
+                }),
+                "invalid setting http_protect_reads = \"maybe\" from --http-protect-reads: \
+                 expected true or false"
+                    .into(),
+            ),
+        ];
+        for (a, start) in cases {
+            let err = resolve(&a).unwrap_err();
+            assert!(
+                err.to_string().starts_with(&start),
+                "{err}\nwanted: {start}"
+            );
+            assert_no_secret(&format!("{err} {err:?} {a:?}"));
+        }
+        // A token of the wrong type in the config file: not echoed.
+        let f = file("http_token = 987654321\n");
+        let m = message(&ServeArgs {
+            config: Some(f.path().to_owned()),
+            ..ServeArgs::default()
+        });
+        assert!(
+            m.starts_with("invalid setting http_token = \"<redacted>\""),
+            "{m}"
+        );
+        assert!(!m.contains("987654321"), "{m}");
     }
 
     #[test]

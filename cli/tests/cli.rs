@@ -58,6 +58,9 @@ fn command(args: &[&str]) -> Command {
         .env_remove("LEASE_ROUTER_SUBJECT_PREFIX")
         .env_remove("LEASE_ROUTER_LEASE_SCAN_INTERVAL")
         .env_remove("LEASE_ROUTER_LOG_FORMAT")
+        .env_remove("LEASE_ROUTER_HTTP_TOKEN")
+        .env_remove("LEASE_ROUTER_HTTP_TOKEN_FILE")
+        .env_remove("LEASE_ROUTER_HTTP_PROTECT_READS")
         .env("RUST_LOG", "info")
         .stdin(Stdio::null());
     cmd
@@ -225,13 +228,19 @@ fn serve(nats_url: &str, extra: &[&str]) -> (Proc, SocketAddr) {
 
 /// A minimal HTTP/1.1 client: one request per connection. Returns the status and the body.
 fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    http_with(addr, method, path, "")
+}
+
+/// [`http`] with more header lines (each ending in `\r\n`).
+fn http_with(addr: SocketAddr, method: &str, path: &str, headers: &str) -> (u16, String) {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
     write!(
         stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n\
+         {headers}\r\n"
     )
     .unwrap();
     let mut raw = Vec::new();
@@ -820,4 +829,89 @@ async fn wrong_credentials_fail_serve_and_publish_clearly_without_the_secret() {
         (active_leases(addr, "auth") == Some(1)).then_some(())
     });
     terminate(serve);
+}
+
+/// The HTTP token from the environment (a file's path): mutations and, with
+/// `--http-protect-reads`, reads need it; the probes do not; it is never logged; an empty
+/// token file stops `serve` before it starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_guards_its_api_with_the_token_and_never_logs_it() {
+    common::init_tracing();
+    let server = common::server().await;
+    let url = server.url();
+    let token = "cli-token-5e8d0a71c3";
+    let mut token_file = tempfile::NamedTempFile::new().unwrap();
+    writeln!(token_file, "{token}").unwrap();
+    let path = token_file.path().to_str().unwrap();
+
+    let mut cmd = command(&[
+        "serve",
+        "--nats-url",
+        &url,
+        "--http-addr",
+        "127.0.0.1:0",
+        "--http-protect-reads",
+    ]);
+    cmd.env("LEASE_ROUTER_HTTP_TOKEN_FILE", path)
+        .env("RUST_LOG", "debug");
+    let mut proc = Proc::spawn(&mut cmd);
+    let addr: SocketAddr = proc
+        .wait_for_line("listening on http://", BOUND)
+        .trim()
+        .parse()
+        .unwrap();
+    let bearer = format!("Authorization: Bearer {token}\r\n");
+
+    let (status, body) = http(addr, "PUT", "/v1/deployments/cli-auth");
+    assert_eq!(status, 401, "{body}");
+    assert!(body.starts_with("{\"error\":"), "{body}");
+    let (status, _) = http_with(
+        addr,
+        "PUT",
+        "/v1/deployments/cli-auth",
+        "Authorization: Bearer nope\r\n",
+    );
+    assert_eq!(status, 401);
+    let (status, body) = http_with(addr, "PUT", "/v1/deployments/cli-auth", &bearer);
+    assert_eq!(status, 201, "{body}");
+    let (status, _) = http(addr, "GET", "/v1/deployments");
+    assert_eq!(status, 401, "reads are protected");
+    let (status, body) = http_with(addr, "GET", "/metrics", &bearer);
+    assert_eq!(status, 200);
+    assert!(
+        body.contains("lease_router_http_auth_failures_total{reason=\"missing\"} 2"),
+        "{body}"
+    );
+    assert!(body.contains("lease_router_http_auth_failures_total{reason=\"wrong\"} 1"));
+    for probe in ["/healthz", "/readyz", "/"] {
+        assert_eq!(http(addr, "GET", probe).0, 200, "{probe}");
+    }
+    let proc = terminate(proc);
+    let logs = proc.stderr();
+    assert!(logs.contains("every route but the probes"), "{logs}");
+    assert!(
+        !logs.contains(token),
+        "the token leaked into the logs:\n{logs}"
+    );
+
+    // An empty token would leave the API open: refused before anything starts.
+    let blank = tempfile::NamedTempFile::new().unwrap();
+    let out = run(
+        command(&[
+            "serve",
+            "--nats-url",
+            &url,
+            "--http-addr",
+            "127.0.0.1:0",
+            "--http-token-file",
+            blank.path().to_str().unwrap(),
+        ]),
+        BOUND,
+    );
+    assert_eq!(out.code(), Some(2), "stderr:\n{}", out.stderr);
+    assert!(
+        out.stderr.contains("http_token_file") && out.stderr.contains("the token is empty"),
+        "{}",
+        out.stderr
+    );
 }

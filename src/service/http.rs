@@ -2,10 +2,12 @@
 //!
 //! | route | answer |
 //! | --- | --- |
+//! | `GET /` | the status page: one self-contained HTML page that reads the routes below |
 //! | `GET /healthz` | 200 while the client reports its NATS connection up (a silent partition turns it 503 within three ping intervals), 503 otherwise |
 //! | `GET /readyz` | 200 once every deployment's router is live (and the [`ReadinessHook`], if any, agrees), 503 otherwise |
 //! | `GET /metrics` | OpenMetrics text (see [`super::metrics`]) |
 //! | `GET /v1/deployments` | the deployments with their active lease counts |
+//! | `GET /v1/deployments/{name}` | one deployment, its ingress counters and, in durable mode, its catch-up |
 //! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name or body, 503 if NATS does not answer within the connect deadline; an optional JSON body `{"policy": "...", "weights": {"prefill": x, "kv": y}}` sets its routing (also of a router that exists) |
 //! | `DELETE /v1/deployments/{name}` | tear it down: 204, 404 if absent |
 //! | `GET /v1/deployments/{name}/leases?limit=N` | active leases (default limit 1000) |
@@ -16,26 +18,39 @@
 //! unknown route (404), a wrong method (405, with its `Allow` header), a name in the path
 //! that is not UTF-8 or not a name (400), a bad query string (400). An unknown deployment
 //! is a 404.
+//!
+//! # Auth
+//! With an [`ApiAuth`], every request but the probes (`/healthz`, `/readyz`) and the status
+//! page's HTML (`GET /`, which holds no data) is checked against its bearer token: always the
+//! mutating ones (`PUT` and `DELETE`, and any method that is not a read), the reads too
+//! (`GET`, and `POST .../route`) when it protects reads. `POST .../route` counts as a read: it
+//! is the question a gateway asks for every request, and its effect, a provisional booking,
+//! is taken over or released by the worker's own events. A refusal is a 401 with a JSON
+//! error and a `WWW-Authenticate: Bearer` header, counted by reason in
+//! `lease_router_http_auth_failures_total`.
 
+use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, QueryRejection};
-use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::extract::{FromRequestParts, Path, Query, Request, State};
 use axum::http::request::Parts;
-use axum::http::{header, Method, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::host::{AddDeploymentError, AddOutcome, DeploymentHost, DeploymentView};
-use super::metrics::{Metrics, CONTENT_TYPE};
+use super::metrics::{AuthFailure, Metrics, CONTENT_TYPE};
 use crate::lease::LeaseState;
 use crate::routing::{CostWeights, RoutePolicy, RouteRequest, RouteRequestError, RoutingConfig};
 use crate::scheduler::{WorkerLoad, WorkerStatus};
@@ -72,16 +87,25 @@ pub struct ApiState {
     host: DeploymentHost,
     metrics: Arc<Metrics>,
     readiness: Option<Arc<dyn ReadinessHook>>,
+    auth: Option<ApiAuth>,
 }
 
 impl ApiState {
-    /// The API of `host`, with its metrics.
+    /// The API of `host`, with its metrics, open to anyone who can reach it (see
+    /// [`ApiState::with_auth`]).
     pub fn new(host: DeploymentHost) -> Self {
         Self {
             metrics: Arc::new(Metrics::new(host.clone())),
             host,
             readiness: None,
+            auth: None,
         }
+    }
+
+    /// Requests must carry `auth`'s bearer token (which ones: see the module's Auth section).
+    pub fn with_auth(mut self, auth: ApiAuth) -> Self {
+        self.auth = Some(auth);
+        self
     }
 
     /// Serves these metrics on `/metrics` instead (to add more collectors to the registry).
@@ -105,9 +129,189 @@ impl ApiState {
     }
 }
 
+/// A bearer token the API demands. Its `Debug` never shows it, and it is compared in time
+/// that does not depend on the bytes compared.
+#[derive(Clone)]
+pub struct BearerToken(Arc<str>);
+
+/// Why a string is not a usable bearer token. The token itself is never part of it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ParseBearerTokenError {
+    #[error("the token is empty (after trimming whitespace)")]
+    Empty,
+    #[error(
+        "the token has a character a client cannot send in an Authorization header (byte \
+         {position}); use visible ASCII, such as the output of `openssl rand -hex 32`"
+    )]
+    InvalidCharacter { position: usize },
+}
+
+impl BearerToken {
+    /// `token` with surrounding whitespace (a file's trailing newline) trimmed.
+    ///
+    /// # Errors
+    /// [`ParseBearerTokenError`] for an empty token, or one with a character that is not
+    /// visible ASCII (a client could not send it).
+    pub fn new(token: &str) -> Result<Self, ParseBearerTokenError> {
+        let token = token.trim();
+        if token.is_empty() {
+            return Err(ParseBearerTokenError::Empty);
+        }
+        if let Some(position) = token.bytes().position(|b| !b.is_ascii_graphic()) {
+            return Err(ParseBearerTokenError::InvalidCharacter { position });
+        }
+        Ok(Self(token.into()))
+    }
+
+    /// Whether `presented` is this token, in time that does not depend on where they differ
+    /// (`subtle` keeps the compiler from turning the comparison into an early exit). Only
+    /// the length can show, as with every such comparison: use a long random token.
+    pub fn matches(&self, presented: impl AsRef<[u8]>) -> bool {
+        bool::from(self.0.as_bytes().ct_eq(presented.as_ref()))
+    }
+}
+
+impl fmt::Debug for BearerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("BearerToken(<redacted>)")
+    }
+}
+
+/// Who may call the API: the holders of one bearer token, for the mutating routes and,
+/// if asked, for the reads.
+#[derive(Clone, Debug)]
+pub struct ApiAuth {
+    token: BearerToken,
+    protect_reads: bool,
+}
+
+impl ApiAuth {
+    /// The mutating routes need `token`; reads stay open.
+    pub fn new(token: BearerToken) -> Self {
+        Self {
+            token,
+            protect_reads: false,
+        }
+    }
+
+    /// Whether the reads (`/metrics`, the `GET`s of `/v1`, `POST .../route`) need the token
+    /// too. The probes and the status page's HTML never do.
+    pub fn protect_reads(mut self, protect: bool) -> Self {
+        self.protect_reads = protect;
+        self
+    }
+
+    pub fn token(&self) -> &BearerToken {
+        &self.token
+    }
+
+    /// Whether the reads need the token too.
+    pub fn reads_protected(&self) -> bool {
+        self.protect_reads
+    }
+
+    fn needs_token(&self, method: &Method, path: &str) -> bool {
+        match access(method, path) {
+            Access::Open => false,
+            Access::Read => self.protect_reads,
+            Access::Write => true,
+        }
+    }
+
+    fn check(&self, headers: &HeaderMap) -> Result<(), AuthFailure> {
+        let mut values = headers.get_all(header::AUTHORIZATION).iter();
+        let value = values.next().ok_or(AuthFailure::Missing)?;
+        if values.next().is_some() {
+            return Err(AuthFailure::Malformed);
+        }
+        // The scheme is case-insensitive (RFC 9110, 11.1); one space, then the token.
+        let bytes = value.as_bytes();
+        let token = match bytes.split_at_checked(7) {
+            Some((scheme, token)) if scheme.eq_ignore_ascii_case(b"Bearer ") => token,
+            _ => return Err(AuthFailure::Malformed),
+        };
+        if token.is_empty() || !token.iter().all(u8::is_ascii_graphic) {
+            return Err(AuthFailure::Malformed);
+        }
+        if self.token.matches(token) {
+            Ok(())
+        } else {
+            Err(AuthFailure::Wrong)
+        }
+    }
+}
+
+/// What a request is, for the token check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Access {
+    /// The probes and the status page's HTML.
+    Open,
+    /// Reads, and the route decision.
+    Read,
+    /// Everything else: a method that is not a read is checked as a write, whatever the path.
+    Write,
+}
+
+fn access(method: &Method, path: &str) -> Access {
+    let reads = [Method::GET, Method::HEAD, Method::OPTIONS];
+    match path {
+        "/healthz" | "/readyz" => return Access::Open,
+        "/" if method == Method::GET || method == Method::HEAD => return Access::Open,
+        _ => {}
+    }
+    if reads.contains(method) {
+        return Access::Read;
+    }
+    let segments: Vec<&str> = path.split('/').collect();
+    let is_route =
+        matches!(segments.as_slice(), ["", "v1", "deployments", name, "route"] if !name.is_empty());
+    if method == Method::POST && is_route {
+        Access::Read
+    } else {
+        Access::Write
+    }
+}
+
+/// Refuses a request without the token where one is needed: 401, JSON, `WWW-Authenticate`.
+async fn authorize(State(state): State<ApiState>, request: Request, next: Next) -> Response {
+    let Some(auth) = &state.auth else {
+        return next.run(request).await;
+    };
+    if !auth.needs_token(request.method(), request.uri().path()) {
+        return next.run(request).await;
+    }
+    let failure = match auth.check(request.headers()) {
+        Ok(()) => return next.run(request).await,
+        Err(failure) => failure,
+    };
+    state.metrics.count_auth_failure(failure);
+    let (message, challenge) = match failure {
+        AuthFailure::Missing => (
+            "this route needs the API's bearer token: send the header `Authorization: Bearer \
+             <token>`",
+            r#"Bearer realm="lease-router""#,
+        ),
+        AuthFailure::Malformed => (
+            "the Authorization header is not one `Bearer <token>` (visible ASCII)",
+            r#"Bearer realm="lease-router", error="invalid_request""#,
+        ),
+        AuthFailure::Wrong => (
+            "the bearer token is not the API's",
+            r#"Bearer realm="lease-router", error="invalid_token""#,
+        ),
+    };
+    let mut response = ApiError(StatusCode::UNAUTHORIZED, message.into()).into_response();
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static(challenge),
+    );
+    response
+}
+
 /// The routes, for embedding in a larger router or serving with [`serve`].
 pub fn router(state: ApiState) -> axum::Router {
     axum::Router::new()
+        .route("/", get(status_page))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -124,7 +328,32 @@ pub fn router(state: ApiState) -> axum::Router {
         .fallback(not_found)
         // After the routes: it applies to those registered before it.
         .method_not_allowed_fallback(method_not_allowed)
+        // Around everything, fallbacks included: an unknown route is no way around the token.
+        .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .with_state(state)
+}
+
+/// The status page: data-free HTML whose script reads the JSON routes (sending the token
+/// the user types when reads are protected).
+const STATUS_PAGE: &str = include_str!("status.html");
+
+/// Nothing but the page itself may load: no script, style or image from elsewhere.
+const STATUS_PAGE_CSP: &str = "default-src 'none'; script-src 'unsafe-inline'; \
+    style-src 'unsafe-inline'; connect-src 'self'; img-src data:; base-uri 'none'; \
+    form-action 'none'; frame-ancestors 'none'";
+
+async fn status_page() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CONTENT_SECURITY_POLICY, STATUS_PAGE_CSP),
+            (header::CACHE_CONTROL, "no-cache"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (header::REFERRER_POLICY, "no-referrer"),
+        ],
+        STATUS_PAGE,
+    )
+        .into_response()
 }
 
 /// Serves the API on `listener` until `shutdown` fires, then lets requests in progress
@@ -282,7 +511,18 @@ async fn get_deployment(
         .find(|d| d.name == name)
         .ok_or_else(|| unknown(&name))?;
     let stats = state.host.ingress_stats(&name).map(|s| s.snapshot());
-    Ok(Json(json!({ "deployment": summary, "ingress": stats })).into_response())
+    let catch_up = state
+        .host
+        .metrics_snapshot()
+        .deployments
+        .into_iter()
+        .find(|d| d.name == name.as_str())
+        .and_then(|d| d.catch_up)
+        .map(|c| json!({ "done": c.done, "replayed": c.replayed, "seconds": c.seconds }));
+    Ok(
+        Json(json!({ "deployment": summary, "ingress": stats, "catch_up": catch_up }))
+            .into_response(),
+    )
 }
 
 /// The optional body of a PUT: the deployment's routing.

@@ -11,6 +11,8 @@
 //! [`Metrics::render`] before encoding, not by the collector.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
@@ -172,10 +174,58 @@ impl Collector for SchedulerCounters {
     }
 }
 
+/// Why the HTTP API refused a request its bearer token guards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AuthFailure {
+    /// No `Authorization` header.
+    Missing,
+    /// Not one `Bearer <token>` header.
+    Malformed,
+    /// A token, not the API's.
+    Wrong,
+}
+
+impl AuthFailure {
+    const ALL: [AuthFailure; 3] = [Self::Missing, Self::Malformed, Self::Wrong];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Missing => "missing",
+            Self::Malformed => "malformed",
+            Self::Wrong => "wrong",
+        }
+    }
+}
+
+/// The API's refusals, by [`AuthFailure`]: counted where they happen, so kept here.
+#[derive(Clone, Debug, Default)]
+struct AuthFailures(Arc<[AtomicU64; AuthFailure::ALL.len()]>);
+
+impl Collector for AuthFailures {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let series: Vec<_> = AuthFailure::ALL
+            .into_iter()
+            .map(|why| {
+                (
+                    [("reason", why.as_str())],
+                    self.0[why as usize].load(Ordering::Relaxed),
+                )
+            })
+            .collect();
+        counter_family(
+            &mut encoder,
+            "http_auth_failures",
+            "HTTP requests refused (401) for want of the API's bearer token, by reason.",
+            &series,
+        )
+    }
+}
+
 /// The registry of the service's metrics.
 pub struct Metrics {
     registry: Registry,
     host: Option<DeploymentHost>,
+    auth_failures: AuthFailures,
 }
 
 impl fmt::Debug for Metrics {
@@ -196,10 +246,17 @@ impl Metrics {
     pub fn from_source(source: impl MetricsSource) -> Self {
         let mut registry = Registry::with_prefix(METRIC_PREFIX);
         registry.register_collector(Box::new(HostCollector(source)));
+        let auth_failures = AuthFailures::default();
+        registry.register_collector(Box::new(auth_failures.clone()));
         Self {
             registry,
             host: None,
+            auth_failures,
         }
+    }
+
+    pub(crate) fn count_auth_failure(&self, why: AuthFailure) {
+        self.auth_failures.0[why as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The registry, to register more metrics or collectors with.
@@ -688,6 +745,7 @@ mod tests {
             "slow_consumer_events",
             "deployments",
             "live_tasks",
+            "http_auth_failures",
         ] {
             assert!(
                 text.contains(&format!("# TYPE lease_router_{name} ")),
@@ -695,6 +753,13 @@ mod tests {
             );
         }
         assert!(text.contains("lease_router_nats_connected 0"));
+        for reason in AuthFailure::ALL {
+            let series = format!(
+                "lease_router_http_auth_failures_total{{reason=\"{}\"}} 0",
+                reason.as_str()
+            );
+            assert!(text.lines().any(|l| l == series), "{series} in:\n{text}");
+        }
     }
 
     /// The metrics README.md describes, by name as scraped and type, from its Metrics table.

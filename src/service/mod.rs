@@ -8,8 +8,9 @@
 //!   ingress counters outlive its removal, so late drops stay visible.
 //! - `metrics`: [`Metrics`], a `prometheus-client` registry whose collector reads every
 //!   figure from the routers' atomics at scrape time (`lease_router_*`).
-//! - `http`: the axum routes (`/healthz`, `/readyz`, `/metrics`, `/v1/deployments/...`)
-//!   over an [`ApiState`], and [`serve`] with graceful shutdown.
+//! - `http`: the axum routes (`/`, the status page; `/healthz`, `/readyz`, `/metrics`,
+//!   `/v1/deployments/...`) over an [`ApiState`], optionally behind a bearer token
+//!   ([`ApiAuth`]), and [`serve`] with graceful shutdown.
 //!
 //! The settings come in as plain structs ([`HostSettings`],
 //! [`crate::connection::NatsConnectConfig`]); reading them from flags, the environment and a
@@ -46,5 +47,7 @@ pub use host::{
     RemoveDeploymentError, ShutdownAllError, StartDeploymentIngressError,
     DEFAULT_TASK_STOP_TIMEOUT,
 };
-pub use http::{router, serve, ApiState, ReadinessHook};
+pub use http::{
+    router, serve, ApiAuth, ApiState, BearerToken, ParseBearerTokenError, ReadinessHook,
+};
 pub use metrics::Metrics;

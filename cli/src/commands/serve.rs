@@ -4,7 +4,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use lease_router::service::{serve, ApiState, DeploymentHost, HostSettings};
+use lease_router::service::{serve, ApiAuth, ApiState, DeploymentHost, HostSettings};
 use lease_router::DeploymentName;
 use lease_router::NatsConnection;
 use tokio::net::TcpListener;
@@ -36,6 +36,17 @@ impl Service {
         connection: NatsConnection,
         listener: TcpListener,
     ) -> Result<Service, CliError> {
+        Self::start_with_auth(settings, deployments, connection, listener, None).await
+    }
+
+    /// [`Service::start`], with the API behind `auth`'s bearer token if given.
+    pub async fn start_with_auth(
+        settings: HostSettings,
+        deployments: &[DeploymentName],
+        connection: NatsConnection,
+        listener: TcpListener,
+        auth: Option<ApiAuth>,
+    ) -> Result<Service, CliError> {
         let http_addr = listener
             .local_addr()
             .map_err(|e| CliError::failed(format!("the HTTP listener has no address: {e}")))?;
@@ -48,11 +59,11 @@ impl Service {
             info!(deployment = %name, "deployment hosted");
         }
         let http_shutdown = CancellationToken::new();
-        let http = tokio::spawn(serve(
-            listener,
-            ApiState::new(host.clone()),
-            http_shutdown.clone(),
-        ));
+        let mut api = ApiState::new(host.clone());
+        if let Some(auth) = auth {
+            api = api.with_auth(auth);
+        }
+        let http = tokio::spawn(serve(listener, api, http_shutdown.clone()));
         Ok(Service {
             host,
             http_addr,
@@ -111,15 +122,22 @@ pub async fn run(args: ServeArgs, signals: &Signals) -> Result<(), CliError> {
         info!("stopped before NATS answered");
         return Ok(());
     };
-    let mut service = Service::start(
+    let mut service = Service::start_with_auth(
         settings.host.clone(),
         &settings.deployments,
         connection,
         listener,
+        settings.http_auth.clone(),
     )
     .await?;
     let addr = service.http_addr();
-    info!(%addr, deployments = settings.deployments.len(), "serving");
+    // What the token guards, never the token.
+    let http_auth = match &settings.http_auth {
+        None => "off: the API is open",
+        Some(auth) if auth.reads_protected() => "every route but the probes",
+        Some(_) => "PUT and DELETE",
+    };
+    info!(%addr, deployments = settings.deployments.len(), http_auth, "serving");
     // The one line on stdout, for people and scripts (port 0 picks a free port).
     println!("listening on http://{addr}");
     let _ = std::io::stdout().flush();
