@@ -289,6 +289,19 @@ mod tests {
         assert_eq!(t.observe(2, 2), NONE_LOST);
     }
 
+    /// A jump to the last slot of the window is not a whole window: the first number is
+    /// still in it, so it comes again as a duplicate.
+    #[test]
+    fn a_jump_just_short_of_a_window_keeps_what_was_seen() {
+        let mut t = SequenceTracker::new(10);
+        assert_eq!(t.observe(1, 1), NONE_LOST);
+        assert_eq!(t.observe(1, 4096), NONE_LOST);
+        assert_eq!(t.observe(1, 1), Duplicate);
+        assert_eq!(t.observe(1, 2), Late);
+        assert_eq!(t.observe(1, 4097), NONE_LOST);
+        assert_eq!(t.observe(1, 1), TooOld);
+    }
+
     #[test]
     fn joining_mid_stream_is_not_a_gap() {
         let mut t = SequenceTracker::new(10);
