@@ -1330,6 +1330,143 @@ mod tests {
     }
 
     /// A batch's reset is the manager's: its count, its releases.
+    async fn members(scheduler: &SchedulerHandle) -> Vec<WorkerWithDpRank> {
+        let workers = scheduler.workers().await.unwrap();
+        workers.into_iter().map(|w| w.worker).collect()
+    }
+
+    /// Events that change no load still say the worker is there: an admission refused as
+    /// `Full` and a duplicate admission make it a member again. A route decision's
+    /// provisional booking is not the worker speaking, so it does not.
+    #[tokio::test]
+    async fn a_worker_that_speaks_without_changing_load_is_a_member() {
+        let tracker = TaskTracker::new();
+        let config = LeaseConfig {
+            max_active_leases: 1,
+            ..one_shard()
+        };
+        let (scheduler, manager) = manager(config, &tracker);
+        let (a, b, c) = (
+            WorkerWithDpRank::new(1, 0),
+            WorkerWithDpRank::new(2, 0),
+            WorkerWithDpRank::new(3, 0),
+        );
+        assert_eq!(
+            manager.admit_current("r", a, LOAD),
+            AdmitOutcome::Registered
+        );
+        // Full: refused, but `b` spoke; a provisional booking on `c` did not make it speak.
+        assert_eq!(manager.admit_current("s", b, LOAD), AdmitOutcome::Full);
+        let on_c = SchedulerBookingDescriptor::new(RequestId::from("t"), c);
+        assert_eq!(manager.book_provisional(on_c, LOAD), AdmitOutcome::Full);
+        assert_eq!(members(&scheduler).await, [a, b]);
+
+        // `a` leaves the membership (as a leaving reset would, but its lease stays): a
+        // duplicate admission of its live lease brings it back.
+        let mut leave = vec![Op::Membership {
+            worker_id: WorkerId(1),
+            dp_rank: None,
+            leaving: true,
+        }];
+        scheduler.cleanup().submit(&mut leave);
+        assert_eq!(members(&scheduler).await, [b]);
+        assert_eq!(manager.admit_current("r", a, LOAD), AdmitOutcome::Duplicate);
+        assert_eq!(members(&scheduler).await, [a, b]);
+        // A provisional duplicate does not.
+        scheduler.cleanup().submit(&mut vec![Op::Membership {
+            worker_id: WorkerId(1),
+            dp_rank: None,
+            leaving: true,
+        }]);
+        let again = manager.lease(&RequestId::from("r")).unwrap().booking;
+        assert_eq!(
+            manager.book_provisional(again, LOAD),
+            AdmitOutcome::Duplicate
+        );
+        assert_eq!(members(&scheduler).await, [b]);
+    }
+
+    /// A burst of events of a few workers sends about one `Seen` a worker, not one an event.
+    #[test]
+    fn seen_workers_are_filtered_within_a_batch() {
+        let workers: Vec<_> = (1..=8)
+            .flat_map(|id| (0..2).map(move |rank| WorkerWithDpRank::new(id, rank)))
+            .collect();
+        let mut pending = Pending::default();
+        for _ in 0..10 {
+            for &w in &workers {
+                pending.seen(w);
+            }
+        }
+        let seen: Vec<_> = pending
+            .ops
+            .iter()
+            .map(|op| match op {
+                Op::Seen(w) => *w,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        for w in &workers {
+            assert!(seen.contains(w), "{w} never reported");
+        }
+        assert!(
+            seen.len() < 40,
+            "{} Seen for 160 events of 16 workers",
+            seen.len()
+        );
+    }
+
+    #[tokio::test]
+    async fn progress_renews_and_grows_only_the_lease_of_its_worker() {
+        let tracker = TaskTracker::new();
+        let (scheduler, manager) = manager(LeaseConfig::default(), &tracker);
+        let (a, b) = (WorkerWithDpRank::new(1, 0), WorkerWithDpRank::new(2, 0));
+        let load = RequestLoad::new(10, Some(5));
+        manager.admit_current("r", a, load);
+        assert_eq!(manager.progress_current("r", b, 3), None, "not b's lease");
+        assert_eq!(manager.progress_current("x", a, 3), None, "no such lease");
+        let untouched = scheduler.load(a).await.unwrap();
+        assert_eq!((untouched.prefill_tokens, untouched.kv_tokens), (10, 10));
+        assert_eq!(
+            manager.progress_current("r", a, 3),
+            Some(ProgressOutcome::Coalesced),
+            "touched at admission"
+        );
+        let grown = scheduler.load(a).await.unwrap();
+        assert_eq!(
+            (
+                grown.prefill_tokens,
+                grown.kv_tokens,
+                grown.remaining_output_tokens
+            ),
+            (0, 13, 2)
+        );
+        assert_eq!(scheduler.load(b).await.unwrap(), WorkerLoad::default());
+    }
+
+    /// A leaving worker's leases go, as a reset's do, and it leaves the membership; the
+    /// count returned is what was dropped.
+    #[tokio::test]
+    async fn a_worker_that_leaves_drops_its_leases_and_its_membership() {
+        let tracker = TaskTracker::new();
+        let (scheduler, manager) = manager(LeaseConfig::default(), &tracker);
+        let (r0, r1, other) = (
+            WorkerWithDpRank::new(1, 0),
+            WorkerWithDpRank::new(1, 1),
+            WorkerWithDpRank::new(2, 0),
+        );
+        for (id, w) in [("a", r0), ("b", r0), ("c", r1), ("d", other)] {
+            manager.admit_current(id, w, LOAD);
+        }
+        assert_eq!(manager.worker_left(WorkerId(1), Some(DpRank(0))), 2);
+        assert_eq!(members(&scheduler).await, [r1, other]);
+        assert_eq!(scheduler.load(r0).await.unwrap(), WorkerLoad::default());
+        assert_eq!(manager.worker_left(WorkerId(1), None), 1);
+        assert_eq!(members(&scheduler).await, [other]);
+        assert_eq!(manager.active_leases(), 1);
+        assert_eq!(manager.worker_left(WorkerId(1), None), 0);
+    }
+
     #[tokio::test]
     async fn a_batch_resets_a_worker_as_the_manager_does() {
         let tracker = TaskTracker::new();
