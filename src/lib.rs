@@ -60,9 +60,12 @@ pub use connection::{
     NatsConnection, NatsTls, DEFAULT_NATS_URL, DEFAULT_PING_INTERVAL,
 };
 pub use durable::{
-    ensure_stream, require_stream, stream_name, CatchUpState, EnsureStreamError, JetStreamIngress,
-    LeaseStreamConfig, StartDurableIngressError,
+    delete_stream, ensure_stream, legacy_stream_name, require_stream, stream_name, CatchUpState,
+    EnsureStreamError, JetStreamIngress, LeaseStreamConfig, SnapshotFigures,
+    StartDurableIngressError, StreamFigures, DEFAULT_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_KEEP,
+    DEFAULT_STREAM_MAX_BYTES, MIN_STREAM_MAX_AGE,
 };
+pub use durable::{snapshot_bucket, snapshot_lock_bucket};
 pub use ingress::{
     Applied, AppliedHook, ApplyConfig, EventApplier, NatsIngress, StartIngressError,
 };

@@ -258,7 +258,7 @@ async fn a_silent_partition_is_seen_within_the_bound_and_heals() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_mode_loses_nothing_across_a_30s_partition() {
     let nats = common::js_server().await;
-    let stream = lease_router::LeaseStreamConfig::new(lease_router::SubjectPrefix::default(), SCAN);
+    let stream = lease_router::LeaseStreamConfig::new();
     let gaps = partition_scenario(&nats, Some(stream), Duration::from_secs(30)).await;
     assert_eq!(gaps, 0, "durable mode loses nothing");
 }

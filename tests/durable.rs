@@ -14,7 +14,6 @@ use common::*;
 use futures::StreamExt;
 use lease_router::ApplyConfig;
 use lease_router::NatsConnection;
-use lease_router::SubjectPrefix;
 use lease_router::{
     ensure_stream, CatchUpState, EnsureStreamError, JetStreamIngress, LeaseStreamConfig,
 };
@@ -28,7 +27,7 @@ use tokio_util::task::TaskTracker;
 const NO_EXPIRY: Duration = Duration::from_secs(3600);
 
 fn stream_config(replicas: usize) -> LeaseStreamConfig {
-    LeaseStreamConfig::new(SubjectPrefix::default(), NO_EXPIRY).with_replicas(replicas)
+    LeaseStreamConfig::new().with_replicas(replicas)
 }
 
 struct DurableHarness {
@@ -51,12 +50,21 @@ async fn durable_router_scanning(
     replicas: usize,
     scan_interval: Duration,
 ) -> DurableHarness {
+    durable_router_with(conn, deployment, stream_config(replicas), scan_interval).await
+}
+
+async fn durable_router_with(
+    conn: &NatsConnection,
+    deployment: &str,
+    stream: LeaseStreamConfig,
+    scan_interval: Duration,
+) -> DurableHarness {
     let stats = Arc::new(IngressStats::new());
     let catch_up = Arc::new(CatchUpState::new());
     let ingress = JetStreamIngress::new(
         conn.client().clone(),
         subjects(deployment),
-        stream_config(replicas),
+        stream,
         ApplyConfig::default(),
         stats.clone(),
         catch_up.clone(),
@@ -222,7 +230,7 @@ fn live_ids(router: &Router) -> HashSet<String> {
 async fn raw_replay_rate(client: &async_nats::Client, deployment: &str, expected: u64) -> f64 {
     let js = jetstream::new(client.clone());
     let stream = js
-        .get_stream(lease_router::stream_name(&SubjectPrefix::default()))
+        .get_stream(lease_router::stream_name(&subjects(deployment)))
         .await
         .unwrap();
     let consumer = stream
@@ -259,9 +267,13 @@ async fn stream_with_live_leases(
 ) {
     let server = js_server().await;
     let conn = client(&server.url()).await;
-    ensure_stream(&jetstream::new(conn.client().clone()), &stream_config(1))
-        .await
-        .unwrap();
+    ensure_stream(
+        &jetstream::new(conn.client().clone()),
+        &stream_config(1),
+        &subjects(deployment),
+    )
+    .await
+    .unwrap();
     let (events, live) = lifecycle_events(deployment, n, 0);
     JsPublisher::new(conn.client().clone(), deployment, 1)
         .publish_all(events)
@@ -298,9 +310,13 @@ async fn late_replica_catches_up_on_100k_live_leases() {
 async fn events_published_during_catch_up_are_applied_exactly_once() {
     let server = js_server().await;
     let conn = client(&server.url()).await;
-    ensure_stream(&jetstream::new(conn.client().clone()), &stream_config(1))
-        .await
-        .unwrap();
+    ensure_stream(
+        &jetstream::new(conn.client().clone()),
+        &stream_config(1),
+        &subjects("seam"),
+    )
+    .await
+    .unwrap();
     let (before, mut live) = lifecycle_events("before", 30_000, 3);
     JsPublisher::new(conn.client().clone(), "seam", 1)
         .publish_all(before.clone())
@@ -342,7 +358,9 @@ async fn retried_durable_publish_is_stored_once() {
     let server = js_server().await;
     let conn = client(&server.url()).await;
     let js = jetstream::new(conn.client().clone());
-    let stream = ensure_stream(&js, &stream_config(1)).await.unwrap();
+    let stream = ensure_stream(&js, &stream_config(1), &subjects("retry"))
+        .await
+        .unwrap();
     let mut raw = RawPublisher::new(conn.client().clone(), "retry", 5);
     let env = raw.envelope(admitted("once", 1, 1));
     let subject = raw.subjects.worker_subject(1);
@@ -352,7 +370,9 @@ async fn retried_durable_publish_is_stored_once() {
     assert_eq!(stream.info().await.unwrap().state.messages, 1);
 
     // Ensuring the stream again (another replica starting) is idempotent.
-    ensure_stream(&js, &stream_config(1)).await.unwrap();
+    ensure_stream(&js, &stream_config(1), &subjects("retry"))
+        .await
+        .unwrap();
     assert_eq!(stream.info().await.unwrap().state.messages, 1);
 }
 
@@ -360,9 +380,13 @@ async fn retried_durable_publish_is_stored_once() {
 async fn server_without_jetstream_gives_a_clear_error() {
     let server = server().await;
     let conn = client(&server.url()).await;
-    let err = ensure_stream(&jetstream::new(conn.client().clone()), &stream_config(1))
-        .await
-        .expect_err("no JetStream");
+    let err = ensure_stream(
+        &jetstream::new(conn.client().clone()),
+        &stream_config(1),
+        &subjects("nojs"),
+    )
+    .await
+    .expect_err("no JetStream");
     assert!(
         matches!(err, EnsureStreamError::JetStreamUnavailable),
         "{err}"
@@ -475,10 +499,19 @@ async fn cluster_failover_durable_ends_with_exact_leases() {
     ensure_stream(
         &jetstream::new(router_conn.client().clone()),
         &stream_config(3),
+        &subjects("cluster"),
     )
     .await
     .unwrap();
-    let h = durable_router(&router_conn, "cluster", 3).await;
+    // With snapshots written every 200 ms through the failover (their buckets replicated
+    // three times too).
+    let h = durable_router_with(
+        &router_conn,
+        "cluster",
+        snapshotting().with_replicas(3),
+        NO_EXPIRY,
+    )
+    .await;
     let publisher_conn = client_of(&urls).await;
     let mut publisher = JsPublisher::new(publisher_conn.client().clone(), "cluster", 77);
 
@@ -496,6 +529,35 @@ async fn cluster_failover_durable_ends_with_exact_leases() {
     let s = stats.snapshot();
     assert!(converged, "leases differ from the reference: {s:?}");
     assert!(s.received >= total, "{s:?}");
+    let catch_up = h.catch_up.clone();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            catch_up.snapshot_figures().written >= 1
+        })
+        .await,
+        "snapshots are written after the failover: {:?}",
+        catch_up.snapshot_figures()
+    );
+    // A replica that starts now loads a snapshot written through the failover.
+    let late = durable_router_with(
+        &router_conn,
+        "cluster",
+        snapshotting().with_replicas(3),
+        NO_EXPIRY,
+    )
+    .await;
+    tokio::time::timeout(Duration::from_secs(60), late.catch_up.wait())
+        .await
+        .expect("catches up");
+    let router = &late.router;
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            live_ids(router) == live
+        })
+        .await,
+        "{:?}",
+        late.catch_up.snapshot_figures()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -591,9 +653,13 @@ async fn leases_published_while_no_router_ran_are_there_when_one_starts() {
     use lease_router::{LeasePublisher, PublisherConfig};
     let server = js_server().await;
     let conn = client(&server.url()).await;
-    ensure_stream(&jetstream::new(conn.client().clone()), &stream_config(1))
-        .await
-        .unwrap();
+    ensure_stream(
+        &jetstream::new(conn.client().clone()),
+        &stream_config(1),
+        &subjects("offline"),
+    )
+    .await
+    .unwrap();
     let publisher = LeasePublisher::start_durable(
         conn.client().clone(),
         subjects("offline"),
@@ -661,5 +727,595 @@ async fn hosted_durable_deployment_is_not_ready_until_caught_up() {
     let catch_up = metrics.deployments[0].catch_up.expect("durable");
     assert!(catch_up.done);
     assert_eq!(catch_up.replayed, EVENTS as u64);
+    host.shutdown_all().await.unwrap();
+}
+
+/// A publisher with a deep acknowledgement window: its first event is stored only after
+/// more than a sequence window (4,096) of its later events. JetStream stored it once, so
+/// durable mode applies it, live and when a late replica replays the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_stored_behind_the_sequence_window_is_applied_live_and_on_replay() {
+    const LATER: usize = 5_000;
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let live_router = durable_router(&conn, "deep", 1).await;
+    let mut raw = RawPublisher::new(conn.client().clone(), "deep", 42);
+    let first = raw.envelope(admitted("deep-first", 1, 10));
+    let later: Vec<Envelope> = (0..LATER)
+        .map(|i| raw.envelope(admitted(&format!("deep-{i}"), (i % 8) as u64, 10)))
+        .collect();
+    let js = jetstream::new(conn.client().clone());
+    for env in later.iter().chain(std::iter::once(&first)) {
+        let subject = raw.subjects.worker_subject(env.event.worker_id());
+        publish_until_acked(&js, subject, env).await;
+    }
+    let mut expected: HashSet<String> = (0..LATER).map(|i| format!("deep-{i}")).collect();
+    expected.insert("deep-first".into());
+
+    let stats = live_router.stats.clone();
+    assert!(
+        eventually(BOUND, || async {
+            stats.snapshot().received == LATER as u64 + 1
+        })
+        .await,
+        "{:?}",
+        stats.snapshot()
+    );
+    let s = stats.snapshot();
+    assert_eq!(s.dropped(DropReason::Stale), 0, "live: {s:?}");
+    assert_eq!(live_ids(&live_router.router), expected, "live");
+
+    let late = durable_router(&conn, "deep", 1).await;
+    tokio::time::timeout(BOUND, late.catch_up.wait())
+        .await
+        .expect("catches up");
+    let s = late.stats.snapshot();
+    assert_eq!(s.dropped(DropReason::Stale), 0, "replayed: {s:?}");
+    assert_eq!(live_ids(&late.router), expected, "replayed");
+}
+
+/// One stream per deployment, created when the deployment is added, kept when it is
+/// removed (other replicas still need it), deleted only on request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_deployment_has_its_own_stream_kept_until_deleted_on_request() {
+    use lease_router::service::{DeploymentHost, HostSettings};
+    use lease_router::{delete_stream, require_stream, stream_name, DeploymentName};
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let js = jetstream::new(conn.client().clone());
+    let settings = HostSettings {
+        lease_scan_interval: NO_EXPIRY,
+        durable: Some(stream_config(1)),
+        ..HostSettings::default()
+    };
+    let host = DeploymentHost::new(conn.clone(), settings);
+    for name in ["alpha", "beta"] {
+        host.add(&DeploymentName::new(name).unwrap()).await.unwrap();
+    }
+    for name in ["alpha", "beta"] {
+        let mut stream = require_stream(&js, &subjects(name)).await.expect("created");
+        let info = stream.info().await.unwrap();
+        assert_eq!(info.config.name, format!("LEASE_ROUTER_leases__{name}"));
+        assert_eq!(info.config.subjects, vec![format!("leases.{name}.>")]);
+    }
+    // Events of one deployment land in its stream only.
+    JsPublisher::new(conn.client().clone(), "alpha", 1)
+        .publish_all(lifecycle_events("a", 10, 0).0)
+        .await;
+    let messages = |name: &'static str| {
+        let js = js.clone();
+        async move {
+            js.get_stream(stream_name(&subjects(name)))
+                .await
+                .unwrap()
+                .info()
+                .await
+                .unwrap()
+                .state
+                .messages
+        }
+    };
+    assert_eq!((messages("alpha").await, messages("beta").await), (10, 0));
+
+    host.remove(&DeploymentName::new("alpha").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(messages("alpha").await, 10, "removal keeps the stream");
+    assert!(delete_stream(&js, &subjects("alpha")).await.unwrap());
+    assert!(!delete_stream(&js, &subjects("alpha")).await.unwrap());
+    let err = require_stream(&js, &subjects("alpha"))
+        .await
+        .expect_err("deleted");
+    assert!(matches!(err, EnsureStreamError::Missing { .. }), "{err:?}");
+    host.shutdown_all().await.unwrap();
+}
+
+/// A durable publisher whose deployment has no stream is told which stream and how to get
+/// it; so is one beside an installation's single stream, and a router refuses to start
+/// there, saying what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_or_legacy_stream_is_refused_with_what_to_do() {
+    use lease_router::service::{DeploymentHost, HostSettings};
+    use lease_router::{legacy_stream_name, require_stream, DeploymentName, SubjectPrefix};
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let js = jetstream::new(conn.client().clone());
+    let err = require_stream(&js, &subjects("nowhere"))
+        .await
+        .expect_err("no stream");
+    let m = err.to_string();
+    assert!(
+        m.contains("LEASE_ROUTER_leases__nowhere")
+            && m.contains("leases.nowhere.>")
+            && m.contains("serve --durable --deployment nowhere"),
+        "{m}"
+    );
+
+    // The single stream of a previous version, over every deployment.
+    let legacy = legacy_stream_name(&SubjectPrefix::default());
+    js.create_stream(jetstream::stream::Config {
+        name: legacy.clone(),
+        subjects: vec!["leases.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let err = require_stream(&js, &subjects("old"))
+        .await
+        .expect_err("legacy");
+    assert!(matches!(err, EnsureStreamError::Legacy { .. }), "{err:?}");
+    let host = DeploymentHost::new(
+        conn.clone(),
+        HostSettings {
+            durable: Some(stream_config(1)),
+            ..HostSettings::default()
+        },
+    );
+    let err = host
+        .add(&DeploymentName::new("old").unwrap())
+        .await
+        .expect_err("refused beside the legacy stream");
+    let m = format!("{:#}", error_chain(&err));
+    assert!(
+        m.contains(&format!("nats stream rm {legacy}")) && m.contains("stop the durable routers"),
+        "{m}"
+    );
+    assert!(host.names().is_empty(), "nothing left behind");
+    host.shutdown_all().await.unwrap();
+}
+
+/// An error with its sources, as a CLI would print it.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
+}
+
+/// A stream too small for its traffic discards events a late replica needs: the replica
+/// counts them, lists the deployment as degraded on `/readyz`'s terms, exports the stream's
+/// bytes next to its limit, and serves from what the stream still holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncated_stream_is_told_counted_and_the_replica_starts_from_what_it_has() {
+    use lease_router::service::{DeploymentHost, HostSettings, Metrics};
+    use lease_router::{stream_name, DeploymentName};
+    const MAX_BYTES: i64 = 64 * 1024;
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let js = jetstream::new(conn.client().clone());
+    let config = stream_config(1).with_max_bytes(MAX_BYTES);
+    ensure_stream(&js, &config, &subjects("small"))
+        .await
+        .unwrap();
+    let (events, _) = lifecycle_events("small", 3_000, 0);
+    JsPublisher::new(conn.client().clone(), "small", 1)
+        .publish_all(events)
+        .await;
+    let info = js
+        .get_stream(stream_name(&subjects("small")))
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .clone();
+    let (first, held) = (info.state.first_sequence, info.state.messages);
+    assert!(first > 1, "the limit discarded the oldest events: {info:?}");
+
+    let host = DeploymentHost::new(
+        conn.clone(),
+        HostSettings {
+            lease_scan_interval: NO_EXPIRY,
+            durable: Some(config),
+            ..HostSettings::default()
+        },
+    );
+    let name = DeploymentName::new("small").unwrap();
+    host.add(&name).await.unwrap();
+    assert!(
+        eventually(BOUND, || async { host.is_ready() }).await,
+        "ready from what the stream holds: {:?}",
+        host.not_ready()
+    );
+    let view = host.get(&name).unwrap();
+    assert_eq!(view.manager().active_leases() as u64, held);
+    drop(view);
+    let degraded = host.degraded();
+    assert_eq!(degraded.len(), 1, "{degraded:?}");
+    assert!(
+        degraded[0].1.contains(&format!("{} event(s)", first - 1)),
+        "{degraded:?}"
+    );
+    let metrics = Metrics::new(host.clone());
+    let scraped = eventually(Duration::from_secs(15), || async {
+        metrics.encode().contains(&format!(
+            "lease_router_stream_max_bytes{{deployment=\"small\"}} {MAX_BYTES}"
+        ))
+    })
+    .await;
+    let text = metrics.encode();
+    assert!(scraped, "{text}");
+    assert!(
+        text.contains(&format!(
+            "lease_router_stream_truncated_events_total{{deployment=\"small\"}} {}",
+            first - 1
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "lease_router_stream_messages{{deployment=\"small\"}} {held}"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "lease_router_catchup_snapshot_fallbacks_total{deployment=\"small\",reason=\"missing\"} 1"
+        ),
+        "{text}"
+    );
+    host.shutdown_all().await.unwrap();
+    assert_eq!(
+        host.live_tasks(),
+        0,
+        "the stream monitor and the snapshot writer ended with their router"
+    );
+}
+
+/// Snapshots every 200 ms; the stream keeps ten minutes (a test replaying everything after a
+/// failed snapshot load must find everything, however slow the machine).
+fn snapshotting() -> LeaseStreamConfig {
+    stream_config(1).with_snapshots(Duration::from_millis(200), 3_000)
+}
+
+/// Events that leave leases with progress (output counts) and completions, for `workers`.
+fn lifecycle_with_progress(prefix: &str, n: usize) -> (Vec<LeaseEvent>, HashSet<String>) {
+    let mut events = Vec::new();
+    let mut live = HashSet::new();
+    for i in 0..n {
+        let id = format!("{prefix}-{i}");
+        let worker = (i % 16) as u64;
+        events.push(admitted(&id, worker, 100 + i as u32 % 50).into());
+        if i % 3 == 0 {
+            let mut p = progressed(&id, worker);
+            p.output_tokens = (i % 40) as u32;
+            events.push(p.into());
+        }
+        if i % 4 == 0 {
+            events.push(completed(&id, worker).into());
+        } else {
+            live.insert(id);
+        }
+    }
+    (events, live)
+}
+
+fn sorted_loads(router: &Router) -> Vec<String> {
+    let mut loads: Vec<String> = router
+        .manager()
+        .live_loads()
+        .into_iter()
+        .map(|(w, l)| format!("{w:?} {l:?}"))
+        .collect();
+    loads.sort();
+    loads
+}
+
+/// A late replica loads the newest snapshot (leases with their load, sequence windows, the
+/// stream sequence) and replays only the events after it, ending exactly as the writer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_replica_loads_the_newest_snapshot_and_replays_only_what_follows() {
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let writer = durable_router_with(&conn, "snap", snapshotting(), NO_EXPIRY).await;
+    let (events, mut live) = lifecycle_with_progress("before", 6_000);
+    let before = events.len() as u64;
+    // A completed request near the end: its admission, re-stored later, is a duplicate.
+    let ended = "before-5996";
+    let ended_seq = 1 + events
+        .iter()
+        .position(|e| matches!(e, LeaseEvent::Admitted(a) if a.request_id == ended))
+        .unwrap() as u64;
+    let ended_admission = events[ended_seq as usize - 1].clone();
+    let mut publisher = JsPublisher::new(conn.client().clone(), "snap", 7);
+    publisher.publish_all(events).await;
+    let catch_up = writer.catch_up.clone();
+    assert!(
+        eventually(BOUND, || async {
+            catch_up.snapshot_figures().last_sequence == before
+        })
+        .await,
+        "a snapshot of everything published: {:?}",
+        catch_up.snapshot_figures()
+    );
+    let (after, live_after) = lifecycle_with_progress("after", 500);
+    let after_count = after.len() as u64;
+    publisher.publish_all(after).await;
+    live.extend(live_after);
+
+    let late = durable_router_with(&conn, "snap", snapshotting(), NO_EXPIRY).await;
+    tokio::time::timeout(BOUND, late.catch_up.wait())
+        .await
+        .expect("catches up");
+    let figures = late.catch_up.snapshot_figures();
+    assert!(
+        figures.loaded_sequence >= before,
+        "loaded a snapshot: {figures:?}"
+    );
+    assert!(
+        late.catch_up.replayed() <= after_count,
+        "replayed {} events, at most the {after_count} after the snapshot",
+        late.catch_up.replayed()
+    );
+    let stats = writer.stats.clone();
+    assert!(
+        eventually(BOUND, || async {
+            stats.snapshot().received == before + after_count
+        })
+        .await
+    );
+    assert_eq!(live_ids(&late.router), live);
+    assert_eq!(live_ids(&writer.router), live);
+    assert_eq!(sorted_loads(&late.router), sorted_loads(&writer.router));
+    let s = late.stats.snapshot();
+    assert_eq!(s.dropped_total(), 0, "{s:?}");
+    assert_eq!(late.catch_up.truncated_events(), 0);
+
+    // The restored windows know what was published before the snapshot: the admission of
+    // an ended request, stored again (another message id, as after a failover), is a
+    // duplicate for both replicas and revives nothing.
+    let env = Envelope::new(7, ended_seq, wire::unix_micros_now(), ended_admission);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "stored-twice");
+    jetstream::new(conn.client().clone())
+        .publish_with_headers(
+            subjects("snap").worker_subject(env.event.worker_id()),
+            headers,
+            encoded(&env),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    for (who, h) in [("writer", &writer), ("late", &late)] {
+        let stats = h.stats.clone();
+        assert!(
+            eventually(BOUND, || async {
+                stats.snapshot().dropped(DropReason::Duplicate) == 1
+            })
+            .await,
+            "{who}: {:?}",
+            stats.snapshot()
+        );
+        assert_eq!(live_ids(&h.router), live, "{who}");
+    }
+}
+
+/// A snapshot that is garbage, or cut short, is not trusted: the replica replays the whole
+/// stream, says why and counts it. No snapshot at all is counted as missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_partial_or_missing_snapshot_falls_back_to_replay() {
+    use lease_router::snapshot_bucket;
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let js = jetstream::new(conn.client().clone());
+    // Snapshots every hour: none is written during the test but the ones it plants.
+    let config = stream_config(1).with_snapshots(Duration::from_secs(3600), 1);
+    let first = durable_router_with(&conn, "bad", config.clone(), NO_EXPIRY).await;
+    assert_eq!(first.catch_up.snapshot_figures().missing, 1, "none yet");
+    let (events, live) = lifecycle_with_progress("bad", 2_000);
+    let total = events.len() as u64;
+    JsPublisher::new(conn.client().clone(), "bad", 3)
+        .publish_all(events)
+        .await;
+    let store = js
+        .get_object_store(snapshot_bucket(&subjects("bad")))
+        .await
+        .unwrap();
+    for (what, bytes) in [
+        ("garbage", b"not a snapshot at all".to_vec()),
+        ("cut short", {
+            let mut b = b"LRSNAP01".to_vec();
+            b.extend_from_slice(&[0x93, 0x95, 0xa3]);
+            b
+        }),
+    ] {
+        store.put("snapshot", &mut bytes.as_slice()).await.unwrap();
+        let late = durable_router_with(&conn, "bad", config.clone(), NO_EXPIRY).await;
+        tokio::time::timeout(BOUND, late.catch_up.wait())
+            .await
+            .expect("catches up");
+        let figures = late.catch_up.snapshot_figures();
+        assert_eq!(
+            (figures.invalid, figures.loaded_sequence),
+            (1, 0),
+            "{what}: {figures:?}"
+        );
+        assert_eq!(late.catch_up.replayed(), total, "{what}: the whole stream");
+        assert_eq!(live_ids(&late.router), live, "{what}");
+    }
+}
+
+/// One writer per deployment: of two caught-up replicas one writes; when it goes, the other
+/// takes over once the writer's entry has aged out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_snapshot_writer_at_a_time_and_another_takes_over() {
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let a = durable_router_with(&conn, "one", snapshotting(), NO_EXPIRY).await;
+    let b = durable_router_with(&conn, "one", snapshotting(), NO_EXPIRY).await;
+    JsPublisher::new(conn.client().clone(), "one", 1)
+        .publish_all(lifecycle_events("one", 100, 0).0)
+        .await;
+    let (ca, cb) = (a.catch_up.clone(), b.catch_up.clone());
+    assert!(
+        eventually(BOUND, || async {
+            ca.snapshot_figures().written + cb.snapshot_figures().written >= 5
+        })
+        .await
+    );
+    let (wa, wb) = (ca.snapshot_figures().written, cb.snapshot_figures().written);
+    assert!(wa == 0 || wb == 0, "one writer: {wa} and {wb}");
+    let (writer, other) = if wa > 0 { (a, cb) } else { (b, ca) };
+    writer.router.shutdown().await.unwrap();
+    let before = other.snapshot_figures().written;
+    assert!(
+        eventually(BOUND, || async {
+            other.snapshot_figures().written > before
+        })
+        .await,
+        "the other replica takes over: {:?}",
+        other.snapshot_figures()
+    );
+}
+
+/// On a three-node cluster with snapshots: the node that leads the snapshot bucket dies
+/// before a late replica loads from it, and the snapshot writer is torn down at staggered
+/// moments of its writes. Every late replica ends with exactly the leases of a reference that
+/// was never interrupted, and never trusts a half-written snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_faults_on_a_cluster_end_with_the_reference_leases() {
+    use lease_router::snapshot_bucket;
+    init_tracing();
+    let mut cluster = NatsCluster::start(3, true)
+        .await
+        .expect("three-node cluster");
+    let urls = cluster.urls();
+    let conn = client_of(&urls).await;
+    let config = snapshotting().with_replicas(3);
+    let reference = durable_router_with(&conn, "fault", config.clone(), NO_EXPIRY).await;
+    let publisher_conn = client_of(&urls).await;
+    let mut publisher = JsPublisher::new(publisher_conn.client().clone(), "fault", 5);
+    let (events, mut live) = lifecycle_with_progress("f1", 6_000);
+    publisher.publish_all(events).await;
+    let published = publisher.raw.next_seq - 1;
+    let catch_up = reference.catch_up.clone();
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            catch_up.snapshot_figures().last_sequence >= published
+        })
+        .await,
+        "{:?}",
+        catch_up.snapshot_figures()
+    );
+
+    // The node leading the snapshot bucket dies.
+    let js = jetstream::new(conn.client().clone());
+    let objects = format!("OBJ_{}", snapshot_bucket(&subjects("fault")));
+    let info = js
+        .get_stream(&objects)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .clone();
+    let leader = info.cluster.and_then(|c| c.leader).expect("a leader");
+    let node = cluster
+        .nodes()
+        .iter()
+        .position(|n| n.server_name() == leader)
+        .expect("the leader is a node");
+    cluster.kill(node).await;
+    let late_conn = client_of(&urls).await;
+    let late = durable_router_with(&late_conn, "fault", config.clone(), NO_EXPIRY).await;
+    tokio::time::timeout(Duration::from_secs(90), late.catch_up.wait())
+        .await
+        .expect("catches up");
+    let router = &late.router;
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            live_ids(router) == live
+        })
+        .await,
+        "after the snapshot node died: {:?}",
+        late.catch_up.snapshot_figures()
+    );
+
+    // Writers torn down at staggered moments of their writes (the late replica takes the
+    // writer's entry once the reference's has aged out; then it goes, and so on), while
+    // events keep coming.
+    let mut writers = vec![late];
+    for round in 0..4u64 {
+        let (events, more) = lifecycle_with_progress(&format!("r{round}"), 1_000);
+        publisher.publish_all(events).await;
+        live.extend(more);
+        let writer = writers.pop().unwrap();
+        tokio::time::sleep(Duration::from_millis(200 + 37 * round)).await;
+        writer.router.shutdown().await.unwrap();
+        let next = durable_router_with(&late_conn, "fault", config.clone(), NO_EXPIRY).await;
+        tokio::time::timeout(Duration::from_secs(90), next.catch_up.wait())
+            .await
+            .expect("catches up");
+        let router = &next.router;
+        assert!(
+            eventually(Duration::from_secs(60), || async {
+                live_ids(router) == live
+            })
+            .await,
+            "round {round}: {:?}",
+            next.catch_up.snapshot_figures()
+        );
+        writers.push(next);
+    }
+    let router = &reference.router;
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            live_ids(router) == live
+        })
+        .await,
+        "the reference"
+    );
+}
+
+/// A stream the server cannot hold (three copies on one server) is refused at once with the
+/// server's reason; only timeouts of a cluster electing leaders are tried again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_server_cannot_hold_is_refused_with_its_reason() {
+    use lease_router::service::{AddDeploymentError, DeploymentHost, HostSettings};
+    use lease_router::DeploymentName;
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let host = DeploymentHost::new(
+        conn.clone(),
+        HostSettings {
+            durable: Some(stream_config(3)),
+            ..HostSettings::default()
+        },
+    );
+    let err = host
+        .add(&DeploymentName::new("big").unwrap())
+        .await
+        .expect_err("three copies on one server");
+    assert!(
+        matches!(err, AddDeploymentError::Start { .. }),
+        "refused, not waited out: {err:?}"
+    );
+    let m = error_chain(&err);
+    assert!(m.contains("LEASE_ROUTER_leases__big"), "{m}");
     host.shutdown_all().await.unwrap();
 }

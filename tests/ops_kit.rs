@@ -18,7 +18,7 @@ use std::time::Duration;
 use std::net::SocketAddr;
 
 use lease_router::service::{serve, ApiState, DeploymentHost, HostSettings};
-use lease_router::{DeploymentName, LeaseStreamConfig, NatsConnection, SubjectPrefix};
+use lease_router::{DeploymentName, LeaseStreamConfig, NatsConnection};
 use lease_router_testkit::NatsServer;
 use serde_json::Value;
 use tokio::net::TcpListener;
@@ -404,10 +404,7 @@ impl TestRouter {
         let server = common::js_server().await;
         let connection = common::client(&server.url()).await;
         let settings = HostSettings {
-            durable: Some(LeaseStreamConfig::new(
-                SubjectPrefix::default(),
-                Duration::from_secs(300),
-            )),
+            durable: Some(LeaseStreamConfig::new()),
             max_active_leases: LEASE_BOUND,
             ..HostSettings::default()
         };

@@ -241,3 +241,57 @@ async fn nkey_seed_file_authenticates_and_a_wrong_seed_is_refused() {
     assert!(text.contains("nkey seed file"), "{text}");
     assert!(!text.contains(&bad_seed_text), "{text}");
 }
+
+/// Durable mode under the repository's permissions: the router user creates its
+/// deployment's stream and writes snapshots; a worker user can neither write a snapshot nor
+/// take the writer's entry (a replica trusts what it loads from there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_routers_write_snapshots() {
+    use lease_router::{
+        snapshot_bucket, snapshot_lock_bucket, CatchUpState, IngressStats, JetStreamIngress,
+        LeaseStreamConfig, Router, RouterConfig,
+    };
+    use std::sync::Arc;
+    let server = NatsServerBuilder::new()
+        .jetstream(true)
+        .config_file(config_path())
+        .spawn()
+        .await
+        .expect("nats-server starts with JetStream and deploy/nats/permissions.conf");
+    let router_conn = connect_as(&server, "router").await;
+    let catch_up = Arc::new(CatchUpState::new());
+    let ingress = JetStreamIngress::new(
+        router_conn.client().clone(),
+        subjects(DEPLOYMENT),
+        LeaseStreamConfig::new().with_snapshots(Duration::from_millis(200), 300),
+        ApplyConfig::default(),
+        Arc::new(IngressStats::new()),
+        catch_up.clone(),
+    );
+    let router = Router::start(RouterConfig::new(DEPLOYMENT), ingress)
+        .await
+        .expect("the router user starts a durable router");
+    assert!(
+        eventually(BOUND, || async { catch_up.snapshot_figures().written >= 1 }).await,
+        "the router user writes snapshots: {:?}",
+        catch_up.snapshot_figures()
+    );
+    assert_eq!(catch_up.snapshot_figures().failed, 0);
+
+    let bucket = snapshot_bucket(&subjects(DEPLOYMENT));
+    for subject in [
+        format!("$O.{bucket}.M.c25hcHNob3Q="),
+        format!("$O.{bucket}.C.forged"),
+        format!("$KV.{}.writer", snapshot_lock_bucket(&subjects(DEPLOYMENT))),
+    ] {
+        let worker = connect_as(&server, "worker-1").await;
+        worker
+            .client()
+            .publish(subject.clone(), Bytes::from_static(b"forged"))
+            .await
+            .unwrap();
+        let last = wait_server_error(&worker, &subject).await;
+        assert!(last.contains(&subject), "{subject}: {last}");
+    }
+    router.shutdown().await.unwrap();
+}

@@ -74,6 +74,9 @@ const MAX_PING_INTERVAL: Duration = Duration::from_secs(3600);
 /// The largest accepted `stream_replicas`: JetStream's limit.
 const MAX_STREAM_REPLICAS: usize = 5;
 
+/// The smallest accepted `stream_max_bytes`: below it a stream holds a few thousand events.
+const MIN_STREAM_MAX_BYTES: i64 = 1 << 20;
+
 /// What error messages show instead of a secret value.
 const REDACTED: &str = "<redacted>";
 
@@ -253,6 +256,35 @@ pub struct ServeArgs {
     )]
     pub stream_replicas: Option<String>,
 
+    /// Bytes each deployment's lease stream keeps in durable mode; past it the oldest events
+    /// are discarded (and a replica that needed them says so). Size it with README's
+    /// arithmetic: events/s x ~170 bytes x the stream's age limit [default: 1073741824].
+    #[arg(
+        long = "stream-max-bytes",
+        value_name = "BYTES",
+        env = "LEASE_ROUTER_STREAM_MAX_BYTES"
+    )]
+    pub stream_max_bytes: Option<String>,
+
+    /// How often one replica per deployment (the holder of the writer entry) snapshots the
+    /// deployment's state to JetStream in durable mode; a late replica loads the newest and
+    /// replays only what follows. Seconds, or with a unit: 60s, 1m [default: 60s].
+    #[arg(
+        long = "snapshot-interval",
+        value_name = "DURATION",
+        env = "LEASE_ROUTER_SNAPSHOT_INTERVAL"
+    )]
+    pub snapshot_interval: Option<String>,
+
+    /// Snapshot intervals each deployment's stream keeps in durable mode (its age limit is
+    /// this many intervals, at least 60 s) [default: 4].
+    #[arg(
+        long = "snapshot-keep",
+        value_name = "N",
+        env = "LEASE_ROUTER_SNAPSHOT_KEEP"
+    )]
+    pub snapshot_keep: Option<String>,
+
     /// How new deployments choose a worker for `POST .../route`: weighted_cost,
     /// power_of_two, round_robin or random (a PUT body may set one per deployment)
     /// [default: weighted_cost].
@@ -300,6 +332,9 @@ impl fmt::Debug for ServeArgs {
             .field("subscription_capacity", &self.subscription_capacity)
             .field("durable", &self.durable)
             .field("stream_replicas", &self.stream_replicas)
+            .field("stream_max_bytes", &self.stream_max_bytes)
+            .field("snapshot_interval", &self.snapshot_interval)
+            .field("snapshot_keep", &self.snapshot_keep)
             .field("route_policy", &self.route_policy)
             .field("worker_idle", &self.worker_idle)
             .field("nats_credentials", &self.nats_credentials)
@@ -790,6 +825,58 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
             }
         };
     }
+    let mut stream_max_bytes = lease_router::DEFAULT_STREAM_MAX_BYTES;
+    if let Some((value, origin)) = given.one("stream_max_bytes") {
+        stream_max_bytes = match value.trim().replace('_', "").parse::<i64>() {
+            Ok(n) if n >= MIN_STREAM_MAX_BYTES => n,
+            _ => {
+                return Err(ConfigError::Invalid {
+                    setting: "stream_max_bytes".into(),
+                    value,
+                    origin,
+                    expected: format!(
+                        "expected a whole number of bytes, at least {MIN_STREAM_MAX_BYTES} \
+                         (default {}): events/s x ~170 bytes x the stream's age limit",
+                        lease_router::DEFAULT_STREAM_MAX_BYTES
+                    ),
+                })
+            }
+        };
+    }
+    let mut snapshot_interval = lease_router::DEFAULT_SNAPSHOT_INTERVAL;
+    if let Some((value, origin)) = given.one("snapshot_interval") {
+        snapshot_interval = match parse_duration(&value) {
+            Some(d) if d >= Duration::from_secs(1) => d,
+            _ => {
+                return Err(ConfigError::Invalid {
+                    setting: "snapshot_interval".into(),
+                    value,
+                    origin,
+                    expected: "expected a duration of at least 1s: seconds (60) or a number \
+                               with a unit s, m or h (60s, 5m)"
+                        .into(),
+                })
+            }
+        };
+    }
+    let mut snapshot_keep = lease_router::DEFAULT_SNAPSHOT_KEEP;
+    if let Some((value, origin)) = given.one("snapshot_keep") {
+        snapshot_keep = match value.trim().parse::<u32>() {
+            Ok(n) if (2..=1000).contains(&n) => n,
+            _ => {
+                return Err(ConfigError::Invalid {
+                    setting: "snapshot_keep".into(),
+                    value,
+                    origin,
+                    expected: format!(
+                        "expected a whole number from 2 to 1000 (default {}): snapshot \
+                         intervals the stream keeps",
+                        lease_router::DEFAULT_SNAPSHOT_KEEP
+                    ),
+                })
+            }
+        };
+    }
     if let Some((value, origin)) = given.one("route_policy") {
         settings.host.route_policy = value.trim().parse().map_err(|_| ConfigError::Invalid {
             setting: "route_policy".into(),
@@ -814,11 +901,10 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
         };
     }
     settings.host.durable = durable.then(|| {
-        LeaseStreamConfig::new(
-            settings.host.subject_prefix.clone(),
-            settings.host.lease_scan_interval,
-        )
-        .with_replicas(replicas)
+        LeaseStreamConfig::new()
+            .with_snapshots(snapshot_interval, snapshot_keep)
+            .with_replicas(replicas)
+            .with_max_bytes(stream_max_bytes)
     });
     resolve_credentials(&mut given, &mut settings.nats)?;
     debug_assert!(
@@ -1303,7 +1389,7 @@ mod tests {
 
     #[test]
     fn durable_mode_settings() {
-        let f = file("durable = true\nstream_replicas = 3\nlease_scan_interval = \"60s\"\n");
+        let f = file("durable = true\nstream_replicas = 3\nsnapshot_interval = \"2m\"\n");
         let args = ServeArgs {
             config: Some(f.path().to_owned()),
             ..ServeArgs::default()
@@ -1311,9 +1397,10 @@ mod tests {
         let host = resolve(&args).unwrap().host;
         let stream = host.durable.expect("durable from the file");
         assert_eq!(stream.replicas, 3);
-        assert!(
-            stream.max_age >= Duration::from_secs(240),
-            "two lease lifetimes"
+        assert_eq!(
+            stream.max_age,
+            Duration::from_secs(480),
+            "four snapshot intervals by default"
         );
 
         // The flag wins over the file.
@@ -1344,6 +1431,21 @@ mod tests {
             m.contains("stream_replicas = \"9\"") && m.contains("1 to 5"),
             "{m}"
         );
+        let m = message(&ServeArgs {
+            stream_max_bytes: Some("1000".into()),
+            ..ServeArgs::default()
+        });
+        assert!(
+            m.contains("stream_max_bytes = \"1000\"") && m.contains("at least 1048576"),
+            "{m}"
+        );
+        let host = resolve(&ServeArgs {
+            durable: Some("true".into()),
+            ..ServeArgs::default()
+        })
+        .unwrap()
+        .host;
+        assert_eq!(host.durable.unwrap().max_bytes, 1 << 30, "1 GiB by default");
     }
 
     #[test]
@@ -1582,7 +1684,8 @@ mod tests {
                      http_token_file, http_protect_reads, subject_prefix, \
                      lease_scan_interval, log_format, connect_deadline, max_event_bytes, \
                      max_active_leases, max_tombstones, max_held_progress, max_publishers, \
-                     subscription_capacity, durable, stream_replicas, route_policy, \
+                     subscription_capacity, durable, stream_replicas, stream_max_bytes, \
+                     snapshot_interval, snapshot_keep, route_policy, \
                      worker_idle, nats_user, \
                      nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, \
                      nats_tls_cert, nats_tls_key, nats_ping_interval"
@@ -1671,7 +1774,7 @@ mod tests {
                 )
             })
             .collect();
-        assert_eq!(declared.len(), 29);
+        assert_eq!(declared.len(), 32);
         assert_eq!(
             readme_settings(),
             declared,
@@ -1721,10 +1824,13 @@ mod tests {
                 "lease_scan_interval"
                 | "connect_deadline"
                 | "nats_ping_interval"
-                | "worker_idle" => "\"7s\"".to_owned(),
+                | "worker_idle"
+                | "snapshot_interval" => "\"7s\"".to_owned(),
                 "log_format" => "\"json\"".to_owned(),
                 "durable" => "true".to_owned(),
                 "stream_replicas" => "3".to_owned(),
+                "stream_max_bytes" => "2_000_000".to_owned(),
+                "snapshot_keep" => "5".to_owned(),
                 "route_policy" => "\"round_robin\"".to_owned(),
                 // One way to authenticate: user and password; the other ways stay unset.
                 "nats_user" | "nats_password" => "\"router\"".to_owned(),
@@ -1749,7 +1855,14 @@ mod tests {
         assert_eq!(s.host.apply.max_event_bytes, 4242);
         assert_eq!(s.host.max_active_leases, 4242);
         assert_eq!(s.nats.subscription_capacity, Some(4242));
-        assert_eq!(s.host.durable.unwrap().replicas, 3);
+        let durable = s.host.durable.unwrap();
+        assert_eq!((durable.replicas, durable.max_bytes), (3, 2_000_000));
+        assert_eq!(durable.snapshot_interval, Duration::from_secs(7));
+        assert_eq!(
+            durable.max_age,
+            Duration::from_secs(60),
+            "5 x 7 s, at least 60 s"
+        );
         assert_eq!(s.nats.connect_deadline, Duration::from_secs(7));
         assert_eq!(s.nats.ping_interval, Some(Duration::from_secs(7)));
         assert!(s.nats.tls.is_some());

@@ -915,3 +915,94 @@ async fn serve_guards_its_api_with_the_token_and_never_logs_it() {
         out.stderr
     );
 }
+
+/// A `serve` killed with SIGKILL while it writes a snapshot leaves nothing a later replica
+/// would trust: the object's metadata, written last, still names the previous complete
+/// snapshot, which the next `serve` loads (no fallback as invalid) and ends with every lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_snapshot_leaves_nothing_a_later_replica_trusts() {
+    use async_nats::jetstream;
+    use lease_router::{DeploymentName, LeasePublisher, PublisherConfig, Subjects};
+    const LEASES: u64 = 40_000;
+    let server = common::js_server().await;
+    let url = server.url();
+    let flags = [
+        "--durable",
+        "--deployment",
+        "kill",
+        "--snapshot-interval",
+        "1s",
+    ];
+    let (mut serve1, addr) = serve(&url, &flags);
+    let conn = async_nats::connect(url.as_str()).await.unwrap();
+    let subjects = Subjects::with_default_prefix(DeploymentName::new("kill").unwrap());
+    let publisher = LeasePublisher::start_durable(
+        conn.clone(),
+        subjects.clone(),
+        PublisherConfig::default().with_queue_capacity(LEASES as usize),
+        1024,
+    );
+    for i in 0..LEASES {
+        publisher
+            .admitted(format!("k-{i}"), i % 32, 0, 100, None)
+            .unwrap();
+    }
+    let stats = publisher.close().await.expect("every publish acknowledged");
+    assert_eq!(stats.published, LEASES);
+    let written = |addr| {
+        metric(
+            addr,
+            "lease_router_snapshots_written_total{deployment=\"kill\"}",
+        )
+    };
+    eventually("a snapshot", BOUND, || {
+        (written(addr).unwrap_or(0.0) >= 1.0).then_some(())
+    });
+
+    // Watch the snapshot bucket's stream: a write in progress adds chunks before its
+    // metadata. Kill the writer as soon as the stream grows.
+    let js = jetstream::new(conn.clone());
+    let bucket = lease_router::snapshot_bucket(&subjects);
+    let mut objects = js.get_stream(format!("OBJ_{bucket}")).await.unwrap();
+    let store = js.get_object_store(&bucket).await.unwrap();
+    let complete = store.info("snapshot").await.unwrap().nuid;
+    let before = objects.info().await.unwrap().state.last_sequence;
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let now = objects.info().await.unwrap().state.last_sequence;
+        if now > before {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no snapshot write began");
+    }
+    serve1.child.kill().expect("SIGKILL");
+    serve1.wait(BOUND).expect("killed");
+    // Killed after the first chunks (a snapshot here is ~16 of them): the metadata still
+    // names the previous one, and the new chunks are orphans no reader follows.
+    let named = store.info("snapshot").await.unwrap().nuid;
+    assert_eq!(named, complete, "killed mid-write");
+
+    let (serve2, addr) = serve(&url, &flags);
+    eventually("ready after catch-up", BOUND, || {
+        (http(addr, "GET", "/readyz").0 == 200).then_some(())
+    });
+    assert_eq!(active_leases(addr, "kill"), Some(LEASES));
+    assert_eq!(
+        metric(
+            addr,
+            "lease_router_catchup_snapshot_fallbacks_total{deployment=\"kill\",reason=\"invalid\"}"
+        ),
+        Some(0.0),
+        "nothing half-written was seen"
+    );
+    assert!(
+        metric(
+            addr,
+            "lease_router_catchup_snapshot_sequence{deployment=\"kill\"}"
+        )
+        .unwrap()
+            > 0.0,
+        "the previous complete snapshot was loaded"
+    );
+    terminate(serve2);
+}

@@ -12,11 +12,13 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use futures::{FutureExt, StreamExt};
+use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
+use super::snapshot::{self, SnapshotStore};
 use super::stream::{ensure_stream, EnsureStreamError, LeaseStreamConfig};
 use crate::connection::LogRateLimiter;
 use crate::ingress::{ApplyConfig, EventApplier, BURST};
@@ -25,8 +27,10 @@ use crate::retry::RetryPolicy;
 use crate::router::{IngressContext, IngressStart, RouterTask, TaskError};
 use crate::stats::IngressStats;
 use crate::subject::Subjects;
+use tokio::sync::mpsc;
 
-/// Progress of a durable ingress's catch-up, shared with `/readyz` and the metrics.
+/// Progress of a durable ingress's catch-up and the state of its stream, shared with
+/// `/readyz` and the metrics.
 #[derive(Debug, Default)]
 pub struct CatchUpState {
     caught_up: AtomicBool,
@@ -34,7 +38,57 @@ pub struct CatchUpState {
     micros: AtomicU64,
     last_stream_sequence: AtomicU64,
     consumer_recreations: AtomicU64,
+    truncated_events: AtomicU64,
+    last_truncation: Mutex<Option<std::time::Instant>>,
+    stream: Mutex<Option<StreamFigures>>,
+    pub(crate) snapshots: SnapshotCounters,
     notify: Notify,
+}
+
+/// What became of this replica's snapshots, written and loaded.
+#[derive(Debug, Default)]
+pub(crate) struct SnapshotCounters {
+    pub written: AtomicU64,
+    pub failed: AtomicU64,
+    /// Size of the last one written.
+    pub bytes: AtomicU64,
+    /// Stream sequence of the last one written.
+    pub sequence: AtomicU64,
+    /// Stream sequence of the one loaded at start (0: none).
+    pub loaded_sequence: AtomicU64,
+    /// Leases it held.
+    pub loaded_leases: AtomicU64,
+    /// Starts that found no snapshot.
+    pub missing: AtomicU64,
+    /// Starts whose snapshot was unreadable, partial, corrupt or of another stream.
+    pub invalid: AtomicU64,
+}
+
+/// A copy of [`CatchUpState`]'s snapshot counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SnapshotFigures {
+    pub written: u64,
+    pub failed: u64,
+    pub last_bytes: u64,
+    pub last_sequence: u64,
+    pub loaded_sequence: u64,
+    pub loaded_leases: u64,
+    pub missing: u64,
+    pub invalid: u64,
+}
+
+/// The deployment's stream as last read from the server, next to its limits.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StreamFigures {
+    pub bytes: u64,
+    pub messages: u64,
+    pub first_sequence: u64,
+    pub last_sequence: u64,
+    /// Age of the oldest event held (zero when empty).
+    pub oldest_age: Duration,
+    /// The limits the stream was configured with (`max_bytes` -1: none).
+    pub max_bytes: i64,
+    pub max_age: Duration,
 }
 
 impl CatchUpState {
@@ -64,6 +118,44 @@ impl CatchUpState {
     /// Times the consumer was lost and recreated.
     pub fn consumer_recreations(&self) -> u64 {
         self.consumer_recreations.load(Ordering::Relaxed)
+    }
+
+    /// Events this replica needed (the next stream sequence it expected, and those after)
+    /// that the stream no longer held when it read on: discarded by the stream's limits.
+    /// Leases they admitted or ended are missing or linger until they expire.
+    pub fn truncated_events(&self) -> u64 {
+        self.truncated_events.load(Ordering::Relaxed)
+    }
+
+    /// How long ago the stream last turned out truncated, if it ever did.
+    pub fn since_truncation(&self) -> Option<Duration> {
+        self.last_truncation.lock().map(|at| at.elapsed())
+    }
+
+    /// Snapshots written and loaded by this replica.
+    pub fn snapshot_figures(&self) -> SnapshotFigures {
+        let s = &self.snapshots;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        SnapshotFigures {
+            written: get(&s.written),
+            failed: get(&s.failed),
+            last_bytes: get(&s.bytes),
+            last_sequence: get(&s.sequence),
+            loaded_sequence: get(&s.loaded_sequence),
+            loaded_leases: get(&s.loaded_leases),
+            missing: get(&s.missing),
+            invalid: get(&s.invalid),
+        }
+    }
+
+    /// The stream's size and age next to its limits, refreshed every few seconds.
+    pub fn stream_figures(&self) -> Option<StreamFigures> {
+        *self.stream.lock()
+    }
+
+    fn truncated(&self, events: u64) {
+        self.truncated_events.fetch_add(events, Ordering::Relaxed);
+        *self.last_truncation.lock() = Some(std::time::Instant::now());
     }
 
     /// Resolves once catch-up is done.
@@ -139,7 +231,12 @@ impl JetStreamIngress {
             client,
             subjects,
             stream,
-            apply,
+            // JetStream stored each event once (`Nats-Msg-Id`), so an event far behind its
+            // publisher's latest is a deep acknowledgement window or a retry, not a copy.
+            apply: ApplyConfig {
+                drop_behind_window: false,
+                ..apply
+            },
             stats,
             catch_up,
             replay_from: ReplayFrom::All,
@@ -216,49 +313,145 @@ impl IngressStart for JetStreamIngress {
             });
         }
         let js = jetstream::new(self.client.clone());
-        let stream = ensure_stream(&js, &self.stream).await?;
+        let mut backoff = self.retry.backoff();
+        let mut attempts = 0;
+        let stream = loop {
+            match ensure_stream(&js, &self.stream, &self.subjects).await {
+                Ok(stream) => break stream,
+                // Failed requests (timeouts while a cluster elects) are retried; what the
+                // stream's state refuses is not.
+                Err(error @ EnsureStreamError::Create { .. })
+                    if attempts < START_ATTEMPTS && is_transient(&error) =>
+                {
+                    attempts += 1;
+                    let delay = backoff.next_delay();
+                    warn!(%error, ?delay, "the lease stream is not ready; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+                Err(error) => return Err(error.into()),
+            }
+        };
+        let started = Instant::now();
         // Catch-up is done once everything in the stream at start has been applied.
         let target = stream.cached_info().state.last_sequence;
+        let stream_created = stream.cached_info().created.unix_timestamp();
         let filter = self.subjects.deployment_filter();
+        let stream_handle = stream.clone();
+        let mut applier = EventApplier::new(
+            self.subjects.clone(),
+            ctx.manager.clone(),
+            self.stats,
+            self.apply,
+        );
+        let store = match SnapshotStore::open(&js, &self.subjects, &self.stream).await {
+            Ok(store) => Some(store),
+            Err(error) => {
+                warn!(%error, "the snapshot buckets are not available: replaying the whole stream, writing no snapshots");
+                None
+            }
+        };
+        let from = match &store {
+            Some(store) if matches!(self.replay_from, ReplayFrom::All) => {
+                load_snapshot(
+                    store,
+                    &ctx,
+                    stream.cached_info(),
+                    &mut applier,
+                    &self.catch_up,
+                )
+                .await
+            }
+            _ => 0,
+        };
+        self.catch_up
+            .last_stream_sequence
+            .store(from, Ordering::Relaxed);
         let mut follower = Follower {
             stream,
             filter: filter.clone(),
             replay_from: self.replay_from,
         };
-        let (messages, consumer, pending) =
-            follower
-                .open(0)
-                .await
-                .map_err(|source| StartDurableIngressError::Consumer {
-                    filter: filter.clone(),
-                    source,
-                })?;
-        let started = Instant::now();
-        if pending == 0 {
+        // A cluster electing leaders (a node just died) answers with timeouts for a while:
+        // retried with backoff; the caller bounds the whole start (the host by its connect
+        // deadline).
+        let mut backoff = self.retry.backoff();
+        let mut attempts = 0;
+        let (messages, consumer, pending) = loop {
+            match follower.open(from).await {
+                Ok(opened) => break opened,
+                Err(source) if attempts >= START_ATTEMPTS || !is_transient(&*source) => {
+                    return Err(StartDurableIngressError::Consumer {
+                        filter: filter.clone(),
+                        source,
+                    })
+                }
+                Err(error) => {
+                    attempts += 1;
+                    let delay = backoff.next_delay();
+                    warn!(%error, ?delay, "creating the replay consumer failed; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        };
+        if pending == 0 || from >= target {
             self.catch_up.finish(started);
         }
-        info!(deployment = %ctx.deployment, %filter, pending, "durable ingress replaying");
-        let mut applier = EventApplier::new(self.subjects, ctx.manager, self.stats, self.apply);
+        info!(deployment = %ctx.deployment, %filter, from, pending, "durable ingress replaying");
         let replaying = !self.catch_up.is_caught_up();
         applier.set_record_lag(!replaying);
         let run = Run {
             follower,
             applier,
-            catch_up: self.catch_up,
+            catch_up: self.catch_up.clone(),
             retry: self.retry,
             target,
             started,
             replaying,
+            expect_from: match self.replay_from {
+                ReplayFrom::All => Some(1),
+                ReplayFrom::Last(_) => None,
+            },
+            truncation_warn: LogRateLimiter::new(TRUNCATION_WARN_INTERVAL),
         };
         let span = tracing::info_span!("durable_ingress", deployment = %ctx.deployment);
+        let monitor = ctx.tracker.spawn(
+            monitor_stream(stream_handle, self.catch_up.clone(), ctx.cancel.clone())
+                .instrument(span.clone()),
+        );
+        let (cut_requests, cuts) = mpsc::channel(1);
+        let mut tasks = Vec::new();
+        if let Some(store) = store {
+            let writer = snapshot::write_snapshots(
+                store,
+                format!("{:016x}", rand::random::<u64>()),
+                ctx.deployment.to_string(),
+                stream_created,
+                self.stream.snapshot_interval,
+                ctx.manager.clone(),
+                cut_requests,
+                self.catch_up.clone(),
+                ctx.cancel.clone(),
+            );
+            tasks.push(RouterTask {
+                name: "snapshot-writer",
+                handle: ctx.tracker.spawn(writer.instrument(span.clone())),
+            });
+        }
         let handle = ctx.tracker.spawn(
-            run.run(messages, consumer, ctx.reaper, ctx.cancel)
+            run.run(messages, consumer, cuts, ctx.reaper, ctx.cancel)
                 .instrument(span),
         );
-        Ok(vec![RouterTask {
-            name: "durable-ingress",
-            handle,
-        }])
+        tasks.extend([
+            RouterTask {
+                name: "durable-ingress",
+                handle,
+            },
+            RouterTask {
+                name: "stream-monitor",
+                handle: monitor,
+            },
+        ]);
+        Ok(tasks)
     }
 }
 
@@ -289,6 +482,10 @@ struct Run {
     started: Instant,
     /// Still replaying: events are counted as replayed, their lag is not recorded.
     replaying: bool,
+    /// The stream sequence the replay needs first, if it needs one (not when it starts from
+    /// a point in time).
+    expect_from: Option<u64>,
+    truncation_warn: LogRateLimiter,
 }
 
 impl Run {
@@ -296,6 +493,7 @@ impl Run {
         mut self,
         mut messages: Messages,
         mut consumer: OrderedConsumer,
+        mut cuts: mpsc::Receiver<snapshot::CutRequest>,
         mut reaper: Reaper,
         cancel: CancellationToken,
     ) -> Result<(), TaskError> {
@@ -310,6 +508,14 @@ impl Run {
                 biased;
                 _ = cancel.cancelled() => return Ok(()),
                 () = reaper.tick() => continue,
+                // Between two bursts: everything up to the last sequence is applied.
+                Some(reply) = cuts.recv() => {
+                    let _ = reply.send(snapshot::Cut {
+                        stream_sequence: self.catch_up.last_stream_sequence(),
+                        sequences: self.applier.sequence_image(),
+                    });
+                    continue;
+                }
                 next = messages.next() => Next::Message(next),
                 _ = idle_check.tick() => Next::Quiet,
             };
@@ -393,6 +599,15 @@ impl Run {
             Ok(info) => (info.stream_sequence, info.pending),
             Err(_) => (self.catch_up.last_stream_sequence() + 1, u64::MAX),
         };
+        let last = self.catch_up.last_stream_sequence();
+        let expected = if last > 0 {
+            Some(last + 1)
+        } else {
+            self.expect_from
+        };
+        if let Some(expected) = expected.filter(|&e| sequence > e) {
+            self.truncated(expected, sequence);
+        }
         if self
             .applier
             .apply(&message.subject, &message.payload)
@@ -412,6 +627,25 @@ impl Run {
             }
         }
         Step::Done
+    }
+
+    /// The stream skipped from `expected` to `got`: it discarded (by its limits) events
+    /// this replica needed. Counted and told, and the replica goes on from what there is.
+    fn truncated(&self, expected: u64, got: u64) {
+        let missing = got - expected;
+        self.catch_up.truncated(missing);
+        if self.truncation_warn.check().is_some() {
+            warn!(
+                missing,
+                from = expected,
+                to = got - 1,
+                total = self.catch_up.truncated_events(),
+                "the lease stream no longer holds events this replica needs (its limits \
+                 discarded them): going on from what it has; leases they admitted are \
+                 missing and leases they ended linger until they expire. Raise \
+                 stream_max_bytes or lower the event rate (README: Durable mode at scale)"
+            );
+        }
     }
 
     /// Recreates the consumer after the last applied sequence, with backoff, until it
@@ -437,6 +671,125 @@ impl Run {
                     warn!(%error, ?delay, "recreating the replay consumer failed; retrying");
                 }
             }
+        }
+    }
+}
+
+/// Loads the newest snapshot into the router and the applier; returns the stream sequence
+/// it reflects (0 when there is none or it cannot be used: the whole stream is replayed).
+async fn load_snapshot(
+    store: &SnapshotStore,
+    ctx: &IngressContext,
+    stream: &jetstream::stream::Info,
+    applier: &mut EventApplier,
+    state: &CatchUpState,
+) -> u64 {
+    // A read that fails (a node of the cluster just died) is tried again before the
+    // replica falls back to the whole stream.
+    let mut loaded = store.load().await;
+    for _ in 0..2 {
+        if !matches!(loaded, Err(ref e) if e.is_transient()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        loaded = store.load().await;
+    }
+    let snapshot = match loaded {
+        Ok(Some(snapshot)) => snapshot,
+        Ok(None) => {
+            state.snapshots.missing.fetch_add(1, Ordering::Relaxed);
+            info!("no snapshot yet: replaying the whole stream");
+            return 0;
+        }
+        Err(error) => {
+            state.snapshots.invalid.fetch_add(1, Ordering::Relaxed);
+            snapshot::log_fallback(&error);
+            return 0;
+        }
+    };
+    if let Err(error) = snapshot::check(&snapshot, &ctx.deployment, stream) {
+        state.snapshots.invalid.fetch_add(1, Ordering::Relaxed);
+        snapshot::log_fallback(&error);
+        return 0;
+    }
+    let Some(manager) = ctx.manager.upgrade() else {
+        return 0;
+    };
+    let mut batch = manager.batch();
+    for lease in &snapshot.leases {
+        batch.restore(lease);
+    }
+    batch.finish();
+    applier.restore_sequences(snapshot.sequences);
+    let header = snapshot.header;
+    snapshot::log_loaded(&header);
+    state
+        .snapshots
+        .loaded_sequence
+        .store(header.stream_sequence, Ordering::Relaxed);
+    state
+        .snapshots
+        .loaded_leases
+        .store(header.leases, Ordering::Relaxed);
+    header.stream_sequence
+}
+
+/// Whether a failed JetStream request may work when tried again: a timeout or a system
+/// that is electing leaders (async-nats reports both only in its messages).
+fn is_transient(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut current = Some(error);
+    while let Some(e) = current {
+        let text = e.to_string().to_ascii_lowercase();
+        if text.contains("timed out") || text.contains("temporarily unavailable") {
+            return true;
+        }
+        current = e.source();
+    }
+    false
+}
+
+/// Tries to create the replay consumer at start before giving up (about 30 s of backoff).
+const START_ATTEMPTS: u32 = 10;
+
+/// How often the stream's size and age are read for the metrics.
+const STREAM_POLL: Duration = Duration::from_secs(5);
+/// At most one truncation warning per deployment this often (each is counted).
+const TRUNCATION_WARN_INTERVAL: Duration = Duration::from_secs(30);
+
+/// Reads the stream's state every [`STREAM_POLL`] until `cancel`: its bytes and age next to
+/// its limits, for the metrics. A failed read keeps the last figures.
+async fn monitor_stream(
+    mut stream: jetstream::stream::Stream,
+    state: Arc<CatchUpState>,
+    cancel: CancellationToken,
+) -> Result<(), TaskError> {
+    let mut tick = tokio::time::interval(STREAM_POLL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        let info = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            info = tokio::time::timeout(STREAM_POLL, stream.info()) => info,
+        };
+        if let Ok(Ok(info)) = info {
+            let oldest = if info.state.messages == 0 {
+                Duration::ZERO
+            } else {
+                let age = time::OffsetDateTime::now_utc() - info.state.first_timestamp;
+                age.try_into().unwrap_or(Duration::ZERO)
+            };
+            *state.stream.lock() = Some(StreamFigures {
+                bytes: info.state.bytes,
+                messages: info.state.messages,
+                first_sequence: info.state.first_sequence,
+                last_sequence: info.state.last_sequence,
+                oldest_age: oldest,
+                max_bytes: info.config.max_bytes,
+                max_age: info.config.max_age,
+            });
         }
     }
 }

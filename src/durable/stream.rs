@@ -1,4 +1,6 @@
-//! The JetStream stream that keeps lease events for late router replicas.
+//! The JetStream streams that keep lease events for late router replicas: one per
+//! deployment, so that a NATS cluster can place each on other nodes and one deployment's
+//! traffic cannot push another's events out.
 
 use std::time::Duration;
 
@@ -6,38 +8,70 @@ use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind};
 use async_nats::jetstream::{self, stream};
 use tracing::info;
 
-use crate::subject::SubjectPrefix;
+use crate::subject::{SubjectPrefix, Subjects};
 
-/// Settings of the lease stream.
+/// Default bound on each deployment's stream: 1 GiB holds about 6.5M events of ~166 bytes.
+pub const DEFAULT_STREAM_MAX_BYTES: i64 = 1 << 30;
+
+/// Limits of each deployment's lease stream (the name and subjects follow from the
+/// deployment, see [`stream_name`]).
 #[derive(Clone, Debug)]
 pub struct LeaseStreamConfig {
-    /// Stream name; derived from the subject prefix by default.
-    pub name: String,
-    pub prefix: SubjectPrefix,
     /// How long events are kept: at least two lease lifetimes, so a replica that starts
     /// late sees the admission of every lease that can still be live.
     pub max_age: Duration,
-    /// Bound on the stream's size; the oldest events go first.
+    /// Bound on each deployment's stream; the oldest events go first (and a replica that
+    /// needed them says so: see [`crate::CatchUpState::truncated_events`]).
     pub max_bytes: i64,
     /// Window in which a re-sent event (same `Nats-Msg-Id`) is stored once.
     pub duplicate_window: Duration,
-    /// Copies kept in a cluster (1 on a single server, 3 on a three-node cluster).
+    /// Copies kept in a cluster (1 on a single server, 3 on a three-node cluster); also of
+    /// the snapshot buckets.
     pub replicas: usize,
+    /// How often the writer replica snapshots the deployment's state.
+    pub snapshot_interval: Duration,
+    /// Snapshot intervals the stream keeps: `max_age` is this many intervals (at least
+    /// [`MIN_STREAM_MAX_AGE`]), so a replica finds the events after any of the last few
+    /// snapshots.
+    pub snapshot_keep: u32,
+}
+
+/// Default interval between two snapshots of a deployment.
+pub const DEFAULT_SNAPSHOT_INTERVAL: Duration = Duration::from_secs(60);
+/// Default number of snapshot intervals a stream keeps.
+pub const DEFAULT_SNAPSHOT_KEEP: u32 = 4;
+/// The shortest age limit of a stream: the window in which a re-sent event is stored once
+/// needs some history.
+pub const MIN_STREAM_MAX_AGE: Duration = Duration::from_secs(60);
+
+impl Default for LeaseStreamConfig {
+    fn default() -> Self {
+        Self {
+            max_age: DEFAULT_SNAPSHOT_INTERVAL * DEFAULT_SNAPSHOT_KEEP,
+            max_bytes: DEFAULT_STREAM_MAX_BYTES,
+            duplicate_window: Duration::from_secs(120),
+            replicas: 1,
+            snapshot_interval: DEFAULT_SNAPSHOT_INTERVAL,
+            snapshot_keep: DEFAULT_SNAPSHOT_KEEP,
+        }
+    }
 }
 
 impl LeaseStreamConfig {
-    /// A stream for `prefix` that keeps two lease lifetimes (a lease lives up to two scan
-    /// intervals after its last renewal).
-    pub fn new(prefix: SubjectPrefix, scan_interval: Duration) -> Self {
-        let lease_lifetime = scan_interval * 2;
-        Self {
-            name: stream_name(&prefix),
-            prefix,
-            max_age: (lease_lifetime * 2).max(Duration::from_secs(60)),
-            max_bytes: 1 << 30,
-            duplicate_window: Duration::from_secs(120),
-            replicas: 1,
-        }
+    /// Streams that keep [`DEFAULT_SNAPSHOT_KEEP`] snapshot intervals of
+    /// [`DEFAULT_SNAPSHOT_INTERVAL`]: with snapshots, a stream need not hold two lease
+    /// lifetimes (a long-lived lease's admission is in the snapshot).
+    pub fn new() -> Self {
+        Self::default().with_snapshots(DEFAULT_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_KEEP)
+    }
+
+    /// Snapshots every `interval`; the stream keeps `keep` intervals (at least one, and at
+    /// least [`MIN_STREAM_MAX_AGE`]).
+    pub fn with_snapshots(mut self, interval: Duration, keep: u32) -> Self {
+        self.snapshot_interval = interval.max(Duration::from_millis(100));
+        self.snapshot_keep = keep.max(1);
+        self.max_age = (self.snapshot_interval * self.snapshot_keep).max(MIN_STREAM_MAX_AGE);
+        self
     }
 
     pub fn with_replicas(mut self, replicas: usize) -> Self {
@@ -45,11 +79,19 @@ impl LeaseStreamConfig {
         self
     }
 
-    fn to_stream_config(&self) -> stream::Config {
+    pub fn with_max_bytes(mut self, max_bytes: i64) -> Self {
+        self.max_bytes = max_bytes;
+        self
+    }
+
+    fn to_stream_config(&self, subjects: &Subjects) -> stream::Config {
         stream::Config {
-            name: self.name.clone(),
-            description: Some("lease-router request-lease events".into()),
-            subjects: vec![format!("{}.>", self.prefix)],
+            name: stream_name(subjects),
+            description: Some(format!(
+                "lease-router request-lease events of deployment {}",
+                subjects.deployment()
+            )),
+            subjects: vec![subjects.deployment_filter()],
             retention: stream::RetentionPolicy::Limits,
             discard: stream::DiscardPolicy::Old,
             storage: stream::StorageType::File,
@@ -62,12 +104,23 @@ impl LeaseStreamConfig {
     }
 }
 
-/// `leases` becomes `LEASE_ROUTER_leases`; dots (not allowed in names) become `_`.
-pub fn stream_name(prefix: &SubjectPrefix) -> String {
+/// The stream of one deployment: `leases` and `llama-70b` give
+/// `LEASE_ROUTER_leases__llama-70b` (dots, not allowed in names, become `_`).
+pub fn stream_name(subjects: &Subjects) -> String {
+    format!(
+        "LEASE_ROUTER_{}__{}",
+        subjects.prefix().as_str().replace('.', "_"),
+        subjects.deployment()
+    )
+}
+
+/// The single stream of every deployment that versions before per-deployment streams
+/// created: `LEASE_ROUTER_{prefix}` over `{prefix}.>`.
+pub fn legacy_stream_name(prefix: &SubjectPrefix) -> String {
     format!("LEASE_ROUTER_{}", prefix.as_str().replace('.', "_"))
 }
 
-/// Why the lease stream could not be made ready.
+/// Why a deployment's lease stream could not be made ready or found.
 #[derive(Debug, thiserror::Error)]
 pub enum EnsureStreamError {
     #[error(
@@ -76,10 +129,37 @@ pub enum EnsureStreamError {
     )]
     JetStreamUnavailable,
     #[error(
-        "no JetStream stream {name} holds {prefix}.>: start a router with `serve --durable` \
-         first (it creates the stream), or publish without --durable"
+        "no JetStream stream {name} holds deployment {deployment}'s events ({filter}): a \
+         durable router creates it when the deployment is added (`serve --durable \
+         --deployment {deployment}`, or PUT /v1/deployments/{deployment}); add the \
+         deployment first, or publish without --durable"
     )]
-    Missing { name: String, prefix: String },
+    Missing {
+        name: String,
+        deployment: String,
+        filter: String,
+    },
+    /// An installation from before per-deployment streams: its one stream takes every
+    /// deployment's subjects, so no deployment stream can be created beside it.
+    #[error(
+        "JetStream stream {name} holds every deployment's events ({prefix}.>), the layout of \
+         lease-router before one stream per deployment; a stream per deployment cannot be \
+         created beside it. To move on: stop the durable routers and publishers of prefix \
+         {prefix}, delete it (`nats stream rm {name}`), then start the routers again (each \
+         creates its deployment's stream). Leases admitted before the switch are unknown to \
+         replicas that start afterwards until they end. Or keep running the previous version"
+    )]
+    Legacy { name: String, prefix: String },
+    /// The name is taken by a stream over other subjects.
+    #[error(
+        "JetStream stream {name} exists over {found:?}, not {wanted}: it is not this \
+         deployment's lease stream; delete or rename it, or choose another subject prefix"
+    )]
+    Foreign {
+        name: String,
+        found: Vec<String>,
+        wanted: String,
+    },
     #[error("creating or updating stream {name} failed: {source}")]
     Create {
         name: String,
@@ -88,29 +168,47 @@ pub enum EnsureStreamError {
     },
 }
 
-/// Creates the stream, or updates it to `config` if it exists: safe to call from every
-/// replica at every start.
+/// Creates the stream of `subjects`' deployment, or updates its limits to `config` if it
+/// exists: safe to call from every replica at every start. Never deletes anything.
 ///
 /// # Errors
-/// [`EnsureStreamError::JetStreamUnavailable`] when the server runs without JetStream.
+/// [`EnsureStreamError::JetStreamUnavailable`] when the server runs without JetStream,
+/// [`EnsureStreamError::Legacy`] beside an installation's single stream,
+/// [`EnsureStreamError::Foreign`] when the name is taken by another stream.
 pub async fn ensure_stream(
     js: &jetstream::Context,
     config: &LeaseStreamConfig,
+    subjects: &Subjects,
 ) -> Result<stream::Stream, EnsureStreamError> {
-    let wanted = config.to_stream_config();
+    let wanted = config.to_stream_config(subjects);
+    let name = wanted.name.clone();
     let create_error =
         |source: Box<dyn std::error::Error + Send + Sync>| EnsureStreamError::Create {
-            name: config.name.clone(),
+            name: name.clone(),
             source,
         };
-    let stream = match js.get_or_create_stream(wanted.clone()).await {
-        Ok(stream) => stream,
-        Err(e) if is_unavailable(e.kind()) => return Err(EnsureStreamError::JetStreamUnavailable),
-        Err(e) => return Err(create_error(Box::new(e))),
+    let stream = match find_stream(js, subjects).await? {
+        Some(stream) => stream,
+        None => {
+            refuse_legacy(js, subjects.prefix()).await?;
+            match js.create_stream(wanted.clone()).await {
+                Ok(stream) => {
+                    info!(stream = %name, "lease stream created");
+                    stream
+                }
+                // Another replica created it meanwhile.
+                Err(e) if is_already_in_use(e.kind()) => find_stream(js, subjects)
+                    .await?
+                    .ok_or_else(|| create_error(Box::new(e)))?,
+                Err(e) if is_unavailable(e.kind()) => {
+                    return Err(EnsureStreamError::JetStreamUnavailable)
+                }
+                Err(e) => return Err(create_error(Box::new(e))),
+            }
+        }
     };
     let current = &stream.cached_info().config;
-    let differs = current.subjects != wanted.subjects
-        || current.max_age != wanted.max_age
+    let differs = current.max_age != wanted.max_age
         || current.max_bytes != wanted.max_bytes
         || current.duplicate_window != wanted.duplicate_window
         || current.num_replicas != wanted.num_replicas;
@@ -118,43 +216,132 @@ pub async fn ensure_stream(
         js.update_stream(wanted)
             .await
             .map_err(|e| create_error(Box::new(e)))?;
-        info!(stream = %config.name, "lease stream updated");
+        info!(stream = %name, "lease stream limits updated");
         return js
-            .get_stream(&config.name)
+            .get_stream(&name)
             .await
             .map_err(|e| create_error(Box::new(e)));
     }
     Ok(stream)
 }
 
-/// Checks that the lease stream of `prefix` exists, without creating or changing it: what
-/// a durable publisher does, so that only routers decide the stream's settings.
+/// Checks that the stream of `subjects`' deployment exists, without creating or changing
+/// it: what a durable publisher does, so that only routers decide the stream's settings.
 ///
 /// # Errors
-/// [`EnsureStreamError::Missing`] when no router has created it yet.
+/// [`EnsureStreamError::Missing`] when no router has added the deployment yet,
+/// [`EnsureStreamError::Legacy`] when only an installation's single stream exists.
 pub async fn require_stream(
     js: &jetstream::Context,
-    prefix: &SubjectPrefix,
+    subjects: &Subjects,
 ) -> Result<stream::Stream, EnsureStreamError> {
-    let name = stream_name(prefix);
-    match js.get_stream(&name).await {
-        Ok(stream) => Ok(stream),
+    if let Some(stream) = find_stream(js, subjects).await? {
+        return Ok(stream);
+    }
+    refuse_legacy(js, subjects.prefix()).await?;
+    Err(EnsureStreamError::Missing {
+        name: stream_name(subjects),
+        deployment: subjects.deployment().to_string(),
+        filter: subjects.deployment_filter(),
+    })
+}
+
+/// Deletes the stream of `subjects`' deployment and every event in it: only on an explicit
+/// request (removing a deployment from a router keeps its stream for the other replicas).
+/// Returns whether there was one.
+///
+/// # Errors
+/// [`EnsureStreamError::Foreign`] when the name is taken by another stream (left alone).
+pub async fn delete_stream(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<bool, EnsureStreamError> {
+    let name = stream_name(subjects);
+    if find_stream(js, subjects).await?.is_none() {
+        return Ok(false);
+    }
+    js.delete_stream(&name)
+        .await
+        .map_err(|e| EnsureStreamError::Create {
+            name: name.clone(),
+            source: Box::new(e),
+        })?;
+    info!(stream = %name, "lease stream deleted");
+    Ok(true)
+}
+
+/// The deployment's stream if it exists, checked to be over its subjects.
+async fn find_stream(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<Option<stream::Stream>, EnsureStreamError> {
+    let name = stream_name(subjects);
+    let Some(stream) = get_stream(js, &name).await? else {
+        return Ok(None);
+    };
+    let wanted = subjects.deployment_filter();
+    let found = &stream.cached_info().config.subjects;
+    if found.len() != 1 || found[0] != wanted {
+        return Err(EnsureStreamError::Foreign {
+            name,
+            found: found.clone(),
+            wanted,
+        });
+    }
+    Ok(Some(stream))
+}
+
+/// Fails with [`EnsureStreamError::Legacy`] when the single stream of an older installation
+/// holds the prefix.
+async fn refuse_legacy(
+    js: &jetstream::Context,
+    prefix: &SubjectPrefix,
+) -> Result<(), EnsureStreamError> {
+    let name = legacy_stream_name(prefix);
+    match get_stream(js, &name).await? {
+        Some(stream)
+            if stream
+                .cached_info()
+                .config
+                .subjects
+                .contains(&format!("{prefix}.>")) =>
+        {
+            Err(EnsureStreamError::Legacy {
+                name,
+                prefix: prefix.to_string(),
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+async fn get_stream(
+    js: &jetstream::Context,
+    name: &str,
+) -> Result<Option<stream::Stream>, EnsureStreamError> {
+    match js.get_stream(name).await {
+        Ok(stream) => Ok(Some(stream)),
         Err(e) => match e.kind() {
-            GetStreamErrorKind::JetStream(j) if j.code() == 404 => {
-                Err(EnsureStreamError::Missing {
-                    name,
-                    prefix: prefix.to_string(),
-                })
-            }
+            GetStreamErrorKind::JetStream(j) if j.code() == 404 => Ok(None),
             GetStreamErrorKind::JetStream(j) if j.code() == 503 => {
                 Err(EnsureStreamError::JetStreamUnavailable)
             }
+            // No responder on the API subject: a server without JetStream.
+            GetStreamErrorKind::Request if is_no_responders(&e) => {
+                Err(EnsureStreamError::JetStreamUnavailable)
+            }
             _ => Err(EnsureStreamError::Create {
-                name,
+                name: name.to_owned(),
                 source: Box::new(e),
             }),
         },
     }
+}
+
+fn is_no_responders(e: &(dyn std::error::Error + 'static)) -> bool {
+    std::error::Error::source(e)
+        .and_then(|source| source.downcast_ref::<jetstream::context::RequestError>())
+        .is_some_and(|r| r.kind() == jetstream::context::RequestErrorKind::NoResponders)
 }
 
 fn is_unavailable(kind: CreateStreamErrorKind) -> bool {
@@ -164,4 +351,10 @@ fn is_unavailable(kind: CreateStreamErrorKind) -> bool {
         CreateStreamErrorKind::JetStream(e) => e.code() == 503,
         _ => false,
     }
+}
+
+/// "stream name already in use" (JetStream error 10058): a concurrent create won.
+fn is_already_in_use(kind: CreateStreamErrorKind) -> bool {
+    matches!(kind, CreateStreamErrorKind::JetStream(e)
+        if e.error_code() == async_nats::jetstream::ErrorCode::STREAM_NAME_EXIST)
 }

@@ -40,8 +40,9 @@ pub struct ApplyConfig {
     /// Publishers whose sequence windows are kept; the least recent is forgotten past this.
     pub max_publishers: usize,
     /// Drop events older than a publisher's sequence window (core NATS, where they cannot
-    /// be told from duplicates). Durable mode turns this off: JetStream already stored each
-    /// event once, and a retried publish may land far behind its neighbours.
+    /// be told from duplicates). [`crate::JetStreamIngress`] turns it off whatever is given:
+    /// JetStream already stored each event once, and a retried publish may land far behind
+    /// its neighbours.
     pub drop_behind_window: bool,
 }
 
@@ -164,6 +165,17 @@ impl EventApplier {
         self.counts
             .set_held(self.tombstones.events() + self.held_progress.events());
         self.counts.flush(&self.stats);
+    }
+
+    /// The sequence windows, for a snapshot.
+    pub(crate) fn sequence_image(&self) -> super::sequence::SequenceImage {
+        self.sequences.image()
+    }
+
+    /// Takes the sequence windows of a snapshot: the events after it are judged as the
+    /// writer judged them.
+    pub(crate) fn restore_sequences(&mut self, image: super::sequence::SequenceImage) {
+        self.sequences.restore(image);
     }
 
     /// Whether publish-to-apply lag is recorded: not while replaying old events.

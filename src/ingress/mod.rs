@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
 pub use apply::{Applied, ApplyConfig, EventApplier};
+pub(crate) use sequence::SequenceImage;
 
 use crate::lease::Reaper;
 use crate::router::{IngressContext, IngressStart, RouterTask, TaskError};

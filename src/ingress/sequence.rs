@@ -47,6 +47,15 @@ struct PublisherWindow {
     last_used: u64,
 }
 
+/// What a snapshot keeps of a [`SequenceTracker`]: each publisher's window, and which
+/// publisher each worker had (to tell a restart).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct SequenceImage {
+    /// `(publisher, first, highest, seen bits)`, least recently heard first.
+    publishers: Vec<(u64, u64, u64, Vec<u64>)>,
+    worker_publishers: Vec<(u64, u64)>,
+}
+
 /// The windows of every publisher heard from, bounded in number.
 #[derive(Debug)]
 pub struct SequenceTracker {
@@ -98,6 +107,45 @@ impl SequenceTracker {
         self.worker_publishers
             .insert(worker, publisher)
             .is_some_and(|before| before != publisher)
+    }
+
+    /// The tracker as a snapshot keeps it.
+    pub(crate) fn image(&self) -> SequenceImage {
+        let mut publishers: Vec<_> = self.publishers.iter().collect();
+        publishers.sort_unstable_by_key(|(_, w)| w.last_used);
+        SequenceImage {
+            publishers: publishers
+                .into_iter()
+                .map(|(&id, w)| (id, w.first, w.highest, w.seen.to_vec()))
+                .collect(),
+            worker_publishers: self
+                .worker_publishers
+                .iter()
+                .map(|(&w, &p)| (w, p))
+                .collect(),
+        }
+    }
+
+    /// Replaces the tracked state with a snapshot's. A window of the wrong size is skipped:
+    /// its publisher is heard afresh.
+    pub(crate) fn restore(&mut self, image: SequenceImage) {
+        self.publishers.clear();
+        for (id, first, highest, seen) in image.publishers {
+            let Ok(seen) = <[u64; WORDS]>::try_from(seen) else {
+                continue;
+            };
+            self.clock += 1;
+            self.publishers.insert(
+                id,
+                PublisherWindow {
+                    first,
+                    highest,
+                    seen: Box::new(seen),
+                    last_used: self.clock,
+                },
+            );
+        }
+        self.worker_publishers = image.worker_publishers.into_iter().collect();
     }
 
     #[cfg(test)]
@@ -300,6 +348,24 @@ mod tests {
         assert_eq!(t.observe(1, 2), Late);
         assert_eq!(t.observe(1, 4097), NONE_LOST);
         assert_eq!(t.observe(1, 1), TooOld);
+    }
+
+    /// A tracker restored from its image tells duplicates, holes and restarts as the
+    /// original does.
+    #[test]
+    fn a_restored_tracker_judges_as_the_original() {
+        let mut t = SequenceTracker::new(10);
+        for s in (1..=100).filter(|s| s % 10 != 0) {
+            t.observe(1, s);
+        }
+        t.observe(2, 7);
+        t.new_publisher_of(5, 1);
+        let mut r = SequenceTracker::new(10);
+        r.restore(t.image());
+        for (p, s) in [(1, 99), (1, 50), (1, 101), (2, 7), (2, 8), (3, 1)] {
+            assert_eq!(r.observe(p, s), t.observe(p, s), "({p}, {s})");
+        }
+        assert!(r.new_publisher_of(5, 9), "worker 5 had publisher 1");
     }
 
     #[test]

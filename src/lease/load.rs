@@ -109,6 +109,21 @@ impl LeaseLoad {
         }
     }
 
+    /// The admitted sizes, and the output count once prefill is done: what a snapshot keeps
+    /// to rebuild this load with an admission and a `progressed`.
+    pub(crate) fn image(&self) -> (RequestLoad, Option<u32>) {
+        let a = self.admitted;
+        let progress = self.progress.load(Ordering::Acquire);
+        let load = RequestLoad {
+            prompt_tokens: a.prompt_tokens,
+            expected_output_tokens: (a.expected_output_tokens > 0)
+                .then_some(a.expected_output_tokens),
+            cached_tokens: a.prompt_tokens - a.uncached_tokens,
+        };
+        let output = (progress & PREFILL_DONE != 0).then_some((progress & OUTPUT_MASK) as u32);
+        (load, output)
+    }
+
     /// Freezes the weight, for the release by whoever claimed the lease: later progress
     /// steps change nothing. Returns the final weight.
     pub(crate) fn seal(&self) -> BookingWeight {

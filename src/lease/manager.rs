@@ -213,6 +213,19 @@ impl Lease {
 }
 
 /// A lease as the API shows it.
+/// A live lease as a snapshot keeps it (see [`LeaseBatch::restore`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct LeaseImage {
+    pub request_id: String,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub load: RequestLoad,
+    /// Set once prefill is done.
+    pub output_tokens: Option<u32>,
+    /// Not renewed since the last scan: the next scan expires it.
+    pub quiet: bool,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaseRecord {
     pub booking: SchedulerBookingDescriptor,
@@ -565,6 +578,24 @@ impl LeaseBatch {
     ) -> AdmitOutcome {
         self.manager
             .admit_current_in(&mut self.pending, request_id, worker, load)
+    }
+
+    /// Rebuilds a lease from a snapshot: admitted with its sizes, advanced to its output
+    /// count, and left quiet if it was (so it expires when it would have at the writer).
+    pub(crate) fn restore(&mut self, image: &LeaseImage) -> AdmitOutcome {
+        let worker = WorkerWithDpRank::new(image.worker_id, image.dp_rank);
+        let outcome = self.admit_current(&image.request_id, worker, image.load);
+        if let Some(output) = image.output_tokens {
+            self.progress_current(&image.request_id, worker, output);
+        }
+        if image.quiet {
+            self.manager.find(&image.request_id, |_, lease| {
+                if lease.worker == worker {
+                    lease.clock.reap();
+                }
+            });
+        }
+        outcome
     }
 
     /// [`RequestLeaseManager::touch_current`] within the batch.
@@ -953,6 +984,32 @@ impl RequestLeaseManager {
             state: lease.clock.state(),
             age: Duration::from_secs(u64::from(age)),
         }
+    }
+
+    /// Every live lease that a worker admitted (not this replica's provisional bookings), as
+    /// a snapshot keeps it. One shard's read lock at a time: ingest waits at most for the
+    /// copy of one shard.
+    pub(crate) fn lease_images(&self) -> Vec<LeaseImage> {
+        let mut out = Vec::with_capacity(self.active_leases());
+        for shard in self.inner.shards.iter() {
+            let shard = shard.read();
+            for (key, lease) in shard.iter() {
+                let state = lease.clock.state();
+                if lease.provisional || state == LeaseState::Claimed {
+                    continue;
+                }
+                let (load, output_tokens) = lease.load.image();
+                out.push(LeaseImage {
+                    request_id: key.as_str().to_owned(),
+                    worker_id: lease.worker.worker_id.0,
+                    dp_rank: lease.worker.dp_rank.0,
+                    load,
+                    output_tokens,
+                    quiet: state == LeaseState::Quiet,
+                });
+            }
+        }
+        out
     }
 
     /// Up to `limit` live leases, in no particular order.

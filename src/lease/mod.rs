@@ -15,6 +15,7 @@ mod weak_observer;
 
 pub use clock::LeaseState;
 pub use key::INLINE_KEY_BYTES;
+pub(crate) use manager::LeaseImage;
 pub use manager::{
     LeaseBatch, LeaseConfig, LeaseRecord, LeaseStats, RequestLeaseManager, StepTime,
     WeakRequestLeaseManager, DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_SCAN_INTERVAL,

@@ -241,12 +241,18 @@ pub struct DeploymentMetrics {
     pub catch_up: Option<CatchUpMetrics>,
 }
 
-/// Where a durable router's replay stands.
+/// Where a durable router's replay stands, and its stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CatchUpMetrics {
     pub done: bool,
     pub replayed: u64,
     pub seconds: f64,
+    /// Events the replica needed that the stream had discarded.
+    pub truncated_events: u64,
+    /// `None` until the stream was first read.
+    pub stream: Option<crate::durable::StreamFigures>,
+    /// Snapshots this replica wrote and loaded.
+    pub snapshots: crate::durable::SnapshotFigures,
 }
 
 /// Everything the metrics exporter reads, taken at scrape time.
@@ -635,6 +641,35 @@ impl DeploymentHost {
             .collect()
     }
 
+    /// Running deployments that serve, but from an incomplete picture: in durable mode, the
+    /// stream discarded events the replica needed within the last two lease scan intervals
+    /// (the leases those events ended have expired by then; those they admitted stay
+    /// unknown until they end).
+    pub fn degraded(&self) -> Vec<(DeploymentName, String)> {
+        let window = self.inner.settings.lease_scan_interval * 2;
+        let state = self.inner.state.lock();
+        state
+            .slots
+            .iter()
+            .filter_map(|(name, slot)| {
+                let Slot::Running(running) = slot else {
+                    return None;
+                };
+                let catch_up = running.catch_up.as_ref()?;
+                let since = catch_up.since_truncation().filter(|&s| s < window)?;
+                Some((
+                    name.clone(),
+                    format!(
+                        "the lease stream no longer held {} event(s) this replica needed \
+                         ({}s ago): leases they admitted are missing",
+                        catch_up.truncated_events(),
+                        since.as_secs()
+                    ),
+                ))
+            })
+            .collect()
+    }
+
     /// Tasks of every router of this host still running: hosted deployments, and removed
     /// ones whose tasks did not end in time.
     pub fn live_tasks(&self) -> usize {
@@ -718,6 +753,9 @@ impl DeploymentHost {
                         done: c.is_caught_up(),
                         replayed: c.replayed(),
                         seconds: c.duration().as_secs_f64(),
+                        truncated_events: c.truncated_events(),
+                        stream: c.stream_figures(),
+                        snapshots: c.snapshot_figures(),
                     }),
                 }
             })

@@ -4,7 +4,7 @@
 //! | --- | --- |
 //! | `GET /` | the status page: one self-contained HTML page that reads the routes below |
 //! | `GET /healthz` | 200 while the client reports its NATS connection up (a silent partition turns it 503 within three ping intervals), 503 otherwise |
-//! | `GET /readyz` | 200 once every deployment's router is live (and the [`ReadinessHook`], if any, agrees), 503 otherwise |
+//! | `GET /readyz` | 200 once every deployment's router is live (and the [`ReadinessHook`], if any, agrees), 503 otherwise; `degraded` lists durable deployments whose stream lacked events they needed |
 //! | `GET /metrics` | OpenMetrics text (see [`super::metrics`]) |
 //! | `GET /v1/deployments` | the deployments with their active lease counts |
 //! | `GET /v1/deployments/{name}` | one deployment, its ingress counters and, in durable mode, its catch-up |
@@ -481,6 +481,9 @@ async fn readyz(State(state): State<ApiState>) -> Response {
         "ready": ready,
         "deployments": state.host.names().len(),
         "not_ready": not_ready,
+        "degraded": state.host.degraded().into_iter()
+            .map(|(name, why)| json!({ "deployment": name, "reason": why }))
+            .collect::<Vec<_>>(),
         "reason": (!ready).then(|| reasons.join("; ")),
     });
     let status = if ready {

@@ -474,6 +474,118 @@ pub fn encode_snapshot(
         "Durable mode: how long the replay took (0 until it is done).",
         &replay(|c| c.seconds),
     )?;
+    let truncated: Vec<_> = deps
+        .iter()
+        .filter_map(|d| {
+            Some((
+                [("deployment", d.name.as_str())],
+                d.catch_up.as_ref()?.truncated_events,
+            ))
+        })
+        .collect();
+    counter_family(
+        encoder,
+        "stream_truncated_events",
+        "Durable mode: events the replica needed that the stream had discarded by its limits.",
+        &truncated,
+    )?;
+    let snapshots = |value: fn(&crate::durable::SnapshotFigures) -> u64| {
+        deps.iter()
+            .filter_map(|d| {
+                Some((
+                    [("deployment", d.name.as_str())],
+                    value(&d.catch_up.as_ref()?.snapshots),
+                ))
+            })
+            .collect::<Vec<_>>()
+    };
+    counter_family(
+        encoder,
+        "snapshots_written",
+        "Durable mode: snapshots this replica wrote as its deployment's snapshot writer.",
+        &snapshots(|s| s.written),
+    )?;
+    counter_family(
+        encoder,
+        "snapshot_write_failures",
+        "Durable mode: snapshot writes that failed (the next interval tries again).",
+        &snapshots(|s| s.failed),
+    )?;
+    gauge_family(
+        encoder,
+        "snapshot_bytes",
+        "Durable mode: size of the last snapshot this replica wrote.",
+        &snapshots(|s| s.last_bytes),
+    )?;
+    gauge_family(
+        encoder,
+        "snapshot_sequence",
+        "Durable mode: stream sequence the last snapshot this replica wrote reflects.",
+        &snapshots(|s| s.last_sequence),
+    )?;
+    gauge_family(
+        encoder,
+        "catchup_snapshot_sequence",
+        "Durable mode: stream sequence of the snapshot loaded at start (0: none, replayed all).",
+        &snapshots(|s| s.loaded_sequence),
+    )?;
+    let fallbacks: Vec<_> = deps
+        .iter()
+        .filter_map(|d| Some((d.name.as_str(), d.catch_up.as_ref()?.snapshots)))
+        .flat_map(|(name, s)| {
+            [
+                ([("deployment", name), ("reason", "missing")], s.missing),
+                ([("deployment", name), ("reason", "invalid")], s.invalid),
+            ]
+        })
+        .collect();
+    counter_family(
+        encoder,
+        "catchup_snapshot_fallbacks",
+        "Durable mode: starts that replayed the whole stream, by reason (missing: no \
+         snapshot; invalid: unreadable, partial, corrupt or of another stream).",
+        &fallbacks,
+    )?;
+    let stream = |value: fn(&crate::durable::StreamFigures) -> f64| {
+        deps.iter()
+            .filter_map(|d| {
+                Some((
+                    [("deployment", d.name.as_str())],
+                    value(d.catch_up.as_ref()?.stream.as_ref()?),
+                ))
+            })
+            .collect::<Vec<_>>()
+    };
+    gauge_family(
+        encoder,
+        "stream_bytes",
+        "Durable mode: bytes the deployment's stream holds (see stream_max_bytes).",
+        &stream(|s| s.bytes as f64),
+    )?;
+    gauge_family(
+        encoder,
+        "stream_max_bytes",
+        "Durable mode: the stream's byte limit; past it the oldest events are discarded.",
+        &stream(|s| s.max_bytes as f64),
+    )?;
+    gauge_family(
+        encoder,
+        "stream_messages",
+        "Durable mode: events the deployment's stream holds.",
+        &stream(|s| s.messages as f64),
+    )?;
+    gauge_family(
+        encoder,
+        "stream_age_seconds",
+        "Durable mode: age of the oldest event the stream holds (see stream_max_age_seconds).",
+        &stream(|s| s.oldest_age.as_secs_f64()),
+    )?;
+    gauge_family(
+        encoder,
+        "stream_max_age_seconds",
+        "Durable mode: the stream's age limit; older events are discarded.",
+        &stream(|s| s.max_age.as_secs_f64()),
+    )?;
     counter_family(
         encoder,
         "leases_expired",

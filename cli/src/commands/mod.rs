@@ -178,14 +178,14 @@ pub fn bar(fraction: f64, width: usize) -> String {
     format!("{}{}", "█".repeat(full), "·".repeat(width - full))
 }
 
-/// Durable publishing needs the lease stream, which only routers create: say so plainly
-/// rather than retrying publishes that nothing stores.
+/// Durable publishing needs the deployment's lease stream, which only routers create: say
+/// so plainly rather than retrying publishes that nothing stores.
 pub async fn require_lease_stream(
     connection: &NatsConnection,
-    prefix: &lease_router::SubjectPrefix,
+    subjects: &lease_router::Subjects,
 ) -> Result<(), CliError> {
     let js = async_nats::jetstream::new(connection.client().clone());
-    lease_router::require_stream(&js, prefix)
+    lease_router::require_stream(&js, subjects)
         .await
         .map(drop)
         .map_err(CliError::failed)

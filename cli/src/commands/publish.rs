@@ -179,7 +179,7 @@ pub async fn run(args: PublishArgs, signals: &Signals) -> Result<(), CliError> {
         return Err(CliError::failed("interrupted before NATS answered"));
     };
     let publisher = if args.durable {
-        super::require_lease_stream(&connection, &args.subject_prefix).await?;
+        super::require_lease_stream(&connection, &subjects).await?;
         LeasePublisher::start_durable(
             connection.client().clone(),
             subjects,

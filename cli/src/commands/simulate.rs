@@ -132,7 +132,7 @@ pub async fn run(args: SimulateArgs, signals: &Signals) -> Result<(), CliError> 
         return Ok(());
     };
     if args.durable {
-        super::require_lease_stream(&connection, &args.subject_prefix).await?;
+        super::require_lease_stream(&connection, &subjects).await?;
     }
     eprintln!(
         "simulating {} workers on {} at {} requests/s for {} (Ctrl-C stops early)",
