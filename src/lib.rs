@@ -67,7 +67,7 @@ pub use durable::{
 };
 pub use durable::{snapshot_bucket, snapshot_lock_bucket};
 pub use ingress::{
-    Applied, AppliedHook, ApplyConfig, EventApplier, NatsIngress, StartIngressError,
+    Applied, AppliedHook, ApplyConfig, BatchOutcome, EventApplier, NatsIngress, StartIngressError,
 };
 pub use lease::{
     LeaseBatch, LeaseConfig, LeaseRecord, LeaseState, LeaseStats, Reaper, RequestLeaseManager,
@@ -78,7 +78,8 @@ pub use observer::{
     AdmitOutcome, CompleteOutcome, DeliverEventError, ProgressOutcome, ReplicaRequestLeaseObserver,
 };
 pub use publisher::{
-    FlushPublisherError, LeasePublisher, PublishEventError, PublisherConfig, PublisherStatsSnapshot,
+    Batching, FlushPublisherError, LeasePublisher, PublishEventError, PublisherConfig,
+    PublisherStatsSnapshot,
 };
 pub use retry::RetryPolicy;
 pub use router::{

@@ -82,7 +82,42 @@ pub struct PublisherConfig {
     /// When the last handle is dropped without [`LeasePublisher::close`], the task drains the
     /// queue and then waits at most this long for the client to flush. Default 5 s.
     pub drop_flush_timeout: Duration,
+    /// Several events of one worker subject in one message (wire 1.2, see
+    /// [`crate::wire::BatchWriter`]), or `None`: one message per event, which every router
+    /// version reads. Default `None`: turn it on once every router reads batches.
+    pub batching: Option<Batching>,
 }
+
+/// How a [`LeasePublisher`] batches (wire 1.2).
+///
+/// A worker subject's events wait at most `linger` for company; a batch goes out earlier
+/// when it holds `max_events` events or one more would make it larger than `max_bytes`.
+/// Flush and close send every open batch first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    /// How long the first event of a batch waits for more. Default 1 ms.
+    pub linger: Duration,
+    /// Events per batch message. Default 256, at least 1.
+    pub max_events: usize,
+    /// Bytes per batch message; keep it at or below the routers' `max_batch_bytes` and the
+    /// server's `max_payload`. Default 64 KiB.
+    pub max_bytes: usize,
+}
+
+impl Default for Batching {
+    fn default() -> Self {
+        Self {
+            linger: Duration::from_millis(1),
+            max_events: 256,
+            max_bytes: 64 * 1024,
+        }
+    }
+}
+
+/// Events held in open batches, over all subjects, at most: a router judges sequence numbers
+/// in windows of 4,096 per publisher, and batches of different subjects leave out of
+/// sequence order, so they must stay well inside one window.
+const MAX_OPEN_BATCH_EVENTS: usize = 2048;
 
 impl Default for PublisherConfig {
     fn default() -> Self {
@@ -96,6 +131,7 @@ impl Default for PublisherConfig {
             max_batch: 256,
             warn_interval: Duration::from_secs(5),
             drop_flush_timeout: Duration::from_secs(5),
+            batching: None,
         }
     }
 }
@@ -130,6 +166,11 @@ impl PublisherConfig {
         self.drop_flush_timeout = timeout;
         self
     }
+
+    pub fn with_batching(mut self, batching: Batching) -> Self {
+        self.batching = Some(batching);
+        self
+    }
 }
 
 /// Why [`LeasePublisher::publish`] did not queue an event.
@@ -162,6 +203,7 @@ pub enum FlushPublisherError {
 pub struct PublisherStats {
     queued: AtomicU64,
     published: AtomicU64,
+    batches: AtomicU64,
     dropped_queue_full: AtomicU64,
     failed: AtomicU64,
     retries: AtomicU64,
@@ -174,6 +216,7 @@ impl PublisherStats {
         // Read the task's counters before `queued`: every event the task counted was counted
         // as queued before it was sent into the queue, so `queued` read last covers it.
         let published = self.published.load(Ordering::Acquire);
+        let batches = self.batches.load(Ordering::Acquire);
         let failed = self.failed.load(Ordering::Acquire);
         let retries = self.retries.load(Ordering::Acquire);
         let dropped_queue_full = self.dropped_queue_full.load(Ordering::Acquire);
@@ -182,6 +225,7 @@ impl PublisherStats {
         PublisherStatsSnapshot {
             queued,
             published,
+            batches,
             dropped_queue_full,
             failed,
             retries,
@@ -197,6 +241,8 @@ pub struct PublisherStatsSnapshot {
     pub queued: u64,
     /// Events handed to the NATS client.
     pub published: u64,
+    /// Batch messages (of two events or more) handed to the NATS client.
+    pub batches: u64,
     /// Events dropped because the queue was full ([`PublishEventError::QueueFull`]).
     pub dropped_queue_full: u64,
     /// Events dropped after their last failed attempt (or that could not be encoded).
@@ -339,6 +385,14 @@ impl LeasePublisher {
             max_batch: config.max_batch.max(1),
             failure_log: LogRateLimiter::new(config.warn_interval),
             drop_flush_timeout: config.drop_flush_timeout,
+            batching: config.batching.map(|b| Batching {
+                linger: b.linger,
+                max_events: b.max_events.max(1),
+                max_bytes: b.max_bytes,
+            }),
+            open: HashMap::new(),
+            open_events: 0,
+            linger_deadline: None,
         };
         let task = tokio::spawn(worker.run(rx).instrument(span));
         LeasePublisher {
@@ -540,6 +594,16 @@ impl LeasePublisher {
     }
 }
 
+/// What one message carries, for the counts and the logs.
+struct Sent<'a> {
+    worker_id: u64,
+    first_sequence: u64,
+    events: u64,
+    /// The event's, when the message is a single event.
+    request_id: Option<&'a str>,
+    kind: Option<wire::EventKind>,
+}
+
 /// The background task's state.
 struct PublishLoop<S> {
     sink: S,
@@ -556,6 +620,21 @@ struct PublishLoop<S> {
     max_batch: usize,
     failure_log: LogRateLimiter,
     drop_flush_timeout: Duration,
+    batching: Option<Batching>,
+    /// Open batches by worker id, while batching.
+    open: HashMap<u64, OpenBatch>,
+    /// Events in `open`.
+    open_events: usize,
+    /// When the oldest open batch must go out.
+    linger_deadline: Option<tokio::time::Instant>,
+}
+
+/// A batch of one worker subject that is still filling.
+struct OpenBatch {
+    writer: wire::BatchWriter,
+    subject: Subject,
+    first_sequence: u64,
+    last_sequence: u64,
 }
 
 impl<S: EnvelopeSink> PublishLoop<S> {
@@ -565,7 +644,19 @@ impl<S: EnvelopeSink> PublishLoop<S> {
         let mut closers: Vec<oneshot::Sender<Result<(), FlushPublisherError>>> = Vec::new();
         // Ends once the channel is closed (by `close`, or by the last handle being dropped)
         // and everything in it has been taken.
-        while let Some(first) = rx.recv().await {
+        loop {
+            let first = match self.linger_deadline {
+                Some(deadline) => tokio::select! {
+                    biased;
+                    command = rx.recv() => command,
+                    () = tokio::time::sleep_until(deadline) => {
+                        self.send_open_batches().await;
+                        continue;
+                    }
+                },
+                None => rx.recv().await,
+            };
+            let Some(first) = first else { break };
             batch.push(first);
             while batch.len() < self.max_batch {
                 match rx.try_recv() {
@@ -575,8 +666,12 @@ impl<S: EnvelopeSink> PublishLoop<S> {
             }
             for command in batch.drain(..) {
                 match command {
+                    Command::Event(event) if self.batching.is_some() => {
+                        self.batch_event(event).await;
+                    }
                     Command::Event(event) => self.send_event(event).await,
                     Command::Flush(reply) => {
+                        self.send_open_batches().await;
                         // Everything before the marker is in the client now; the wait for
                         // the client's flush runs beside the task, which keeps publishing.
                         let flush = self.sink.flush();
@@ -592,7 +687,15 @@ impl<S: EnvelopeSink> PublishLoop<S> {
                     }
                 }
             }
+            // A queue that never runs dry must not keep the linger from ending.
+            if self
+                .linger_deadline
+                .is_some_and(|deadline| deadline <= tokio::time::Instant::now())
+            {
+                self.send_open_batches().await;
+            }
         }
+        self.send_open_batches().await;
 
         if closers.is_empty() {
             // Every handle was dropped: a bounded last flush, nobody is waiting for it.
@@ -633,9 +736,9 @@ impl<S: EnvelopeSink> PublishLoop<S> {
         subject
     }
 
-    /// Stamps, encodes and sends one event, retrying transient failures.
-    async fn send_event(&mut self, event: LeaseEvent) {
-        let worker_id = event.worker_id();
+    /// Stamps and encodes one event into `self.buf`, spending a sequence number; `None`
+    /// (counted and logged) if it cannot be encoded.
+    fn stamp(&mut self, event: LeaseEvent) -> Option<Envelope> {
         let envelope = Envelope::new(
             self.publisher_id,
             self.next_sequence,
@@ -647,20 +750,151 @@ impl<S: EnvelopeSink> PublishLoop<S> {
             // Not sent, so no sequence number spent.
             self.stats.failed.fetch_add(1, Ordering::AcqRel);
             self.warn_failed(&envelope, 0, &err.to_string());
-            return;
+            return None;
         }
         self.next_sequence += 1;
+        Some(envelope)
+    }
+
+    /// Stamps, encodes and sends one event, retrying transient failures.
+    async fn send_event(&mut self, event: LeaseEvent) {
+        let worker_id = event.worker_id();
+        let Some(envelope) = self.stamp(event) else {
+            return;
+        };
         let payload = Bytes::copy_from_slice(&self.buf);
         let subject = self.subject(worker_id);
         let msg_id = format!("{}-{}", envelope.publisher_id, envelope.sequence);
+        let sent = Sent {
+            worker_id,
+            first_sequence: envelope.sequence,
+            events: 1,
+            request_id: envelope.event.request_id(),
+            kind: Some(envelope.kind()),
+        };
+        self.send_message(&subject, payload, &msg_id, sent).await;
+    }
 
+    /// Stamps and encodes one event into its subject's open batch; sends the batch once it
+    /// is full, and every open batch once too many events wait.
+    async fn batch_event(&mut self, event: LeaseEvent) {
+        let Some(batching) = self.batching else {
+            return self.send_event(event).await;
+        };
+        let worker_id = event.worker_id();
+        let Some(envelope) = self.stamp(event) else {
+            return;
+        };
+        let len = self.buf.len();
+        if self
+            .open
+            .get(&worker_id)
+            .is_some_and(|open| open.writer.message_len(len) > batching.max_bytes)
+        {
+            self.send_open_batch(worker_id).await;
+        }
+        if !self.open.contains_key(&worker_id) {
+            let subject = self.subject(worker_id);
+            self.open.insert(
+                worker_id,
+                OpenBatch {
+                    writer: wire::BatchWriter::with_capacity(
+                        (len * batching.max_events).min(batching.max_bytes),
+                    ),
+                    subject,
+                    first_sequence: envelope.sequence,
+                    last_sequence: envelope.sequence,
+                },
+            );
+        }
+        let open = self.open.get_mut(&worker_id).expect("inserted above");
+        open.writer.push_encoded(&self.buf);
+        open.last_sequence = envelope.sequence;
+        let full = open.writer.events() >= batching.max_events;
+        self.open_events += 1;
+        if self.linger_deadline.is_none() {
+            self.linger_deadline = Some(tokio::time::Instant::now() + batching.linger);
+        }
+        if self.open_events >= MAX_OPEN_BATCH_EVENTS {
+            self.send_open_batches().await;
+        } else if full {
+            self.send_open_batch(worker_id).await;
+        }
+    }
+
+    /// Sends every open batch, oldest first.
+    async fn send_open_batches(&mut self) {
+        self.linger_deadline = None;
+        if self.open.is_empty() {
+            return;
+        }
+        let mut open: Vec<_> = self.open.drain().collect();
+        open.sort_unstable_by_key(|(_, batch)| batch.first_sequence);
+        self.open_events = 0;
+        for (worker_id, batch) in open {
+            self.send_batch(worker_id, batch).await;
+        }
+    }
+
+    /// Sends the open batch of `worker_id`.
+    async fn send_open_batch(&mut self, worker_id: u64) {
+        if let Some(batch) = self.open.remove(&worker_id) {
+            self.open_events -= batch.writer.events();
+            if self.open.is_empty() {
+                self.linger_deadline = None;
+            }
+            self.send_batch(worker_id, batch).await;
+        }
+    }
+
+    async fn send_batch(&mut self, worker_id: u64, mut batch: OpenBatch) {
+        let events = batch.writer.events();
+        let Some(payload) = batch.writer.finish() else {
+            return;
+        };
+        // One event goes as a plain message, under the id a single event has.
+        let msg_id = if events == 1 {
+            format!("{}-{}", self.publisher_id, batch.first_sequence)
+        } else {
+            format!(
+                "{}-{}-{}",
+                self.publisher_id, batch.first_sequence, batch.last_sequence
+            )
+        };
+        let sent = Sent {
+            worker_id,
+            first_sequence: batch.first_sequence,
+            events: events as u64,
+            request_id: None,
+            kind: None,
+        };
+        if self
+            .send_message(&batch.subject, payload, &msg_id, sent)
+            .await
+            && events > 1
+        {
+            self.stats.batches.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Sends one message of `sent.events` events, retrying transient failures; whether it
+    /// was sent.
+    async fn send_message(
+        &mut self,
+        subject: &Subject,
+        payload: Bytes,
+        msg_id: &str,
+        sent: Sent<'_>,
+    ) -> bool {
         let mut attempts = 0usize;
         loop {
             attempts += 1;
-            let error = match self.sink.send(&subject, payload.clone(), &msg_id).await {
+            let error = match self.sink.send(subject, payload.clone(), msg_id).await {
                 Ok(()) => {
-                    self.stats.published.fetch_add(1, Ordering::AcqRel);
-                    return;
+                    self.stats
+                        .published
+                        .fetch_add(sent.events, Ordering::AcqRel);
+                    return true;
                 }
                 Err(error) => error,
             };
@@ -677,22 +911,40 @@ impl<S: EnvelopeSink> PublishLoop<S> {
                 Some(delay) => {
                     self.stats.retries.fetch_add(1, Ordering::AcqRel);
                     tracing::debug!(
-                        worker = worker_id,
-                        request_id = envelope.event.request_id(),
-                        sequence = envelope.sequence,
+                        worker = sent.worker_id,
+                        request_id = sent.request_id,
+                        sequence = sent.first_sequence,
+                        events = sent.events,
                         attempt = attempts,
                         error = %error.inner(),
                         retry_in = ?delay,
-                        "publishing lease event failed, retrying"
+                        "publishing lease events failed, retrying"
                     );
                     tokio::time::sleep(delay).await;
                 }
                 None => {
-                    self.stats.failed.fetch_add(1, Ordering::AcqRel);
-                    self.warn_failed(&envelope, attempts, error.inner());
-                    return;
+                    self.stats.failed.fetch_add(sent.events, Ordering::AcqRel);
+                    self.warn_failed_message(&sent, attempts, error.inner());
+                    return false;
                 }
             }
+        }
+    }
+
+    fn warn_failed_message(&self, sent: &Sent<'_>, attempts: usize, error: &str) {
+        if let Some(suppressed) = self.failure_log.check() {
+            tracing::warn!(
+                worker = sent.worker_id,
+                request_id = sent.request_id,
+                kind = sent.kind.map(|kind| kind.as_str()),
+                sequence = sent.first_sequence,
+                events = sent.events,
+                attempts,
+                error,
+                failed = self.stats.failed.load(Ordering::Acquire),
+                suppressed,
+                "publishing lease events failed, events dropped"
+            );
         }
     }
 
@@ -727,6 +979,8 @@ mod tests {
     #[derive(Clone, Default)]
     struct MockSink {
         sent: Arc<Mutex<Vec<(String, Bytes)>>>,
+        /// The message id of each send that succeeded, in order.
+        msg_ids: Arc<Mutex<Vec<String>>>,
         /// Results of the next sends (then Ok).
         script: Arc<Mutex<VecDeque<Attempt<String>>>>,
         /// Each send takes a permit when set (none: the sink stalls).
@@ -753,10 +1007,11 @@ mod tests {
             &mut self,
             subject: &Subject,
             payload: Bytes,
-            _msg_id: &str,
+            msg_id: &str,
         ) -> impl Future<Output = Result<(), Attempt<String>>> + Send {
             let mock = self.mock.clone();
             let subject = subject.to_string();
+            let msg_id = msg_id.to_string();
             async move {
                 if let Some(gate) = &mock.gate {
                     gate.acquire().await.unwrap().forget();
@@ -765,6 +1020,7 @@ mod tests {
                     return Err(failure);
                 }
                 mock.sent.lock().push((subject, payload));
+                mock.msg_ids.lock().push(msg_id);
                 Ok(())
             }
         }
@@ -806,6 +1062,178 @@ mod tests {
         sent.iter()
             .map(|(s, p)| (s.clone(), wire::decode(p, 4096).unwrap()))
             .collect()
+    }
+
+    /// Each sent message as its events: one for a plain message, several for a batch.
+    fn messages(sent: &[(String, Bytes)]) -> Vec<(String, Vec<Envelope>)> {
+        sent.iter()
+            .map(|(subject, payload)| {
+                let events = match wire::decode_message(payload, wire::MessageLimits::default()) {
+                    wire::Message::Event(event) => vec![event.unwrap()],
+                    wire::Message::Batch(events) => events.map(Result::unwrap).collect(),
+                    wire::Message::Refused { error, .. } => panic!("{error}"),
+                };
+                (subject.clone(), events)
+            })
+            .collect()
+    }
+
+    fn batching(linger: Duration, max_events: usize, max_bytes: usize) -> PublisherConfig {
+        PublisherConfig::default().with_batching(Batching {
+            linger,
+            max_events,
+            max_bytes,
+        })
+    }
+
+    const LONG: Duration = Duration::from_secs(3600);
+
+    #[tokio::test]
+    async fn batches_hold_one_subjects_events_up_to_the_event_bound() {
+        let mock = MockSink::default();
+        let publisher = start(&mock, batching(LONG, 4, 64 * 1024));
+        for i in 0..10u32 {
+            publisher.admitted(format!("r{i}"), 1, 0, i, None).unwrap();
+            if i < 3 {
+                publisher
+                    .completed(format!("r{i}"), 2, 0, Outcome::Finished)
+                    .unwrap();
+            }
+        }
+        timeout(WAIT, publisher.flush()).await.unwrap().unwrap();
+        let sent = messages(&mock.sent.lock());
+        let sizes: Vec<_> = sent.iter().map(|(s, e)| (s.as_str(), e.len())).collect();
+        // Full batches as they fill, the rest at the flush, oldest first.
+        assert_eq!(
+            sizes,
+            [
+                ("t.dep.1", 4),
+                ("t.dep.1", 4),
+                ("t.dep.2", 3),
+                ("t.dep.1", 2)
+            ]
+        );
+        let mut sequences = Vec::new();
+        for ((subject, events), msg_id) in sent.iter().zip(mock.msg_ids.lock().iter()) {
+            for event in events {
+                assert_eq!(*subject, format!("t.dep.{}", event.event.worker_id()));
+                assert_eq!(event.publisher_id, publisher.publisher_id());
+            }
+            let (first, last) = (events[0].sequence, events.last().unwrap().sequence);
+            assert!(events.windows(2).all(|w| w[0].sequence < w[1].sequence));
+            assert_eq!(
+                *msg_id,
+                format!("{}-{first}-{last}", publisher.publisher_id())
+            );
+            sequences.extend(events.iter().map(|e| e.sequence));
+        }
+        sequences.sort_unstable();
+        assert_eq!(sequences, (1..=13).collect::<Vec<_>>(), "each number once");
+        let stats = timeout(WAIT, publisher.close()).await.unwrap().unwrap();
+        assert_eq!(
+            (stats.published, stats.batches, stats.pending()),
+            (13, 4, 0)
+        );
+    }
+
+    #[tokio::test]
+    async fn batches_stay_within_the_byte_bound() {
+        let mock = MockSink::default();
+        let publisher = start(&mock, batching(LONG, 256, 400));
+        for i in 0..50u32 {
+            publisher
+                .admitted(format!("request-{i}"), 1, 0, i, None)
+                .unwrap();
+        }
+        timeout(WAIT, publisher.flush()).await.unwrap().unwrap();
+        let sent = mock.sent.lock().clone();
+        assert!(sent.len() > 1);
+        assert!(
+            sent.iter().all(|(_, payload)| payload.len() <= 400),
+            "{sent:?}"
+        );
+        assert!(
+            sent.iter().any(|(_, payload)| payload.len() > 300),
+            "batches fill up"
+        );
+        let events: usize = messages(&sent).iter().map(|(_, e)| e.len()).sum();
+        assert_eq!(events, 50);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_linger_sends_what_waits_and_one_event_goes_plain() {
+        let mock = MockSink::default();
+        let publisher = start(&mock, batching(Duration::from_millis(5), 256, 64 * 1024));
+        publisher.admitted("a", 1, 0, 1, None).unwrap();
+        publisher.admitted("b", 1, 0, 1, None).unwrap();
+        publisher.admitted("c", 2, 0, 1, None).unwrap();
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        assert!(mock.sent.lock().is_empty(), "the linger is not over");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let sent = mock.sent.lock().clone();
+        let sizes: Vec<_> = messages(&sent)
+            .iter()
+            .map(|(s, e)| (s.clone(), e.len()))
+            .collect();
+        assert_eq!(
+            sizes,
+            [("t.dep.1".to_string(), 2), ("t.dep.2".to_string(), 1)]
+        );
+        // The lone event is a plain 1.0 message, under a single event's id.
+        assert!(matches!(
+            wire::decode_message(&sent[1].1, wire::MessageLimits::default()),
+            wire::Message::Event(Ok(_))
+        ));
+        assert_eq!(
+            mock.msg_ids.lock()[1],
+            format!("{}-3", publisher.publisher_id())
+        );
+        assert_eq!(
+            mock.flushes.load(Ordering::Acquire),
+            0,
+            "no flush was asked"
+        );
+        let stats = timeout(WAIT, publisher.close()).await.unwrap().unwrap();
+        assert_eq!((stats.published, stats.batches), (3, 1));
+    }
+
+    #[tokio::test]
+    async fn too_many_open_events_send_every_batch() {
+        let mock = MockSink::default();
+        let publisher = start(&mock, batching(LONG, 256, 64 * 1024));
+        let workers = MAX_OPEN_BATCH_EVENTS as u64 / 2;
+        for i in 0..2 * workers {
+            publisher
+                .admitted(format!("r{i}"), i % workers, 0, 1, None)
+                .unwrap();
+        }
+        // No flush, and the linger is an hour: only the bound on open events sends them.
+        let all_sent = async {
+            while mock.sent.lock().len() < workers as usize {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        timeout(WAIT, all_sent).await.expect("sent without a flush");
+        let sent = messages(&mock.sent.lock());
+        assert!(sent.iter().all(|(_, events)| events.len() == 2));
+        let first: Vec<_> = sent.iter().map(|(_, e)| e[0].sequence).collect();
+        assert!(first.windows(2).all(|w| w[0] < w[1]), "oldest batch first");
+        publisher.close().await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_batch_fails_each_of_its_events() {
+        let mock = MockSink::default();
+        mock.script
+            .lock()
+            .push_back(Attempt::Permanent("too big".to_string()));
+        let publisher = start(&mock, batching(LONG, 3, 64 * 1024));
+        for i in 0..5u32 {
+            publisher.admitted(format!("r{i}"), 1, 0, i, None).unwrap();
+        }
+        let stats = timeout(WAIT, publisher.close()).await.unwrap().unwrap();
+        assert_eq!((stats.failed, stats.published, stats.batches), (3, 2, 1));
+        assert_eq!(stats.pending(), 0);
     }
 
     #[tokio::test]

@@ -171,6 +171,8 @@ impl LagHistogram {
 #[derive(Debug, Default)]
 pub(crate) struct PendingCounts {
     received: u64,
+    batches: u64,
+    batched_events: u64,
     applied: [u64; EVENT_KINDS.len()],
     dropped: [u64; DropReason::ALL.len()],
     /// Events held now by the applier, and what of it [`IngressStats`] shows already: the
@@ -185,6 +187,12 @@ pub(crate) struct PendingCounts {
 impl PendingCounts {
     pub(crate) fn received(&mut self) {
         self.received += 1;
+    }
+
+    /// A batch message declaring `events` events (each is also counted as received).
+    pub(crate) fn batch(&mut self, events: usize) {
+        self.batches += 1;
+        self.batched_events += events as u64;
     }
 
     pub(crate) fn applied(&mut self, kind: EventKind) {
@@ -224,6 +232,8 @@ impl PendingCounts {
             }
         }
         add(&stats.received, &mut self.received);
+        add(&stats.batches, &mut self.batches);
+        add(&stats.batched_events, &mut self.batched_events);
         for (counter, n) in stats.applied.iter().zip(&mut self.applied) {
             add(counter, n);
         }
@@ -253,6 +263,8 @@ impl PendingCounts {
 #[derive(Debug, Default)]
 pub struct IngressStats {
     received: AtomicU64,
+    batches: AtomicU64,
+    batched_events: AtomicU64,
     applied: [AtomicU64; 4],
     dropped: [AtomicU64; DropReason::ALL.len()],
     /// A gauge: events held now by the appliers writing these stats.
@@ -267,7 +279,12 @@ pub struct IngressStats {
 /// A point-in-time copy of [`IngressStats`].
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct IngressStatsSnapshot {
+    /// Events received: one per single-event message, one per event a batch declares.
     pub received: u64,
+    /// Batch messages received (wire 1.2), readable or not.
+    pub batches: u64,
+    /// Events those batches declared (included in `received`).
+    pub batched_events: u64,
     /// By event kind label.
     pub applied: Vec<(&'static str, u64)>,
     /// By drop reason label.
@@ -352,6 +369,8 @@ impl IngressStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         IngressStatsSnapshot {
             received: get(&self.received),
+            batches: get(&self.batches),
+            batched_events: get(&self.batched_events),
             applied: EVENT_KINDS
                 .iter()
                 .zip(&self.applied)

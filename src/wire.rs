@@ -64,6 +64,12 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::types::{RequestId, RequestLoad, WorkerWithDpRank};
 
+mod batch;
+pub use batch::{
+    decode_message, encode_batch, BatchEvents, BatchWriter, Message, MessageLimits, BATCH_KIND,
+    DEFAULT_MAX_BATCH_BYTES, EVENTS_KEY,
+};
+
 /// The schema major version this module writes and reads.
 pub const WIRE_VERSION: u16 = 1;
 
@@ -547,6 +553,8 @@ pub enum EncodeEventError {
     ZeroSequence,
     #[error("cannot encode event: {0}")]
     Serialize(String),
+    #[error("cannot encode a batch of no events")]
+    EmptyBatch,
 }
 
 // ---------------------------------------------------------------------------------------------

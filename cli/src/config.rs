@@ -46,7 +46,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use lease_router::service::{ApiAuth, BearerToken, HostSettings};
-use lease_router::wire::DEFAULT_MAX_EVENT_BYTES;
+use lease_router::wire::{DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_EVENT_BYTES};
 use lease_router::LeaseStreamConfig;
 use lease_router::{DeploymentName, SubjectPrefix, DEFAULT_SUBJECT_PREFIX};
 use lease_router::{NatsAuth, NatsConnectConfig, NatsTls, DEFAULT_NATS_URL};
@@ -189,6 +189,15 @@ pub struct ServeArgs {
     )]
     pub max_event_bytes: Option<String>,
 
+    /// Batch messages (several events in one, wire 1.2) larger than this many bytes are
+    /// dropped as oversized; each event inside is held to --max-event-bytes [default: 1048576].
+    #[arg(
+        long = "max-batch-bytes",
+        value_name = "BYTES",
+        env = "LEASE_ROUTER_MAX_BATCH_BYTES"
+    )]
+    pub max_batch_bytes: Option<String>,
+
     /// Live leases per deployment; past it new admissions are refused and counted
     /// [default: 1000000].
     #[arg(
@@ -325,6 +334,7 @@ impl fmt::Debug for ServeArgs {
             .field("log_format", &self.log_format)
             .field("connect_deadline", &self.connect_deadline)
             .field("max_event_bytes", &self.max_event_bytes)
+            .field("max_batch_bytes", &self.max_batch_bytes)
             .field("max_active_leases", &self.max_active_leases)
             .field("max_tombstones", &self.max_tombstones)
             .field("max_held_progress", &self.max_held_progress)
@@ -774,6 +784,23 @@ pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
                         "expected a whole number of bytes from {MIN_MAX_EVENT_BYTES} to \
                          {MAX_MAX_EVENT_BYTES} (default {DEFAULT_MAX_EVENT_BYTES}); keep it \
                          below the NATS server's max_payload"
+                    ),
+                })
+            }
+        };
+    }
+    if let Some((value, origin)) = given.one("max_batch_bytes") {
+        settings.host.apply.max_batch_bytes = match value.trim().parse::<usize>() {
+            Ok(n) if (MIN_MAX_EVENT_BYTES..=MAX_MAX_EVENT_BYTES).contains(&n) => n,
+            _ => {
+                return Err(ConfigError::Invalid {
+                    setting: "max_batch_bytes".into(),
+                    value,
+                    origin,
+                    expected: format!(
+                        "expected a whole number of bytes from {MIN_MAX_EVENT_BYTES} to \
+                         {MAX_MAX_EVENT_BYTES} (default {DEFAULT_MAX_BATCH_BYTES}); keep it \
+                         at or below the NATS server's max_payload"
                     ),
                 })
             }
@@ -1465,6 +1492,7 @@ mod tests {
         assert!(s.deployments.is_empty());
         let host = &s.host;
         assert_eq!(host.apply.max_event_bytes, 4096);
+        assert_eq!(host.apply.max_batch_bytes, 1 << 20);
         assert_eq!(host.lease_scan_interval, Duration::from_secs(300));
         assert_eq!(
             s.nats.subscription_capacity,
@@ -1683,7 +1711,7 @@ mod tests {
                     "the accepted keys are nats_url, deployments, http_addr, http_token, \
                      http_token_file, http_protect_reads, subject_prefix, \
                      lease_scan_interval, log_format, connect_deadline, max_event_bytes, \
-                     max_active_leases, max_tombstones, max_held_progress, max_publishers, \
+                     max_batch_bytes, max_active_leases, max_tombstones, max_held_progress, max_publishers, \
                      subscription_capacity, durable, stream_replicas, stream_max_bytes, \
                      snapshot_interval, snapshot_keep, route_policy, \
                      worker_idle, nats_user, \
@@ -1774,7 +1802,7 @@ mod tests {
                 )
             })
             .collect();
-        assert_eq!(declared.len(), 32);
+        assert_eq!(declared.len(), 33);
         assert_eq!(
             readme_settings(),
             declared,
@@ -1853,6 +1881,7 @@ mod tests {
         })
         .unwrap();
         assert_eq!(s.host.apply.max_event_bytes, 4242);
+        assert_eq!(s.host.apply.max_batch_bytes, 4242);
         assert_eq!(s.host.max_active_leases, 4242);
         assert_eq!(s.nats.subscription_capacity, Some(4242));
         let durable = s.host.durable.unwrap();

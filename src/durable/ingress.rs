@@ -21,7 +21,7 @@ use tracing::{info, warn, Instrument};
 use super::snapshot::{self, SnapshotStore};
 use super::stream::{ensure_stream, EnsureStreamError, LeaseStreamConfig};
 use crate::connection::LogRateLimiter;
-use crate::ingress::{ApplyConfig, EventApplier, BURST};
+use crate::ingress::{Applied, ApplyConfig, EventApplier, BURST};
 use crate::lease::Reaper;
 use crate::retry::RetryPolicy;
 use crate::router::{IngressContext, IngressStart, RouterTask, TaskError};
@@ -608,18 +608,16 @@ impl Run {
         if let Some(expected) = expected.filter(|&e| sequence > e) {
             self.truncated(expected, sequence);
         }
-        if self
-            .applier
-            .apply(&message.subject, &message.payload)
-            .is_err()
-        {
-            return Step::Gone;
-        }
+        let events = match self.applier.apply(&message.subject, &message.payload) {
+            Err(_) => return Step::Gone,
+            Ok(Applied::Batch(batch)) => u64::from(batch.events()),
+            Ok(_) => 1,
+        };
         self.catch_up
             .last_stream_sequence
             .store(sequence, Ordering::Relaxed);
         if self.replaying {
-            self.catch_up.replayed.fetch_add(1, Ordering::Relaxed);
+            self.catch_up.replayed.fetch_add(events, Ordering::Relaxed);
             if sequence >= self.target || pending == 0 {
                 self.applier.set_record_lag(true);
                 self.replaying = false;

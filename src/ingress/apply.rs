@@ -24,13 +24,18 @@ use crate::scheduler::Op;
 use crate::stats::{DropReason, IngressStats, PendingCounts};
 use crate::subject::Subjects;
 use crate::types::{DpRank, RequestId, RequestLoad, WorkerId, WorkerWithDpRank};
-use crate::wire::{self, Admitted, Completed, EventKind, LeaseEvent, Progressed, WorkerReset};
+use crate::wire::{
+    self, Admitted, Completed, EventKind, LeaseEvent, Message, Progressed, WorkerReset,
+};
 
 /// Limits of the ingress's own memory and checks.
 #[derive(Clone, Debug)]
 pub struct ApplyConfig {
     /// Larger events are dropped as `oversized`; keep it below the server's max_payload.
     pub max_event_bytes: usize,
+    /// Larger batch messages (wire 1.2) are dropped as `oversized`, once each; the events
+    /// inside a batch are held to `max_event_bytes` each.
+    pub max_batch_bytes: usize,
     /// How long a completion that beat its admission keeps the late admission out.
     pub tombstone_ttl: Duration,
     pub max_tombstones: usize,
@@ -50,6 +55,7 @@ impl Default for ApplyConfig {
     fn default() -> Self {
         Self {
             max_event_bytes: wire::DEFAULT_MAX_EVENT_BYTES,
+            max_batch_bytes: wire::DEFAULT_MAX_BATCH_BYTES,
             tombstone_ttl: Duration::from_secs(60),
             max_tombstones: 100_000,
             held_progress_ttl: Duration::from_secs(10),
@@ -68,6 +74,36 @@ pub enum Applied {
     /// tombstone against it (a `completed`): counted as held until then.
     Held,
     Dropped(DropReason),
+    /// A batch message (wire 1.2): what became of its events, each counted on its own.
+    Batch(BatchOutcome),
+}
+
+/// What became of the events of one batch message.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct BatchOutcome {
+    pub applied: u32,
+    pub held: u32,
+    pub dropped: u32,
+}
+
+impl BatchOutcome {
+    fn add(&mut self, outcome: Result<Applied, DeliverEventError>) {
+        match outcome {
+            Ok(Applied::Applied) => self.applied += 1,
+            Ok(Applied::Held) => self.held += 1,
+            Ok(Applied::Dropped(_)) | Err(_) => self.dropped += 1,
+            Ok(Applied::Batch(inner)) => {
+                self.applied += inner.applied;
+                self.held += inner.held;
+                self.dropped += inner.dropped;
+            }
+        }
+    }
+
+    /// Events of the batch.
+    pub fn events(&self) -> u32 {
+        self.applied + self.held + self.dropped
+    }
 }
 
 /// Applies received events of one deployment to its router, reaching the manager only
@@ -192,11 +228,11 @@ impl EventApplier {
         (self.tombstones.len(), self.held_progress.len())
     }
 
-    /// Applies one message.
+    /// Applies one message: one event, or each event of a batch in order.
     ///
     /// # Errors
-    /// [`DeliverEventError::ManagerGone`] once the router is torn down: the event is counted
-    /// as a late drop, and the caller should stop.
+    /// [`DeliverEventError::ManagerGone`] once the router is torn down: the events are
+    /// counted as late drops, and the caller should stop.
     pub fn apply(&mut self, subject: &str, payload: &[u8]) -> Result<Applied, DeliverEventError> {
         if self.batch.is_none() {
             self.begin_batch();
@@ -204,8 +240,55 @@ impl EventApplier {
             self.end_batch();
             return outcome;
         }
+        let Some(subject_worker) = self.subjects.parse_worker(subject) else {
+            self.warn(|| warn!(subject, "dropped an event on a subject outside the layout"));
+            // Not read: counted once, whatever the message holds.
+            return self.count(Ok(Applied::Dropped(DropReason::Subject)));
+        };
+        let limits = wire::MessageLimits {
+            max_event_bytes: self.config.max_event_bytes,
+            max_batch_bytes: self.config.max_batch_bytes,
+        };
+        match wire::decode_message(payload, limits) {
+            Message::Event(decoded) => {
+                let outcome = self.apply_event(subject_worker, decoded, payload.len());
+                self.count(outcome)
+            }
+            Message::Refused { events, error } => {
+                self.warn(|| {
+                    warn!(worker = subject_worker, bytes = payload.len(), events, %error, "dropped an unreadable batch")
+                });
+                let reason = DropReason::from_decode(&error);
+                self.counts.batch(events);
+                let mut summary = BatchOutcome::default();
+                for _ in 0..events {
+                    summary.add(self.count(Ok(Applied::Dropped(reason))));
+                }
+                Ok(Applied::Batch(summary))
+            }
+            Message::Batch(events) => {
+                self.counts.batch(events.len());
+                let mut summary = BatchOutcome::default();
+                let mut gone = false;
+                for decoded in events {
+                    let outcome = self.apply_event(subject_worker, decoded, payload.len());
+                    gone |= outcome.is_err();
+                    summary.add(self.count(outcome));
+                }
+                if gone {
+                    return Err(DeliverEventError::ManagerGone);
+                }
+                Ok(Applied::Batch(summary))
+            }
+        }
+    }
+
+    /// Counts one received event by what became of it.
+    fn count(
+        &mut self,
+        outcome: Result<Applied, DeliverEventError>,
+    ) -> Result<Applied, DeliverEventError> {
         self.counts.received();
-        let outcome = self.apply_inner(subject, payload);
         match outcome {
             Ok(Applied::Dropped(reason)) => self.counts.dropped(reason),
             Err(DeliverEventError::ManagerGone) => self.counts.dropped(DropReason::Late),
@@ -214,16 +297,18 @@ impl EventApplier {
         outcome
     }
 
-    fn apply_inner(&mut self, subject: &str, payload: &[u8]) -> Result<Applied, DeliverEventError> {
-        let Some(subject_worker) = self.subjects.parse_worker(subject) else {
-            self.warn(|| warn!(subject, "dropped an event on a subject outside the layout"));
-            return Ok(Applied::Dropped(DropReason::Subject));
-        };
-        let envelope = match wire::decode(payload, self.config.max_event_bytes) {
+    /// Applies one decoded event that arrived on `subject_worker`'s subject.
+    fn apply_event(
+        &mut self,
+        subject_worker: u64,
+        decoded: Result<wire::Envelope, wire::DecodeEventError>,
+        message_bytes: usize,
+    ) -> Result<Applied, DeliverEventError> {
+        let envelope = match decoded {
             Ok(envelope) => envelope,
             Err(error) => {
                 self.warn(|| {
-                    warn!(worker = subject_worker, bytes = payload.len(), %error, "dropped an undecodable event")
+                    warn!(worker = subject_worker, bytes = message_bytes, %error, "dropped an undecodable event")
                 });
                 return Ok(Applied::Dropped(DropReason::from_decode(&error)));
             }
@@ -577,6 +662,146 @@ mod tests {
             dp_rank: 0,
             outcome: Outcome::Finished,
         }
+    }
+
+    fn stamped(publisher: u64, seq: u64, event: impl Into<LeaseEvent>) -> Envelope {
+        Envelope::new(publisher, seq, wire::unix_micros_now(), event)
+    }
+
+    /// A batch counts per event: each is judged (identity, sequence, hold, stale) as if it
+    /// had come alone, in order.
+    #[tokio::test]
+    async fn each_event_of_a_batch_counts_on_its_own() {
+        let mut f = Fixture::new().await;
+        let subject = f.subjects.worker_subject(1);
+        let batch = wire::encode_batch(&[
+            stamped(1, 1, admitted("a", 1)),
+            stamped(1, 2, progressed("b", 1)), // held for its admission
+            stamped(1, 2, progressed("b", 1)), // duplicate
+            stamped(1, 3, admitted("x", 2)),   // another worker than the subject's
+            stamped(1, 4, completed("a", 1)),
+            stamped(1, 5, admitted("c", 1)),
+        ])
+        .unwrap();
+        f.received += 5;
+        let outcome = f.bytes(&subject, &batch);
+        assert_eq!(
+            outcome,
+            Applied::Batch(BatchOutcome {
+                applied: 3,
+                held: 1,
+                dropped: 2
+            })
+        );
+        f.check(3, 2, 1);
+        let s = f.stats.snapshot();
+        assert_eq!((s.batches, s.batched_events), (1, 6));
+        assert_eq!(s.dropped(DropReason::Duplicate), 1);
+        assert_eq!(s.dropped(DropReason::Identity), 1);
+        let manager = f.router.manager();
+        assert!(
+            manager.lease(&"a".into()).is_none(),
+            "admitted then completed"
+        );
+        assert!(manager.lease(&"c".into()).is_some());
+        // The held progress is applied when its admission comes, alone this time.
+        assert_eq!(f.feed(1, 6, admitted("b", 1)), Applied::Applied);
+        f.check(5, 2, 0);
+        // The same batch again: every event a duplicate, counted per event.
+        f.received += 5;
+        assert_eq!(
+            f.bytes(&subject, &batch),
+            Applied::Batch(BatchOutcome {
+                applied: 0,
+                held: 0,
+                dropped: 6
+            })
+        );
+        f.check(5, 8, 0);
+        let s = f.stats.snapshot();
+        assert_eq!(s.dropped(DropReason::Duplicate), 6);
+        assert_eq!(
+            s.dropped(DropReason::Identity),
+            2,
+            "checked before the sequence"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_unreadable_batch_drops_each_event_it_declares_and_a_bad_subject_once() {
+        let mut f = Fixture::new().await;
+        let subject = f.subjects.worker_subject(1);
+        let events: Vec<_> = (1..=4)
+            .map(|seq| stamped(1, seq, admitted(&format!("r{seq}"), 1)))
+            .collect();
+        let batch = wire::encode_batch(&events).unwrap();
+        f.received += 3;
+        let cut = f.bytes(&subject, &batch[..batch.len() - 1]);
+        assert_eq!(
+            cut,
+            Applied::Batch(BatchOutcome {
+                applied: 0,
+                held: 0,
+                dropped: 4
+            })
+        );
+        f.check(0, 4, 0);
+        assert_eq!(f.stats.snapshot().dropped(DropReason::Decode), 4);
+        // On a subject outside the layout it is not read: one drop.
+        assert_eq!(
+            f.bytes("leases.unit.07", &batch),
+            Applied::Dropped(DropReason::Subject)
+        );
+        f.check(0, 5, 0);
+        // Over the batch limit: not read either.
+        let mut small = Fixture::new().await;
+        small.applier.as_mut().unwrap().config.max_batch_bytes = batch.len() - 1;
+        assert_eq!(
+            small.bytes(&subject, &batch),
+            Applied::Dropped(DropReason::Oversized)
+        );
+        small.check(0, 1, 0);
+        // The batch itself, whole: every event applied, one batch counted.
+        f.received += 3;
+        assert_eq!(
+            f.bytes(&subject, &batch),
+            Applied::Batch(BatchOutcome {
+                applied: 4,
+                held: 0,
+                dropped: 0
+            })
+        );
+        f.check(4, 5, 0);
+        let s = f.stats.snapshot();
+        assert_eq!((s.batches, s.batched_events), (2, 8));
+    }
+
+    /// Once the router is gone every event of a batch is late, each counted.
+    #[tokio::test]
+    async fn a_batch_after_the_router_is_gone_is_late_per_event() {
+        let f = Fixture::new().await;
+        let subject = f.subjects.worker_subject(1);
+        let batch = wire::encode_batch(&[
+            stamped(1, 1, admitted("a", 1)),
+            stamped(1, 2, admitted("b", 1)),
+            stamped(1, 3, admitted("c", 1)),
+        ])
+        .unwrap();
+        let Fixture {
+            router,
+            applier,
+            stats,
+            ..
+        } = f;
+        router.shutdown().await.expect("shuts down");
+        let mut applier = applier.unwrap();
+        assert_eq!(
+            applier.apply(&subject, &batch),
+            Err(DeliverEventError::ManagerGone)
+        );
+        let s = stats.snapshot();
+        assert_eq!((s.received, s.dropped(DropReason::Late)), (3, 3));
+        assert_eq!(s.accounted(), 3);
     }
 
     /// Every way into and out of the hold, with received == applied + dropped + held after

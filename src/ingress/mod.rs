@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
-pub use apply::{Applied, ApplyConfig, EventApplier};
+pub use apply::{Applied, ApplyConfig, BatchOutcome, EventApplier};
 pub(crate) use sequence::SequenceImage;
 
 use crate::lease::Reaper;

@@ -377,8 +377,14 @@ pub fn encode_snapshot(
     counter_family(
         encoder,
         "events_received",
-        "Messages received on the deployment's subjects.",
+        "Events received on the deployment's subjects: one per message, one per event a batch declares.",
         &by_deployment(|d| d.ingress.received),
+    )?;
+    counter_family(
+        encoder,
+        "batches_received",
+        "Batch messages (wire 1.2) received on the deployment's subjects, readable or not.",
+        &by_deployment(|d| d.ingress.batches),
     )?;
     let applied: Vec<_> = deps
         .iter()
@@ -840,6 +846,7 @@ mod tests {
         let text = Metrics::from_source(Fixed(HostMetricsSnapshot::default())).encode();
         for name in [
             "events_received",
+            "batches_received",
             "events_applied",
             "events_dropped",
             "events_held",

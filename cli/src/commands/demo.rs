@@ -12,7 +12,7 @@ use clap::Args;
 use lease_router::service::DeploymentMetrics;
 use lease_router::service::{DeploymentHost, HostSettings};
 use lease_router::NatsConnectConfig;
-use lease_router::{NatsConnection, DEFAULT_NATS_URL};
+use lease_router::{Batching, NatsConnection, DEFAULT_NATS_URL};
 use lease_router_testkit::{NatsServer, NatsServerBuilder, StartNatsServerError};
 use parking_lot::Mutex;
 
@@ -72,7 +72,9 @@ pub struct DemoArgs {
 }
 
 pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
-    let config = args.traffic.config(args.workers, args.rate, args.duration);
+    let mut config = args.traffic.config(args.workers, args.rate, args.duration);
+    // The demo's router reads batches (wire 1.2): its workers send them, as `simulate --batch`.
+    config.publisher.batching = Some(Batching::default());
     config.validate().map_err(CliError::usage)?;
     // NATS first, before logging is set up: a probe that finds nothing is expected here,
     // and says so below, not as a warning.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use crate::config::NatsCredentialArgs;
 use crate::simulate::{format_duration, run_simulation, SimulationConfig, SimulationProgress};
 use clap::Args;
-use lease_router::DEFAULT_NATS_URL;
+use lease_router::{Batching, DEFAULT_NATS_URL};
 use lease_router::{DeploymentName, SubjectPrefix, Subjects};
 
 use super::{
@@ -109,6 +109,14 @@ pub struct SimulateArgs {
     /// router creates the stream).
     #[arg(long, env = "LEASE_ROUTER_DURABLE")]
     durable: bool,
+    /// Send each worker's events in batches (wire 1.2: up to 256 events or 64 KiB per
+    /// message, the first event waiting at most --batch-linger). Every router of the
+    /// deployment must read batches (lease-router 1.2 or later).
+    #[arg(long)]
+    batch: bool,
+    /// How long the first event of a batch waits for more (with --batch).
+    #[arg(long, value_name = "DURATION", default_value = "1ms", value_parser = duration_arg, requires = "batch")]
+    batch_linger: Duration,
     /// Authentication and TLS to NATS, as for `serve`.
     #[command(flatten)]
     nats_credentials: Box<NatsCredentialArgs>,
@@ -120,6 +128,12 @@ pub async fn run(args: SimulateArgs, signals: &Signals) -> Result<(), CliError> 
     init_logging(Default::default(), "warn");
     let mut config = args.traffic.config(args.workers, args.rate, args.duration);
     config.durable = args.durable;
+    if args.batch {
+        config.publisher.batching = Some(Batching {
+            linger: args.batch_linger,
+            ..Batching::default()
+        });
+    }
     config.validate().map_err(CliError::usage)?;
     let subjects = Subjects::new(args.subject_prefix.clone(), args.deployment.clone());
     let nats = args

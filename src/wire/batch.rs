@@ -1,0 +1,920 @@
+//! Batches (wire 1.2): several events of one publisher in one NATS message.
+//!
+//! A batch is a map `{ "v": 1, "kind": "batch", "events": [event, event, ...] }` whose
+//! `events` are complete event maps, each exactly the bytes a message of its own would carry,
+//! in the publisher's sequence order. Only the three keys are defined; unknown keys are
+//! skipped as in an event. A router before 1.2 drops a batch once, as `unknown_kind` (the
+//! forward-compatibility rule for new kinds), so publishers batch only when told to.
+//!
+//! A router reads a batch in two steps. First the whole message: if its structure cannot be
+//! read to the end (cut short, not MessagePack, `events` not an array, trailing bytes, a `v`
+//! other than 1), every event it declares is dropped for that one reason. Then each event on
+//! its own, through [`super::decode`]: a bad event drops that event only.
+
+use bytes::Bytes;
+use rmp::Marker;
+
+use super::{decode, value_len, DecodeEventError, EncodeEventError, Envelope, MAX_NESTING_DEPTH};
+use super::{keys, WIRE_VERSION};
+
+/// The `kind` of a batch.
+pub const BATCH_KIND: &str = "batch";
+
+/// The key of a batch's events.
+pub const EVENTS_KEY: &str = "events";
+
+/// The default limit on the size of a batch message: the NATS server's default
+/// `max_payload` (1 MiB).
+pub const DEFAULT_MAX_BATCH_BYTES: usize = 1 << 20;
+
+/// How the encoder starts every batch: `{"v": 1, "kind": "batch", "events": `, then the
+/// array's header. A router recognises this prefix without a second look; other key orders
+/// are recognised too, after a failed single-event decode.
+const CANONICAL_PREFIX: [u8; 22] = [
+    0x83, // map of 3
+    0xa1, b'v', 0x01, // "v": 1
+    0xa4, b'k', b'i', b'n', b'd', 0xa5, b'b', b'a', b't', b'c', b'h', // "kind": "batch"
+    0xa6, b'e', b'v', b'e', b'n', b't', b's', // "events":
+];
+
+/// The longest array header (`array32`).
+const MAX_ARRAY_HEADER: usize = 5;
+
+/// The limits a router reads messages with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MessageLimits {
+    /// A single event, and each event inside a batch, at most this long.
+    pub max_event_bytes: usize,
+    /// A batch message at most this long.
+    pub max_batch_bytes: usize,
+}
+
+impl Default for MessageLimits {
+    fn default() -> Self {
+        Self {
+            max_event_bytes: super::DEFAULT_MAX_EVENT_BYTES,
+            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
+        }
+    }
+}
+
+/// What one received message holds.
+#[derive(Debug)]
+pub enum Message<'a> {
+    /// A message of one event, or the reason it is not one.
+    Event(Result<Envelope, DecodeEventError>),
+    /// A batch whose structure was read to its end: its events, each decoded on its own.
+    Batch(BatchEvents<'a>),
+    /// A batch that cannot be read as a whole: each of the `events` it declares (at least
+    /// one, at most one per byte of the message) is dropped for `error`.
+    Refused {
+        events: usize,
+        error: DecodeEventError,
+    },
+}
+
+/// Reads one received message: a single event or a batch.
+///
+/// Never panics. A single event costs what [`decode`] costs: a batch is recognised by its
+/// canonical first bytes, or, in another key order, only once the message failed to decode
+/// as one event.
+pub fn decode_message(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
+    let max = limits.max_event_bytes.max(limits.max_batch_bytes);
+    if bytes.len() > max {
+        return Message::Event(Err(DecodeEventError::Oversized {
+            len: bytes.len(),
+            max,
+        }));
+    }
+    if bytes.starts_with(&CANONICAL_PREFIX) {
+        return read_batch(bytes, limits);
+    }
+    if bytes.len() > limits.max_event_bytes {
+        if is_batch(bytes) {
+            return read_batch(bytes, limits);
+        }
+        return Message::Event(Err(DecodeEventError::Oversized {
+            len: bytes.len(),
+            max: limits.max_event_bytes,
+        }));
+    }
+    match decode(bytes, limits.max_event_bytes) {
+        Ok(envelope) => Message::Event(Ok(envelope)),
+        Err(_) if is_batch(bytes) => read_batch(bytes, limits),
+        Err(error) => Message::Event(Err(error)),
+    }
+}
+
+/// The events of a batch, decoded one by one, in order.
+#[derive(Debug, Clone)]
+pub struct BatchEvents<'a> {
+    /// The encoded events not yet taken; every one of them was measured already.
+    rest: &'a [u8],
+    remaining: usize,
+    max_event_bytes: usize,
+}
+
+impl BatchEvents<'_> {
+    /// Events not yet taken.
+    pub fn remaining(&self) -> usize {
+        self.remaining
+    }
+}
+
+impl Iterator for BatchEvents<'_> {
+    type Item = Result<Envelope, DecodeEventError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.remaining == 0 {
+            return None;
+        }
+        self.remaining -= 1;
+        // The whole array was measured before: each event's length is known to fit.
+        let len = value_len(self.rest, MAX_NESTING_DEPTH).unwrap_or(self.rest.len());
+        let (event, rest) = self.rest.split_at(len.min(self.rest.len()));
+        self.rest = rest;
+        Some(match decode(event, self.max_event_bytes) {
+            Err(DecodeEventError::UnknownKind { kind }) if kind == BATCH_KIND => Err(
+                DecodeEventError::Malformed("a batch inside a batch is not an event".into()),
+            ),
+            other => other,
+        })
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.remaining, Some(self.remaining))
+    }
+}
+
+impl ExactSizeIterator for BatchEvents<'_> {}
+
+/// Whether `bytes` is a map whose `kind` is `"batch"`, looking no deeper than its top level.
+fn is_batch(bytes: &[u8]) -> bool {
+    let mut reader = TopLevel::new(bytes);
+    while let Some(Ok((key, value))) = reader.next() {
+        if key == keys::KIND {
+            return read_str(value) == Some(BATCH_KIND);
+        }
+    }
+    false
+}
+
+/// The key/value pairs of the map that starts a message, each value as its raw bytes.
+struct TopLevel<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    pairs: Option<usize>,
+}
+
+impl<'a> TopLevel<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        let mut pos = 0;
+        let pairs = read_len(bytes, &mut pos, Container::Map);
+        Self { bytes, pos, pairs }
+    }
+
+    /// Where the map ended, once every pair was taken.
+    fn end(&self) -> usize {
+        self.pos
+    }
+}
+
+/// Why the top-level map cannot be read on, and the key whose value broke, if it got that
+/// far (with the bytes from that value on).
+struct Broken<'a> {
+    why: &'static str,
+    at: Option<(&'a str, &'a [u8])>,
+}
+
+impl<'a> Iterator for TopLevel<'a> {
+    type Item = Result<(&'a str, &'a [u8]), Broken<'a>>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let broken = |why| Some(Err(Broken { why, at: None }));
+        let Some(pairs) = self.pairs.as_mut() else {
+            self.pairs = Some(0);
+            return broken("a message must be a MessagePack map");
+        };
+        if *pairs == 0 {
+            return None;
+        }
+        *pairs -= 1;
+        let rest = &self.bytes[self.pos..];
+        let Some(key_len) = value_len(rest, 1) else {
+            *pairs = 0;
+            return broken("the batch is cut short or malformed");
+        };
+        let Some(key) = read_str(&rest[..key_len]) else {
+            *pairs = 0;
+            return broken("a batch's keys must be strings");
+        };
+        let Some(value_len) = value_len(&rest[key_len..], MAX_NESTING_DEPTH + 1) else {
+            *pairs = 0;
+            return Some(Err(Broken {
+                why: "the batch is cut short or malformed",
+                at: Some((key, &rest[key_len..])),
+            }));
+        };
+        let value = &rest[key_len..key_len + value_len];
+        self.pos += key_len + value_len;
+        Some(Ok((key, value)))
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Container {
+    Map,
+    Array,
+}
+
+/// The length of the map or array whose header starts at `bytes[*pos..]`; moves past it.
+fn read_len(bytes: &[u8], pos: &mut usize, container: Container) -> Option<usize> {
+    let rest = bytes.get(*pos..)?;
+    let big_endian = |n: usize| -> Option<usize> {
+        let field = rest.get(1..1 + n)?;
+        Some(field.iter().fold(0, |acc, b| (acc << 8) | usize::from(*b)))
+    };
+    let (header, len) = match (container, Marker::from_u8(*rest.first()?)) {
+        (Container::Map, Marker::FixMap(n)) | (Container::Array, Marker::FixArray(n)) => {
+            (1, usize::from(n))
+        }
+        (Container::Map, Marker::Map16) | (Container::Array, Marker::Array16) => {
+            (3, big_endian(2)?)
+        }
+        (Container::Map, Marker::Map32) | (Container::Array, Marker::Array32) => {
+            (5, big_endian(4)?)
+        }
+        _ => return None,
+    };
+    *pos += header;
+    Some(len)
+}
+
+/// The string that is the whole of `value`, if it is one.
+fn read_str(value: &[u8]) -> Option<&str> {
+    let (header, len) = match Marker::from_u8(*value.first()?) {
+        Marker::FixStr(n) => (1, usize::from(n)),
+        Marker::Str8 => (2, usize::from(*value.get(1)?)),
+        Marker::Str16 => (
+            3,
+            usize::from(u16::from_be_bytes([*value.get(1)?, *value.get(2)?])),
+        ),
+        Marker::Str32 => {
+            let field: [u8; 4] = value.get(1..5)?.try_into().ok()?;
+            (5, usize::try_from(u32::from_be_bytes(field)).ok()?)
+        }
+        _ => return None,
+    };
+    let text = value.get(header..header + len)?;
+    if header + len != value.len() {
+        return None;
+    }
+    std::str::from_utf8(text).ok()
+}
+
+/// The unsigned integer that is the whole of `value`, if it is one (any width, signed or
+/// not, as long as it is not negative).
+fn read_uint(value: &[u8]) -> Option<u64> {
+    let mut reader = value;
+    let n: u64 = rmp::decode::read_int(&mut reader).ok()?;
+    reader.is_empty().then_some(n)
+}
+
+/// Reads a message known to be a batch (its `kind` is `"batch"`, or it starts like one).
+fn read_batch(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
+    if bytes.len() > limits.max_batch_bytes {
+        // Not read: counted once, as any message over its limit.
+        return Message::Event(Err(DecodeEventError::Oversized {
+            len: bytes.len(),
+            max: limits.max_batch_bytes,
+        }));
+    }
+    let refused = |events: usize, error: DecodeEventError| Message::Refused {
+        events: events.clamp(1, bytes.len().max(1)),
+        error,
+    };
+    let malformed =
+        |events: usize, why: &str| refused(events, DecodeEventError::Malformed(why.into()));
+
+    let mut version = None;
+    let mut kind_seen = false;
+    let mut events = None;
+    let mut pairs = TopLevel::new(bytes);
+    for pair in pairs.by_ref() {
+        let declared = events.map_or(1, |(count, _)| count);
+        let (key, value) = match pair {
+            Ok(pair) => pair,
+            Err(Broken { why, at }) => {
+                // Cut inside the events: their count is still known.
+                let declared = match at {
+                    Some((EVENTS_KEY, value)) => {
+                        read_len(value, &mut 0, Container::Array).unwrap_or(declared)
+                    }
+                    _ => declared,
+                };
+                return malformed(declared, why);
+            }
+        };
+        let duplicate = match key {
+            keys::VERSION => version.replace(read_uint(value)).is_some(),
+            keys::KIND => std::mem::replace(&mut kind_seen, true),
+            EVENTS_KEY => {
+                let mut pos = 0;
+                let Some(count) = read_len(value, &mut pos, Container::Array) else {
+                    return malformed(1, "a batch's `events` must be an array");
+                };
+                events.replace((count, &value[pos..])).is_some()
+            }
+            _ => false,
+        };
+        if duplicate {
+            return malformed(declared, "duplicate key in a batch");
+        }
+    }
+    let declared = events.map_or(1, |(count, _)| count);
+    match version {
+        Some(Some(v)) if v == u64::from(WIRE_VERSION) => {}
+        Some(Some(found)) => {
+            return refused(
+                declared,
+                DecodeEventError::UnsupportedVersion {
+                    found: u16::try_from(found).unwrap_or(u16::MAX),
+                    supported: WIRE_VERSION,
+                },
+            )
+        }
+        Some(None) => return malformed(declared, "a batch's `v` must be an unsigned integer"),
+        None => return malformed(declared, "missing field `v`"),
+    }
+    if pairs.end() != bytes.len() {
+        return malformed(declared, "bytes after the batch");
+    }
+    let Some((count, body)) = events else {
+        return malformed(1, "missing field `events`");
+    };
+    if count == 0 {
+        return malformed(1, "a batch holds at least one event");
+    }
+    // Every event must be measurable before any is applied: a batch is read whole or not.
+    let mut measured = 0;
+    for _ in 0..count {
+        match body
+            .get(measured..)
+            .and_then(|rest| value_len(rest, MAX_NESTING_DEPTH))
+        {
+            Some(len) => measured += len,
+            None => return malformed(count, "the batch is cut short or malformed"),
+        }
+    }
+    Message::Batch(BatchEvents {
+        rest: body,
+        remaining: count,
+        max_event_bytes: limits.max_event_bytes,
+    })
+}
+
+/// Builds batch messages from encoded events, without copying them again.
+///
+/// Room for the batch header is kept at the front of the buffer; [`BatchWriter::finish`]
+/// writes the header there and hands out the message as a slice of the same allocation.
+#[derive(Debug)]
+pub struct BatchWriter {
+    buf: Vec<u8>,
+    events: usize,
+}
+
+/// Bytes kept in front of the first event for the header.
+const HEADER_ROOM: usize = CANONICAL_PREFIX.len() + MAX_ARRAY_HEADER;
+
+impl Default for BatchWriter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl BatchWriter {
+    pub fn new() -> Self {
+        Self::with_capacity(1024)
+    }
+
+    /// A writer whose buffer holds `bytes` of events before it grows.
+    pub fn with_capacity(bytes: usize) -> Self {
+        let mut buf = Vec::with_capacity(HEADER_ROOM + bytes);
+        buf.resize(HEADER_ROOM, 0);
+        Self { buf, events: 0 }
+    }
+
+    /// Appends one event; on error the writer is left as it was.
+    pub fn push(&mut self, envelope: &Envelope) -> Result<(), EncodeEventError> {
+        super::encode_into(envelope, &mut self.buf)?;
+        self.events += 1;
+        Ok(())
+    }
+
+    /// Appends one event already encoded by [`super::encode_into`].
+    pub(crate) fn push_encoded(&mut self, event: &[u8]) {
+        self.buf.extend_from_slice(event);
+        self.events += 1;
+    }
+
+    /// Events pushed so far.
+    pub fn events(&self) -> usize {
+        self.events
+    }
+
+    /// Whether no event was pushed.
+    pub fn is_empty(&self) -> bool {
+        self.events == 0
+    }
+
+    /// The size of the message [`finish`](Self::finish) would give now, and an upper bound
+    /// of it once one more event of `next` bytes is pushed.
+    pub fn message_len(&self, next: usize) -> usize {
+        let body = self.buf.len() - HEADER_ROOM + next;
+        match self.events + usize::from(next > 0) {
+            0 => 0,
+            1 => body,
+            n => CANONICAL_PREFIX.len() + array_header_len(n) + body,
+        }
+    }
+
+    /// The message: the event itself when there is one (a plain 1.0 message), a batch when
+    /// there are more, nothing when there are none. The writer is empty afterwards.
+    pub fn finish(&mut self) -> Option<Bytes> {
+        let events = std::mem::take(&mut self.events);
+        let mut buf = std::mem::take(&mut self.buf);
+        self.buf = Vec::with_capacity(buf.capacity());
+        self.buf.resize(HEADER_ROOM, 0);
+        let start = match events {
+            0 => return None,
+            1 => HEADER_ROOM,
+            n => {
+                let mut header = Vec::with_capacity(HEADER_ROOM);
+                header.extend_from_slice(&CANONICAL_PREFIX);
+                // Writing into a Vec cannot fail.
+                let _ =
+                    rmp::encode::write_array_len(&mut header, u32::try_from(n).unwrap_or(u32::MAX));
+                let start = HEADER_ROOM - header.len();
+                buf[start..HEADER_ROOM].copy_from_slice(&header);
+                start
+            }
+        };
+        Some(Bytes::from(buf).slice(start..))
+    }
+}
+
+fn array_header_len(n: usize) -> usize {
+    match n {
+        0..=15 => 1,
+        16..=0xffff => 3,
+        _ => 5,
+    }
+}
+
+/// The batch message of `envelopes` (at least one), always as a batch, even of one event.
+pub fn encode_batch(envelopes: &[Envelope]) -> Result<Vec<u8>, EncodeEventError> {
+    if envelopes.is_empty() {
+        return Err(EncodeEventError::EmptyBatch);
+    }
+    let len = u32::try_from(envelopes.len()).map_err(|_| {
+        EncodeEventError::Serialize("more than u32::MAX events in one batch".into())
+    })?;
+    let mut out = Vec::with_capacity(HEADER_ROOM + 96 * envelopes.len());
+    out.extend_from_slice(&CANONICAL_PREFIX);
+    // Writing into a Vec cannot fail.
+    let _ = rmp::encode::write_array_len(&mut out, len);
+    for envelope in envelopes {
+        super::encode_into(envelope, &mut out)?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Admitted, Completed, ProgressStage, Progressed, WorkerReset};
+    use super::*;
+    use crate::wire::{encode, Outcome};
+
+    fn events(n: u64) -> Vec<Envelope> {
+        (1..=n)
+            .map(|seq| {
+                let rid = format!("r-{seq}");
+                let event: crate::wire::LeaseEvent = match seq % 4 {
+                    0 => Admitted {
+                        request_id: rid,
+                        worker_id: 3,
+                        dp_rank: 0,
+                        prompt_tokens: 512,
+                        expected_output_tokens: Some(64),
+                        cached_tokens: None,
+                    }
+                    .into(),
+                    1 => Progressed {
+                        request_id: rid,
+                        worker_id: 3,
+                        dp_rank: 1,
+                        stage: ProgressStage::Decoding,
+                        output_tokens: 7,
+                    }
+                    .into(),
+                    2 => Completed {
+                        request_id: rid,
+                        worker_id: 3,
+                        dp_rank: 0,
+                        outcome: Outcome::Finished,
+                    }
+                    .into(),
+                    _ => WorkerReset {
+                        worker_id: 3,
+                        dp_rank: None,
+                        leaving: false,
+                    }
+                    .into(),
+                };
+                Envelope::new(42, seq, 1_700_000_000_000_000 + seq, event)
+            })
+            .collect()
+    }
+
+    fn limits() -> MessageLimits {
+        MessageLimits::default()
+    }
+
+    /// The events of `bytes`, which must be a readable batch.
+    fn batch(bytes: &[u8], limits: MessageLimits) -> Vec<Result<Envelope, DecodeEventError>> {
+        match decode_message(bytes, limits) {
+            Message::Batch(events) => {
+                assert_eq!(events.len(), events.remaining());
+                events.collect()
+            }
+            other => panic!("not a readable batch: {other:?}"),
+        }
+    }
+
+    fn refused(bytes: &[u8]) -> (usize, DecodeEventError) {
+        match decode_message(bytes, limits()) {
+            Message::Refused { events, error } => (events, error),
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
+    /// A batch map written by hand: `pairs` in the given order.
+    fn map(pairs: &[(&str, &dyn Fn(&mut Vec<u8>))]) -> Vec<u8> {
+        let mut out = Vec::new();
+        rmp::encode::write_map_len(&mut out, pairs.len() as u32).unwrap();
+        for (key, value) in pairs {
+            rmp::encode::write_str(&mut out, key).unwrap();
+            value(&mut out);
+        }
+        out
+    }
+
+    fn array_of(events: &[Vec<u8>]) -> impl Fn(&mut Vec<u8>) + '_ {
+        move |out: &mut Vec<u8>| {
+            rmp::encode::write_array_len(out, events.len() as u32).unwrap();
+            for event in events {
+                out.extend_from_slice(event);
+            }
+        }
+    }
+
+    #[test]
+    fn a_batch_decodes_to_its_events_in_order() {
+        let sent = events(9);
+        let bytes = encode_batch(&sent).unwrap();
+        assert!(bytes.starts_with(&CANONICAL_PREFIX));
+        let got: Vec<_> = batch(&bytes, limits())
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(got, sent);
+        // Bigger than one event may be, smaller than a batch may be.
+        let bytes = encode_batch(&events(200)).unwrap();
+        assert!(bytes.len() > DEFAULT_MAX_EVENT_BYTES_FOR_TESTS);
+        assert_eq!(batch(&bytes, limits()).len(), 200);
+    }
+
+    const DEFAULT_MAX_EVENT_BYTES_FOR_TESTS: usize = crate::wire::DEFAULT_MAX_EVENT_BYTES;
+
+    #[test]
+    fn single_events_are_still_single_events() {
+        for envelope in events(4) {
+            let bytes = encode(&envelope).unwrap();
+            match decode_message(&bytes, limits()) {
+                Message::Event(Ok(got)) => assert_eq!(got, envelope),
+                other => panic!("{other:?}"),
+            }
+        }
+        // And a bad one keeps its reason.
+        match decode_message(&[0xc1], limits()) {
+            Message::Event(Err(DecodeEventError::Malformed(_))) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_writer_sends_one_event_plain_and_more_as_a_batch() {
+        let sent = events(20);
+        let mut writer = BatchWriter::new();
+        assert!(writer.is_empty());
+        assert_eq!(writer.finish(), None, "nothing to send");
+        writer.push(&sent[0]).unwrap();
+        let one = encode(&sent[0]).unwrap();
+        assert_eq!(writer.message_len(0), one.len());
+        assert_eq!(
+            writer.finish().unwrap(),
+            one,
+            "one event: a plain 1.0 message"
+        );
+        assert!(writer.is_empty(), "finish empties the writer");
+        for (i, envelope) in sent.iter().enumerate() {
+            let next = encode(envelope).unwrap().len();
+            let predicted = writer.message_len(next);
+            writer.push(envelope).unwrap();
+            assert_eq!(writer.events(), i + 1);
+            assert_eq!(writer.message_len(0), predicted, "after {} events", i + 1);
+        }
+        let bytes = writer.finish().unwrap();
+        assert_eq!(bytes.len(), predicted_len(&sent));
+        assert_eq!(
+            bytes,
+            encode_batch(&sent).unwrap(),
+            "the writer and encode_batch agree"
+        );
+        // The array header grows past 15 events: still measured right.
+        let mut writer = BatchWriter::with_capacity(0);
+        for envelope in events(16).iter().chain(&events(1)) {
+            writer.push(envelope).unwrap();
+        }
+        let len = writer.message_len(0);
+        assert_eq!(writer.finish().unwrap().len(), len);
+    }
+
+    fn predicted_len(sent: &[Envelope]) -> usize {
+        encode_batch(sent).unwrap().len()
+    }
+
+    #[test]
+    fn another_key_order_and_unknown_keys_are_a_batch_too() {
+        let sent = events(3);
+        let encoded: Vec<_> = sent.iter().map(|e| encode(e).unwrap()).collect();
+        let bytes = map(&[
+            ("extra", &|out: &mut Vec<u8>| {
+                rmp::encode::write_array_len(out, 1).unwrap();
+                rmp::encode::write_nil(out).unwrap();
+            }),
+            ("events", &array_of(&encoded)),
+            ("kind", &|out: &mut Vec<u8>| {
+                rmp::encode::write_str(out, "batch").unwrap()
+            }),
+            ("v", &|out: &mut Vec<u8>| {
+                rmp::encode::write_u64(out, 1).unwrap()
+            }),
+        ]);
+        let got: Vec<_> = batch(&bytes, limits())
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(got, sent);
+        // Above the event limit it is still recognised, not refused as oversized.
+        let small = MessageLimits {
+            max_event_bytes: 64,
+            max_batch_bytes: 4096,
+        };
+        assert!(bytes.len() > 64);
+        assert_eq!(batch(&bytes, small).len(), 3);
+    }
+
+    #[test]
+    fn a_bad_event_drops_alone_when_the_rest_can_be_read() {
+        let sent = events(3);
+        let mut wrong_type = Vec::new();
+        rmp::encode::write_map_len(&mut wrong_type, 2).unwrap();
+        rmp::encode::write_str(&mut wrong_type, "v").unwrap();
+        rmp::encode::write_str(&mut wrong_type, "one").unwrap();
+        rmp::encode::write_str(&mut wrong_type, "kind").unwrap();
+        rmp::encode::write_str(&mut wrong_type, "admitted").unwrap();
+        let nested = encode_batch(&sent[..1]).unwrap();
+        let huge = {
+            let mut e = sent[0].clone();
+            if let crate::wire::LeaseEvent::Progressed(p) = &mut e.event {
+                p.request_id = "x".repeat(200);
+            }
+            encode(&e).unwrap()
+        };
+        let encoded = vec![
+            encode(&sent[0]).unwrap(),
+            wrong_type,
+            encode(&sent[1]).unwrap(),
+            nested,
+            vec![0x07], // a number, not a map
+            huge,
+            encode(&sent[2]).unwrap(),
+        ];
+        let bytes = map(&[
+            ("v", &|out: &mut Vec<u8>| {
+                rmp::encode::write_u8(out, 1).unwrap()
+            }),
+            ("kind", &|out: &mut Vec<u8>| {
+                rmp::encode::write_str(out, "batch").unwrap()
+            }),
+            ("events", &array_of(&encoded)),
+        ]);
+        let limits = MessageLimits {
+            max_event_bytes: 150,
+            max_batch_bytes: 4096,
+        };
+        let got = batch(&bytes, limits);
+        assert_eq!(got.len(), 7);
+        assert_eq!(got[0].as_ref().unwrap(), &sent[0]);
+        assert_eq!(got[2].as_ref().unwrap(), &sent[1]);
+        assert_eq!(got[6].as_ref().unwrap(), &sent[2]);
+        let reasons: Vec<_> = got
+            .iter()
+            .map(|r| r.as_ref().err().map(|e| e.reason()))
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                None,
+                Some("decode"),
+                None,
+                Some("decode"),
+                Some("decode"),
+                Some("oversized"),
+                None
+            ]
+        );
+        assert!(
+            matches!(&got[3], Err(DecodeEventError::Malformed(m)) if m.contains("batch inside"))
+        );
+    }
+
+    #[test]
+    fn an_unreadable_batch_drops_every_event_it_declares() {
+        let bytes = encode_batch(&events(5)).unwrap();
+        for cut in CANONICAL_PREFIX.len() + 1..bytes.len() {
+            let (n, error) = refused(&bytes[..cut]);
+            assert_eq!((n, error.reason()), (5, "decode"), "cut at {cut}");
+        }
+        // Before the array's header even the count is unknown: one message, one drop.
+        for cut in 1..=CANONICAL_PREFIX.len() {
+            match decode_message(&bytes[..cut], limits()) {
+                Message::Refused { events: 1, error } => assert_eq!(error.reason(), "decode"),
+                Message::Event(Err(error)) => assert_eq!(error.reason(), "decode"),
+                other => panic!("cut at {cut}: {other:?}"),
+            }
+        }
+        let mut trailing = bytes.clone();
+        trailing.push(0xc0);
+        assert_eq!(refused(&trailing).0, 5, "bytes after the batch");
+        // A count no message could hold is not believed: at most one per byte.
+        let mut claims = CANONICAL_PREFIX.to_vec();
+        claims.extend_from_slice(&[0xdd, 0xff, 0xff, 0xff, 0xff, 0x80]);
+        let (n, _) = refused(&claims);
+        assert!(n <= claims.len(), "{n}");
+    }
+
+    #[test]
+    fn a_newer_version_drops_the_whole_batch_per_event() {
+        let encoded: Vec<_> = events(4).iter().map(|e| encode(e).unwrap()).collect();
+        let bytes = map(&[
+            ("v", &|out: &mut Vec<u8>| {
+                rmp::encode::write_u8(out, 2).unwrap()
+            }),
+            ("kind", &|out: &mut Vec<u8>| {
+                rmp::encode::write_str(out, "batch").unwrap()
+            }),
+            ("events", &array_of(&encoded)),
+        ]);
+        let (n, error) = refused(&bytes);
+        assert_eq!(n, 4);
+        assert_eq!(
+            error,
+            DecodeEventError::UnsupportedVersion {
+                found: 2,
+                supported: WIRE_VERSION
+            }
+        );
+    }
+
+    #[test]
+    fn malformed_batch_envelopes_are_refused() {
+        let encoded: Vec<_> = events(2).iter().map(|e| encode(e).unwrap()).collect();
+        let v1 = |out: &mut Vec<u8>| rmp::encode::write_u8(out, 1).unwrap();
+        let kind = |out: &mut Vec<u8>| rmp::encode::write_str(out, "batch").unwrap();
+        let cases: Vec<(&str, Vec<u8>, usize)> = vec![
+            ("no events", map(&[("v", &v1), ("kind", &kind)]), 1),
+            (
+                "no version",
+                map(&[("kind", &kind), ("events", &array_of(&encoded))]),
+                2,
+            ),
+            (
+                "empty",
+                map(&[("v", &v1), ("kind", &kind), ("events", &array_of(&[]))]),
+                1,
+            ),
+            (
+                "events not an array",
+                map(&[("v", &v1), ("kind", &kind), ("events", &kind)]),
+                1,
+            ),
+            (
+                "a string version",
+                map(&[
+                    ("v", &kind),
+                    ("kind", &kind),
+                    ("events", &array_of(&encoded)),
+                ]),
+                2,
+            ),
+            (
+                "a negative version",
+                map(&[
+                    ("v", &|out: &mut Vec<u8>| {
+                        rmp::encode::write_sint(out, -1).unwrap();
+                    }),
+                    ("kind", &kind),
+                    ("events", &array_of(&encoded)),
+                ]),
+                2,
+            ),
+            (
+                "duplicate events",
+                map(&[
+                    ("v", &v1),
+                    ("kind", &kind),
+                    ("events", &array_of(&encoded)),
+                    ("events", &array_of(&encoded)),
+                ]),
+                2,
+            ),
+            (
+                "duplicate kind",
+                map(&[
+                    ("v", &v1),
+                    ("kind", &kind),
+                    ("kind", &kind),
+                    ("events", &array_of(&encoded)),
+                ]),
+                1,
+            ),
+        ];
+        for (what, bytes, declared) in cases {
+            let (n, error) = refused(&bytes);
+            assert_eq!((n, error.reason()), (declared, "decode"), "{what}");
+        }
+    }
+
+    #[test]
+    fn size_limits_apply_to_batches_and_events_apart() {
+        let bytes = encode_batch(&events(100)).unwrap();
+        let tight = MessageLimits {
+            max_event_bytes: 4096,
+            max_batch_bytes: bytes.len() - 1,
+        };
+        match decode_message(&bytes, tight) {
+            Message::Event(Err(DecodeEventError::Oversized { len, max })) => {
+                assert_eq!((len, max), (bytes.len(), bytes.len() - 1));
+            }
+            other => panic!("{other:?}"),
+        }
+        // A single event above the event limit is oversized even when batches may be larger.
+        let one = encode(&events(1)[0]).unwrap();
+        let small = MessageLimits {
+            max_event_bytes: one.len() - 1,
+            max_batch_bytes: 1 << 20,
+        };
+        match decode_message(&one, small) {
+            Message::Event(Err(DecodeEventError::Oversized { max, .. })) => {
+                assert_eq!(max, one.len() - 1);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn no_prefix_of_any_message_panics() {
+        let mut bytes = encode_batch(&events(6)).unwrap();
+        let single = encode(&events(1)[0]).unwrap();
+        for message in [bytes.clone(), single] {
+            for cut in 0..=message.len() {
+                let _ = decode_message(&message[..cut], limits());
+            }
+        }
+        // Every byte flipped in turn: whatever it reads as, it is counted and nothing panics.
+        for i in 0..bytes.len() {
+            bytes[i] ^= 0xff;
+            match decode_message(&bytes, limits()) {
+                Message::Batch(events) => {
+                    let n = events.len();
+                    assert_eq!(events.count(), n);
+                }
+                Message::Refused { events, .. } => assert!((1..=bytes.len()).contains(&events)),
+                Message::Event(_) => {}
+            }
+            bytes[i] ^= 0xff;
+        }
+    }
+}
