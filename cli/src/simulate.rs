@@ -290,6 +290,9 @@ pub struct SimulationSummary {
     /// Of those, events the publishers handed to the NATS client (and flushed, unless the
     /// server was unreachable at the end).
     pub events_delivered: u64,
+    /// Batch messages (wire 1.2, two events or more) among the messages that carried them:
+    /// 0 unless the publishers batch.
+    pub batches_delivered: u64,
     /// Events the publishers refused (queue full), or accepted but could not send (or not
     /// before [`SimulationConfig::close_timeout`] at the end).
     pub events_dropped: u64,
@@ -336,6 +339,13 @@ impl fmt::Display for SimulationSummary {
             self.events_delivered,
             self.events_dropped
         )?;
+        if self.batches_delivered > 0 {
+            writeln!(
+                f,
+                "            batched: {} messages of two events or more",
+                self.batches_delivered
+            )?;
+        }
         writeln!(
             f,
             "            {} admitted, {} progressed, {} completed, {} worker resets",
@@ -536,6 +546,8 @@ struct Counters {
     send_failed: AtomicU64,
     /// Handed to the NATS client (from the publishers' stats at close).
     delivered: AtomicU64,
+    /// Batch messages that carried them (from the publishers' stats at close).
+    batches: AtomicU64,
     live: AtomicU64,
 }
 
@@ -817,6 +829,7 @@ impl Worker {
         counters
             .delivered
             .fetch_add(stats.published, Ordering::Relaxed);
+        counters.batches.fetch_add(stats.batches, Ordering::Relaxed);
         tracing::debug!(
             worker_id = self.worker_id,
             ?stats,
@@ -990,6 +1003,7 @@ pub async fn run_simulation(
         completed_sent: load(&c.completed_events),
         events_published: published,
         events_delivered: load(&c.delivered),
+        batches_delivered: load(&c.batches),
         events_dropped: load(&c.dropped) + load(&c.send_failed),
         achieved_rate: per_second(started, ran_for),
         events_per_second: per_second(published, elapsed),

@@ -444,8 +444,11 @@ fn router_summary(
     let applied = |kind| i.applied(kind);
     use lease_router::wire::EventKind;
     let mut text = format!(
-        "router ({deployment}): {} events received, {} applied\n",
+        "router ({deployment}): {} events received ({} of them in {} batch messages), {} \
+         applied\n",
         i.received,
+        i.batched_events,
+        i.batches,
         i.applied_total(),
     );
     let _ = writeln!(
