@@ -6,8 +6,8 @@
 //! is the place for long runs.
 
 use lease_router::wire::{
-    self, Admitted, Completed, Envelope, LeaseEvent, Outcome, ProgressStage, Progressed,
-    WorkerReset, DEFAULT_MAX_EVENT_BYTES, WIRE_VERSION,
+    self, Admitted, Completed, Envelope, LeaseEvent, Message, MessageLimits, Outcome,
+    ProgressStage, Progressed, WorkerReset, DEFAULT_MAX_EVENT_BYTES, WIRE_VERSION,
 };
 use lease_router::{DeploymentName, SubjectPrefix, Subjects, MAX_TOKEN_LEN};
 use proptest::prelude::*;
@@ -125,6 +125,77 @@ fn is_token(s: &str) -> bool {
     (1..=MAX_TOKEN_LEN).contains(&s.len())
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+/// What `decode_message` makes of `bytes`, checked for what must hold of any input: a
+/// refused batch declares between one event and one per byte, and a readable batch yields as
+/// many results as it declares.
+fn read_message(
+    bytes: &[u8],
+    limits: MessageLimits,
+) -> Result<Vec<Result<Envelope, wire::DecodeEventError>>, TestCaseError> {
+    Ok(match wire::decode_message(bytes, limits) {
+        Message::Event(event) => vec![event],
+        Message::Refused { events, error } => {
+            prop_assert!(
+                (1..=bytes.len().max(1)).contains(&events),
+                "{} events of {} bytes",
+                events,
+                bytes.len()
+            );
+            vec![Err(error); events.min(4)]
+        }
+        Message::Batch(events) => {
+            let declared = events.len();
+            let read: Vec<_> = events.collect();
+            prop_assert_eq!(read.len(), declared);
+            read
+        }
+    })
+}
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    /// Batches (wire 1.2) of valid events come back event for event, in order.
+    #[test]
+    fn batches_round_trip(envelopes in prop::collection::vec(envelope(), 1..20)) {
+        let bytes = wire::encode_batch(&envelopes).expect("valid envelopes batch");
+        let limits = MessageLimits { max_event_bytes: MAX, max_batch_bytes: 1 << 22 };
+        let read = read_message(&bytes, limits)?;
+        let read: Vec<_> = read.into_iter().map(|r| r.expect("each event decodes")).collect();
+        prop_assert_eq!(read, envelopes);
+    }
+
+    /// Any batch cut short is refused as a whole (never read as fewer events), and one byte
+    /// flipped anywhere never panics: what is read is counted and bounded.
+    #[test]
+    fn broken_batches_never_panic(
+        envelopes in prop::collection::vec(envelope(), 1..6),
+        at in any::<prop::sample::Index>(),
+        xor in 1u8..,
+    ) {
+        let limits = MessageLimits { max_event_bytes: MAX, max_batch_bytes: 1 << 22 };
+        let mut bytes = wire::encode_batch(&envelopes).unwrap();
+        for len in 0..bytes.len() {
+            let read = read_message(&bytes[..len], limits)?;
+            prop_assert!(read.iter().all(Result::is_err), "a {}-byte prefix read an event", len);
+        }
+        let i = at.index(bytes.len());
+        bytes[i] ^= xor;
+        read_message(&bytes, limits)?;
+    }
+
+    /// Arbitrary bytes after a batch's canonical start reach deep into the batch reader.
+    #[test]
+    fn batch_like_bytes_never_panic(tail in prop::collection::vec(any::<u8>(), 0..300)) {
+        let one = wire::encode_batch(&[Envelope::new(1, 1, 1, LeaseEvent::WorkerReset(WorkerReset { worker_id: 1, dp_rank: None, leaving: false }))]).unwrap();
+        // The canonical start, without the array header.
+        let mut bytes = one[..22].to_vec();
+        bytes.extend_from_slice(&tail);
+        read_message(&bytes, MessageLimits::default())?;
+        read_message(&tail, MessageLimits::default())?;
+    }
 }
 
 proptest! {
