@@ -344,3 +344,55 @@ async fn event_between_limit_and_max_payload_is_dropped_as_oversized() {
     assert_eq!(h.router.manager().active_leases(), 1);
     h.router.shutdown().await.unwrap();
 }
+
+/// A batch of the largest size filled with the smallest possible non-events, and batches
+/// that claim more events than they could hold: every declared event is counted once, the
+/// count never exceeds the bytes sent, and the router goes on applying.
+#[tokio::test]
+async fn batch_floods_are_counted_per_event_and_bounded_by_bytes() {
+    let router = router_with(LeaseConfig::default()).await;
+    let (mut applier, stats, subjects) = applier(&router, ApplyConfig::default());
+    let subject = subjects.worker_subject(1);
+    // {"v": 1, "kind": "batch", "events": [7, 7, 7, ...]}: each element is one byte.
+    let header = wire::encode_batch(&[Envelope::new(1, 1, 1, common::admitted("x", 1, 1))])
+        .unwrap()[..22]
+        .to_vec();
+    let elements = wire::DEFAULT_MAX_BATCH_BYTES - 22 - 5;
+    let mut flood = header.clone();
+    rmp::encode::write_array_len(&mut flood, elements as u32).unwrap();
+    flood.resize(flood.len() + elements, 0x07);
+    assert_eq!(flood.len(), wire::DEFAULT_MAX_BATCH_BYTES);
+    let outcome = applier.apply(&subject, &flood).expect("router alive");
+    let Applied::Batch(batch) = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert_eq!(batch.dropped as usize, elements);
+    // One byte more is over the limit: dropped unread, once.
+    flood.push(0x07);
+    assert_eq!(
+        applier.apply(&subject, &flood).unwrap(),
+        Applied::Dropped(DropReason::Oversized)
+    );
+    // A claim of 4 billion events in 28 bytes: at most one per byte is counted.
+    let mut liar = header;
+    liar.extend_from_slice(&[0xdd, 0xff, 0xff, 0xff, 0xff, 0x07]);
+    let Applied::Batch(batch) = applier.apply(&subject, &liar).unwrap() else {
+        panic!("a refused batch is a batch outcome")
+    };
+    assert!(batch.dropped as usize <= liar.len(), "{batch:?}");
+    // The router still applies what comes next.
+    assert_eq!(
+        feed(&mut applier, &subjects, 9, 1, admitted("after", 1, 1)),
+        Applied::Applied
+    );
+    applier.end_batch();
+    let s = stats.snapshot();
+    assert_eq!(
+        s.dropped(DropReason::Decode),
+        (elements + batch.dropped as usize) as u64
+    );
+    assert_eq!(s.dropped(DropReason::Oversized), 1);
+    assert_eq!(s.accounted(), s.received);
+    assert_eq!(s.batches, 2, "the oversized one was not read");
+    router.shutdown().await.unwrap();
+}
