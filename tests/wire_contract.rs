@@ -1,5 +1,6 @@
 //! The wire contract as other languages see it: the golden fixtures in `schemas/fixtures/`, the
-//! JSON Schema in `schemas/`, and encodings as Python or Go publishers produce them.
+//! JSON Schema in `schemas/`, encodings as Python or Go publishers produce them, and the
+//! figures `schemas/README.md` states.
 //!
 //! Regenerate the golden fixtures (after an intended change of the encoding) with
 //! `REGENERATE_FIXTURES=1 cargo test --test wire_contract`, then review the diff.
@@ -11,9 +12,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use lease_router::wire::{
-    self, keys, Admitted, Completed, DecodeEventError, Envelope, EventKind, LeaseEvent, Outcome,
-    ProgressStage, Progressed, WorkerReset, DEFAULT_MAX_EVENT_BYTES, WIRE_VERSION,
+    self, keys, Admitted, BatchWriter, Completed, DecodeEventError, Envelope, EventKind,
+    LeaseEvent, Message, MessageLimits, Outcome, ProgressStage, Progressed, WorkerReset,
+    BATCH_KIND, DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_EVENT_BYTES, EVENTS_KEY, WIRE_VERSION,
 };
+use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::Value;
 
 use common::Mp;
@@ -151,16 +154,91 @@ fn golden() -> Vec<(&'static str, Envelope)> {
     ]
 }
 
+/// The golden batch (1.2): every kind, one publisher, `seq` increasing, one worker.
+fn golden_batch() -> Vec<Envelope> {
+    vec![
+        Envelope::new(
+            PUBLISHER_ID,
+            21,
+            TS + 5_000_000,
+            Admitted {
+                request_id: "req-b001".into(),
+                worker_id: 3,
+                dp_rank: 0,
+                prompt_tokens: 1200,
+                expected_output_tokens: None,
+                cached_tokens: Some(1024),
+            },
+        ),
+        Envelope::new(
+            PUBLISHER_ID,
+            22,
+            TS + 5_000_150,
+            Progressed {
+                request_id: "req-9c04".into(),
+                worker_id: 3,
+                dp_rank: 1,
+                stage: ProgressStage::PrefillDone,
+                output_tokens: 1,
+            },
+        ),
+        Envelope::new(
+            PUBLISHER_ID,
+            23,
+            TS + 5_000_400,
+            Completed {
+                request_id: "req-8e21".into(),
+                worker_id: 3,
+                dp_rank: 0,
+                outcome: Outcome::Cancelled,
+            },
+        ),
+        Envelope::new(
+            PUBLISHER_ID,
+            24,
+            TS + 5_000_900,
+            WorkerReset {
+                worker_id: 3,
+                dp_rank: Some(1),
+                leaving: true,
+            },
+        ),
+    ]
+}
+
+/// The name of the golden batch fixture.
+const BATCH_FIXTURE: &str = "batch";
+
+/// The JSON view of a batch, keys in the canonical order: `{"v": 1, "kind": "batch",
+/// "events": [event, ...]}`, each event as its own JSON view.
+struct BatchJson<'a>(&'a [Envelope]);
+
+impl Serialize for BatchJson<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(3))?;
+        map.serialize_entry(keys::VERSION, &WIRE_VERSION)?;
+        map.serialize_entry(keys::KIND, BATCH_KIND)?;
+        map.serialize_entry(EVENTS_KEY, self.0)?;
+        map.end()
+    }
+}
+
+fn write_fixture(dir: &Path, name: &str, bytes: &[u8], json: &impl Serialize) {
+    fs::write(dir.join(format!("{name}.msgpack")), bytes).unwrap();
+    let mut json = serde_json::to_string_pretty(json).unwrap();
+    json.push('\n');
+    fs::write(dir.join(format!("{name}.json")), json).unwrap();
+}
+
 fn regenerate() {
     let dir = fixtures_dir();
     fs::create_dir_all(&dir).unwrap();
     for (name, envelope) in golden() {
-        let bytes = wire::encode(&envelope).unwrap();
-        fs::write(dir.join(format!("{name}.msgpack")), bytes).unwrap();
-        let mut json = serde_json::to_string_pretty(&envelope).unwrap();
-        json.push('\n');
-        fs::write(dir.join(format!("{name}.json")), json).unwrap();
+        write_fixture(&dir, name, &wire::encode(&envelope).unwrap(), &envelope);
     }
+    let batch = golden_batch();
+    let bytes = wire::encode_batch(&batch).unwrap();
+    write_fixture(&dir, BATCH_FIXTURE, &bytes, &BatchJson(&batch));
 }
 
 fn read_json(path: &Path) -> Value {
@@ -178,19 +256,67 @@ fn fixture_names(dir: &Path) -> BTreeSet<String> {
         .collect()
 }
 
+/// What one fixture message decodes to.
+#[derive(Debug, PartialEq)]
+enum Decoded {
+    Event(Envelope),
+    Batch(Vec<Envelope>),
+}
+
+impl Decoded {
+    fn json(&self) -> Value {
+        match self {
+            Decoded::Event(envelope) => serde_json::to_value(envelope).unwrap(),
+            Decoded::Batch(events) => serde_json::to_value(BatchJson(events)).unwrap(),
+        }
+    }
+
+    /// The envelope(s) a JSON view stands for: a batch when its `kind` is `"batch"`.
+    fn from_json(json: Value) -> Self {
+        if json[keys::KIND] == BATCH_KIND {
+            let events = json[EVENTS_KEY].clone();
+            Decoded::Batch(serde_json::from_value(events).unwrap())
+        } else {
+            Decoded::Event(serde_json::from_value(json).unwrap())
+        }
+    }
+}
+
+/// Reads one message as a router does, with the default limits; every event must be good.
+fn decode_message(name: &str, bytes: &[u8]) -> Decoded {
+    match wire::decode_message(bytes, MessageLimits::default()) {
+        Message::Event(Ok(envelope)) => Decoded::Event(envelope),
+        Message::Batch(events) => Decoded::Batch(
+            events
+                .map(|event| event.unwrap_or_else(|err| panic!("{name}: an event: {err}")))
+                .collect(),
+        ),
+        Message::Event(Err(err)) => panic!("{name}: {err}"),
+        Message::Refused { events, error } => panic!("{name}: {events} events refused: {error}"),
+    }
+}
+
 /// Decodes `<name>.msgpack` and checks it against `<name>.json`, both ways.
-fn check_against_json(dir: &Path, name: &str) -> (Vec<u8>, Envelope) {
+fn check_against_json(dir: &Path, name: &str) -> (Vec<u8>, Decoded) {
     let bytes = fs::read(dir.join(format!("{name}.msgpack"))).unwrap();
-    let decoded = wire::decode(&bytes, DEFAULT_MAX_EVENT_BYTES)
-        .unwrap_or_else(|err| panic!("{name}.msgpack: {err}"));
+    let decoded = decode_message(name, &bytes);
+    if let Decoded::Event(envelope) = &decoded {
+        // A single event reads the same through the single-event decoder.
+        let single = wire::decode(&bytes, DEFAULT_MAX_EVENT_BYTES)
+            .unwrap_or_else(|err| panic!("{name}.msgpack: {err}"));
+        assert_eq!(&single, envelope, "{name}");
+    }
     let json = read_json(&dir.join(format!("{name}.json")));
     assert_eq!(
-        serde_json::to_value(&decoded).unwrap(),
+        decoded.json(),
         json,
         "{name}: decoded msgpack differs from the JSON"
     );
-    let from_json: Envelope = serde_json::from_value(json).unwrap();
-    assert_eq!(from_json, decoded, "{name}: JSON and msgpack disagree");
+    assert_eq!(
+        Decoded::from_json(json),
+        decoded,
+        "{name}: JSON and msgpack disagree"
+    );
     (bytes, decoded)
 }
 
@@ -200,7 +326,11 @@ fn golden_fixtures_decode_and_reencode_byte_for_byte() {
         regenerate();
     }
     let dir = fixtures_dir();
-    let expected: BTreeSet<String> = golden().iter().map(|(n, _)| n.to_string()).collect();
+    let expected: BTreeSet<String> = golden()
+        .iter()
+        .map(|(n, _)| n.to_string())
+        .chain([BATCH_FIXTURE.to_owned()])
+        .collect();
     assert_eq!(
         fixture_names(&dir),
         expected,
@@ -209,6 +339,9 @@ fn golden_fixtures_decode_and_reencode_byte_for_byte() {
     let mut kinds = BTreeSet::new();
     for (name, envelope) in golden() {
         let (bytes, decoded) = check_against_json(&dir, name);
+        let Decoded::Event(decoded) = decoded else {
+            panic!("{name}: a batch, not an event");
+        };
         assert_eq!(
             decoded, envelope,
             "{name}: fixture differs from the generator"
@@ -254,6 +387,82 @@ fn the_admitted_fixture_is_this_exact_layout() {
     assert_eq!(bytes.len(), 85);
 }
 
+/// `schemas/README.md`, the text of section `## {title}` up to the next `## `.
+fn contract_section(title: &str) -> String {
+    let contract = fs::read_to_string(schemas_dir().join("README.md")).unwrap();
+    contract
+        .split(&format!("\n## {title}\n"))
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .unwrap_or_else(|| panic!("schemas/README.md has a `## {title}` section"))
+        .to_owned()
+}
+
+/// The cells of the table row of `section` whose first cell is `` `key` ``.
+fn table_row<'a>(section: &'a str, key: &str) -> Vec<&'a str> {
+    let start = format!("| `{key}` |");
+    let line = section
+        .lines()
+        .find(|l| l.starts_with(&start))
+        .unwrap_or_else(|| panic!("no row `{key}` in:\n{section}"));
+    line.trim_matches('|').split(" | ").map(str::trim).collect()
+}
+
+/// Bytes as the README spells them: lower-case hex pairs separated by spaces.
+fn hex(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[test]
+fn the_batch_fixture_is_this_exact_layout() {
+    let (bytes, decoded) = check_against_json(&fixtures_dir(), BATCH_FIXTURE);
+    let sent = golden_batch();
+    assert_eq!(decoded, Decoded::Batch(sent.clone()));
+    // The canonical layout, spelled out: a map of 3 in the order v, kind, events, then each
+    // event exactly as it is encoded alone.
+    let head = Mp::default()
+        .map(3)
+        .str("v")
+        .bytes(&[0x01])
+        .str("kind")
+        .str("batch")
+        .str("events")
+        .0;
+    let mut expected = head.clone();
+    expected.push(0x94); // fixarray of 4
+    for envelope in &sent {
+        expected.extend_from_slice(&wire::encode(envelope).unwrap());
+    }
+    assert_eq!(bytes, expected);
+    assert_eq!(wire::encode_batch(&sent).unwrap(), bytes);
+    // The publisher's writer sends the same bytes.
+    let mut writer = BatchWriter::new();
+    for envelope in &sent {
+        writer.push(envelope).unwrap();
+    }
+    assert_eq!(writer.finish().unwrap(), bytes);
+    // What the fixture is meant to show: every kind, one publisher, `seq` rising, one worker.
+    let kinds: BTreeSet<EventKind> = sent.iter().map(Envelope::kind).collect();
+    assert_eq!(kinds, EventKind::ALL.into_iter().collect());
+    assert!(sent.iter().all(|e| e.publisher_id == PUBLISHER_ID));
+    assert!(sent.windows(2).all(|w| w[0].sequence < w[1].sequence));
+    assert!(sent.iter().all(|e| e.event.worker_id() == 3));
+
+    // The README shows the canonical first bytes and the fixture's size.
+    let section = contract_section("Batches (1.2)");
+    assert!(
+        section.lines().any(|l| l.trim() == hex(&head)),
+        "schemas/README.md, Batches: the canonical first bytes are\n{}",
+        hex(&head)
+    );
+    let size = format!("`fixtures/batch.msgpack` ({} bytes)", bytes.len());
+    assert!(section.contains(&size), "README should say {size}");
+}
+
 /// Encodings other publishers produce, checked in as `fixtures/interop/<name>.msgpack` with the
 /// envelope they must decode to as `<name>.json`.
 #[test]
@@ -265,9 +474,25 @@ fn interop_fixtures_decode() {
         "no interop fixtures in {}",
         dir.display()
     );
+    let mut batches = 0;
     for name in names {
-        check_against_json(&dir, &name);
+        let (bytes, decoded) = check_against_json(&dir, &name);
+        if let Decoded::Batch(events) = decoded {
+            batches += 1;
+            if name == "python_batch_single" {
+                // A dict built in the canonical key order packs to the canonical bytes.
+                assert_eq!(bytes, wire::encode_batch(&events).unwrap(), "{name}");
+            }
+        }
     }
+    assert!(batches >= 2, "python_batch* interop fixtures: {batches}");
+    // The one whose map starts with `events` and holds an unknown key, and an event whose
+    // `etok` is nil.
+    let bytes = fs::read(dir.join("python_batch.msgpack")).unwrap();
+    assert!(bytes.starts_with(&Mp::default().map(4).str("events").0));
+    assert!(bytes
+        .windows(6)
+        .any(|w| w == Mp::default().str("etok").bytes(&[0xc0]).0));
 }
 
 fn fixture(name: &str) -> Envelope {
@@ -349,6 +574,221 @@ fn go_style_encoding_decodes_to_the_same_event() {
     assert_eq!(decoded, fixture("admitted_no_estimate"));
 }
 
+/// A Go worker's batch as `schemas/README.md` shows it: `Batch{V uint16; Kind string; Events
+/// []msgpack.RawMessage}`, each event a struct marshalled on its own by vmihailenco/msgpack.
+#[test]
+fn go_style_batch_decodes_to_the_same_events() {
+    let stamp = |mp: Mp, seq: u64, ts: u64, kind: &str| {
+        mp.str("v")
+            .bytes(&[0xcd, 0, 1]) // uint16 1
+            .str("pub")
+            .uint64(PUBLISHER_ID)
+            .str("seq")
+            .uint64(seq)
+            .str("ts")
+            .uint64(ts)
+            .str("kind")
+            .str(kind)
+    };
+    let uint32 = |n: u32| {
+        let mut out = vec![0xce];
+        out.extend_from_slice(&n.to_be_bytes());
+        out
+    };
+    // Admitted: `Etok *uint32 omitempty` nil is left out; `Ctok` set.
+    let admitted = stamp(Mp::default().map(10), 21, TS + 5_000_000, "admitted")
+        .str("rid")
+        .str("req-b001")
+        .str("wid")
+        .uint64(3)
+        .str("dp")
+        .bytes(&uint32(0))
+        .str("ptok")
+        .bytes(&uint32(1200))
+        .str("ctok")
+        .bytes(&uint32(1024))
+        .0;
+    let progressed = stamp(Mp::default().map(10), 22, TS + 5_000_150, "progressed")
+        .str("rid")
+        .str("req-9c04")
+        .str("wid")
+        .uint64(3)
+        .str("dp")
+        .bytes(&uint32(1))
+        .str("stage")
+        .str("prefill_done")
+        .str("otok")
+        .bytes(&uint32(1))
+        .0;
+    let completed = stamp(Mp::default().map(9), 23, TS + 5_000_400, "completed")
+        .str("rid")
+        .str("req-8e21")
+        .str("wid")
+        .uint64(3)
+        .str("dp")
+        .bytes(&uint32(0))
+        .str("outcome")
+        .str("cancelled")
+        .0;
+    // `Dp *uint32 omitempty`, `Leaving bool omitempty`.
+    let reset = stamp(Mp::default().map(8), 24, TS + 5_000_900, "worker_reset")
+        .str("wid")
+        .uint64(3)
+        .str("dp")
+        .bytes(&uint32(1))
+        .str("leaving")
+        .bytes(&[0xc3])
+        .0;
+    let mut bytes = Mp::default()
+        .map(3)
+        .str("v")
+        .bytes(&[0xcd, 0, 1]) // uint16 1
+        .str("kind")
+        .str("batch")
+        .str("events")
+        .bytes(&[0x94]) // EncodeArrayLen(4)
+        .0;
+    for event in [admitted, progressed, completed, reset] {
+        bytes.extend_from_slice(&event); // RawMessage: written as is
+    }
+    assert_eq!(
+        decode_message("go-style batch", &bytes),
+        Decoded::Batch(golden_batch())
+    );
+}
+
+/// What a router does with batches that are not right, as `schemas/README.md` tells workers.
+#[test]
+fn batch_contract_errors_other_languages_must_expect() {
+    let good: Vec<Vec<u8>> = golden_batch()
+        .iter()
+        .map(|e| wire::encode(e).unwrap())
+        .collect();
+    let batch_of = |v: u8, events: &[Vec<u8>]| {
+        let mut out = Mp::default()
+            .map(3)
+            .str("v")
+            .bytes(&[v])
+            .str("kind")
+            .str("batch")
+            .str("events")
+            .0;
+        rmp::encode::write_array_len(&mut out, events.len() as u32).unwrap();
+        for event in events {
+            out.extend_from_slice(event);
+        }
+        out
+    };
+    let refused = |bytes: &[u8]| match wire::decode_message(bytes, MessageLimits::default()) {
+        Message::Refused { events, error } => (events, error.reason()),
+        other => panic!("not refused: {other:?}"),
+    };
+    let reasons = |bytes: &[u8]| match wire::decode_message(bytes, MessageLimits::default()) {
+        Message::Batch(events) => events
+            .map(|e| e.err().map(|err| err.reason()))
+            .collect::<Vec<_>>(),
+        other => panic!("not a batch: {other:?}"),
+    };
+
+    // Another version: every declared event dropped as `version`.
+    assert_eq!(refused(&batch_of(2, &good)), (4, "version"));
+    // Unreadable as a whole: every declared event dropped as `decode`.
+    let whole = batch_of(1, &good);
+    assert_eq!(
+        refused(&whole[..whole.len() - 1]),
+        (4, "decode"),
+        "cut short"
+    );
+    let mut trailing = whole.clone();
+    trailing.push(0xc0);
+    assert_eq!(refused(&trailing), (4, "decode"), "bytes after the map");
+    // No events: one drop.
+    assert_eq!(refused(&batch_of(1, &[])), (1, "decode"), "empty events");
+
+    // One bad event drops alone, each for its own reason.
+    let unknown_kind = Mp::default()
+        .map(6)
+        .str("v")
+        .bytes(&[0x01])
+        .str("pub")
+        .uint(PUBLISHER_ID)
+        .str("seq")
+        .bytes(&[0x19])
+        .str("ts")
+        .uint(TS)
+        .str("kind")
+        .str("migrated")
+        .str("wid")
+        .bytes(&[0x03])
+        .0;
+    let other_version = Mp::default()
+        .map(2)
+        .str("v")
+        .bytes(&[0x02])
+        .str("kind")
+        .str("admitted")
+        .0;
+    let nested = wire::encode_batch(&golden_batch()[..2]).unwrap();
+    let over = over_event();
+    let bytes = batch_of(
+        1,
+        &[
+            good[0].clone(),
+            unknown_kind,
+            good[1].clone(),
+            other_version,
+            nested,
+            over,
+            vec![0x2a], // not a map
+            good[2].clone(),
+        ],
+    );
+    assert_eq!(
+        reasons(&bytes),
+        [
+            None,
+            Some("unknown_kind"),
+            None,
+            Some("version"),
+            Some("decode"),
+            Some("oversized"),
+            Some("decode"),
+            None
+        ]
+    );
+
+    // Over the batch limit: not read, one drop, whatever it holds.
+    let many: Vec<Envelope> = (1..=20_000)
+        .map(|seq| {
+            let mut e = golden_batch()[1].clone();
+            e.sequence = seq;
+            e
+        })
+        .collect();
+    let big = wire::encode_batch(&many).unwrap();
+    assert!(big.len() > DEFAULT_MAX_BATCH_BYTES, "{}", big.len());
+    match wire::decode_message(&big, MessageLimits::default()) {
+        Message::Event(Err(err)) => assert_eq!(err.reason(), "oversized"),
+        other => panic!("{other:?}"),
+    }
+    // A single event over the event limit stays oversized though batches may be larger.
+    match wire::decode_message(&over_event(), MessageLimits::default()) {
+        Message::Event(Err(err)) => assert_eq!(err.reason(), "oversized"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A single event just over the default event limit.
+fn over_event() -> Vec<u8> {
+    let mut e = golden_batch()[0].clone();
+    if let LeaseEvent::Admitted(a) = &mut e.event {
+        a.request_id = "r".repeat(DEFAULT_MAX_EVENT_BYTES);
+    }
+    let bytes = wire::encode(&e).unwrap();
+    assert!(bytes.len() > DEFAULT_MAX_EVENT_BYTES);
+    bytes
+}
+
 #[test]
 fn contract_errors_other_languages_must_expect() {
     // A newer major version is refused before anything else is looked at.
@@ -427,11 +867,21 @@ fn string_set(value: &Value) -> BTreeSet<String> {
 
 #[test]
 fn schema_matches_the_decoder() {
-    let schema = read_json(&schemas_dir().join("envelope.schema.json"));
+    let root = read_json(&schemas_dir().join("envelope.schema.json"));
     assert_eq!(
-        schema["$schema"],
+        root["$schema"],
         "https://json-schema.org/draft/2020-12/schema"
     );
+    // A message is a batch when its kind says so, else one event.
+    assert_eq!(root["if"]["required"], serde_json::json!([keys::KIND]));
+    assert_eq!(root["if"]["properties"][keys::KIND]["const"], BATCH_KIND);
+    assert_eq!(root["then"]["$ref"], "#/$defs/batch");
+    assert_eq!(root["else"]["$ref"], "#/$defs/event");
+    let schema = &root["$defs"]["event"];
+    assert!(schema["description"]
+        .as_str()
+        .unwrap()
+        .contains(&format!("{DEFAULT_MAX_EVENT_BYTES} bytes")));
     let properties = schema["properties"].as_object().unwrap();
     let documented: BTreeSet<&str> = properties.keys().map(String::as_str).collect();
     assert_eq!(documented, keys::ALL.into_iter().collect());
@@ -462,7 +912,7 @@ fn schema_matches_the_decoder() {
     );
     assert_eq!(schema["additionalProperties"], true);
     // Each kind's required fields: exactly what the encoder always writes for it.
-    let defs = schema["$defs"].as_object().unwrap();
+    let defs = root["$defs"].as_object().unwrap();
     for (name, envelope) in golden() {
         let kind = envelope.kind();
         let required = string_set(&defs[kind.as_str()]["required"]);
@@ -497,6 +947,51 @@ fn schema_matches_the_decoder() {
             .map(|k| k.as_str().to_owned())
             .collect()
     );
+}
+
+#[test]
+fn schema_of_a_batch_matches_the_decoder() {
+    let root = read_json(&schemas_dir().join("envelope.schema.json"));
+    let batch = &root["$defs"]["batch"];
+    let properties = batch["properties"].as_object().unwrap();
+    let keys: BTreeSet<&str> = properties.keys().map(String::as_str).collect();
+    let expected = [keys::VERSION, keys::KIND, EVENTS_KEY];
+    assert_eq!(keys, expected.into_iter().collect());
+    assert_eq!(
+        string_set(&batch["required"]),
+        expected.map(str::to_owned).into()
+    );
+    assert_eq!(properties[keys::VERSION]["const"], u64::from(WIRE_VERSION));
+    assert_eq!(properties[keys::KIND]["const"], BATCH_KIND);
+    let events = &properties[EVENTS_KEY];
+    assert_eq!(events["type"], "array");
+    assert_eq!(events["minItems"], 1);
+    assert_eq!(events["items"]["$ref"], "#/$defs/event");
+    assert_eq!(batch["additionalProperties"], true);
+    let description = batch["description"].as_str().unwrap();
+    assert!(description.contains(&format!("{DEFAULT_MAX_BATCH_BYTES} bytes")));
+    assert!(description.contains(&format!(
+        "each event in it at most {DEFAULT_MAX_EVENT_BYTES}"
+    )));
+    // `batch` is no event kind: a batch inside a batch is not an event.
+    let kinds = string_set(&root["$defs"]["event"]["properties"][keys::KIND]["enum"]);
+    assert!(!kinds.contains(BATCH_KIND));
+    assert!(EventKind::from_wire(BATCH_KIND).is_none());
+    // The JSON views of the batch fixtures have exactly these keys.
+    for dir in [fixtures_dir(), fixtures_dir().join("interop")] {
+        for name in fixture_names(&dir) {
+            let json = read_json(&dir.join(format!("{name}.json")));
+            if json[keys::KIND] == BATCH_KIND {
+                let found: BTreeSet<&str> = json
+                    .as_object()
+                    .unwrap()
+                    .keys()
+                    .map(String::as_str)
+                    .collect();
+                assert_eq!(found, expected.into_iter().collect(), "{name}");
+            }
+        }
+    }
 }
 
 #[test]
@@ -540,5 +1035,67 @@ fn documented_drop_reasons_are_the_counted_ones() {
     assert!(
         dropped_row.contains("(schemas/README.md#drop-reasons)"),
         "{dropped_row}"
+    );
+}
+
+/// The figures `schemas/README.md` states for batches are the router's and the Rust
+/// publisher's defaults.
+#[test]
+fn batch_limits_in_the_contract_are_the_defaults() {
+    let section = contract_section("Batches (1.2)");
+    let stated = |key: &str| table_row(&section, key)[1].to_owned();
+    let router = lease_router::ApplyConfig::default();
+    assert_eq!(router.max_event_bytes, DEFAULT_MAX_EVENT_BYTES);
+    assert_eq!(router.max_batch_bytes, DEFAULT_MAX_BATCH_BYTES);
+    assert_eq!(
+        stated("max_event_bytes"),
+        DEFAULT_MAX_EVENT_BYTES.to_string()
+    );
+    assert_eq!(
+        stated("max_batch_bytes"),
+        format!("{DEFAULT_MAX_BATCH_BYTES} (1 MiB)")
+    );
+    assert_eq!(DEFAULT_MAX_BATCH_BYTES, 1 << 20);
+    let publisher = lease_router::Batching::default();
+    assert_eq!(stated("max_events"), publisher.max_events.to_string());
+    assert_eq!(publisher.max_bytes % 1024, 0);
+    assert_eq!(
+        stated("max_bytes"),
+        format!(
+            "{} ({} KiB)",
+            publisher.max_bytes,
+            publisher.max_bytes / 1024
+        )
+    );
+    let millis = u64::try_from(publisher.linger.as_millis()).unwrap();
+    assert_eq!(publisher.linger, std::time::Duration::from_millis(millis));
+    assert_eq!(stated("linger"), format!("{millis} ms"));
+}
+
+/// The examples of `schemas/README.md` spell the batch map with the decoder's keys.
+#[test]
+fn batch_examples_in_the_contract_use_the_decoders_keys() {
+    let python = contract_section("Python");
+    let literal = format!(
+        r#"{{"{}": {}, "{}": "{}", "{}": "#,
+        keys::VERSION,
+        WIRE_VERSION,
+        keys::KIND,
+        BATCH_KIND,
+        EVENTS_KEY
+    );
+    assert!(python.contains(&literal), "Python example lacks {literal}");
+    let go = contract_section("Go");
+    for tag in [keys::VERSION, keys::KIND, EVENTS_KEY] {
+        let tag = format!("`msgpack:\"{tag}\"`");
+        assert!(go.contains(&tag), "Go example lacks {tag}");
+    }
+    assert!(go.contains(&format!("Kind: \"{BATCH_KIND}\"")));
+    assert!(go.contains(&format!("V: {WIRE_VERSION}")));
+    // The map as the Batches section shows it.
+    let batches = contract_section("Batches (1.2)");
+    assert!(
+        batches.contains(&literal),
+        "Batches section lacks {literal}"
     );
 }

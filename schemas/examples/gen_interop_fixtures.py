@@ -1,4 +1,5 @@
-"""Writes schemas/fixtures/interop/python_*.msgpack: events as a Python publisher encodes them.
+"""Writes schemas/fixtures/interop/python_*.msgpack: events and batches (1.2) as a Python
+publisher encodes them.
 
 Run from the repository root with the `msgpack` package installed:
 
@@ -6,7 +7,8 @@ Run from the repository root with the `msgpack` package installed:
 
 Each `<name>.msgpack` is what `msgpack.packb` produces for a dict built the way a Python worker
 would build it (its own key order, an extra field the router does not know); `<name>.json` is the
-envelope the router must decode it to, in the canonical form of the golden fixtures.
+envelope the router must decode it to, in the canonical form of the golden fixtures (for a
+batch: `{"v": 1, "kind": "batch", "events": [...]}` with each event in that form).
 tests/wire_contract.rs checks both.
 """
 
@@ -96,6 +98,66 @@ CASES = {
     "python_worker_leaving": (
         {"leaving": True, "v": 1, "pub": PUBLISHER_ID, "seq": 11, "ts": TS + 11, "kind": "worker_reset", "wid": 12, "dp": None},
         {"v": 1, "pub": PUBLISHER_ID, "seq": 11, "ts": TS + 11, "kind": "worker_reset", "wid": 12, "leaving": True},
+    ),
+    # 1.2 batches. The batch map in another key order (`events` first), an unknown key, and
+    # events as separate dicts of their own key orders; one `admitted` with `etok` as None.
+    "python_batch": (
+        {
+            "events": [
+                {
+                    "kind": "admitted", "rid": "req-py-3", "wid": 12, "dp": 1, "ptok": 300,
+                    "etok": None, "v": 1, "pub": PUBLISHER_ID, "seq": 12, "ts": TS + 12,
+                },
+                {
+                    "v": 1, "pub": PUBLISHER_ID, "seq": 13, "ts": TS + 13, "kind": "progressed",
+                    "rid": "req-py-2", "wid": 12, "dp": 0, "stage": "decoding", "otok": 40,
+                    "gpu_util": 0.5,
+                },
+                {
+                    "v": 1, "pub": PUBLISHER_ID, "seq": 14, "ts": TS + 14, "kind": "completed",
+                    "rid": "req-py-1", "wid": 12, "dp": 0, "outcome": "cancelled",
+                },
+            ],
+            "host": "gpu-node-12",
+            "kind": "batch",
+            "v": 1,
+        },
+        {
+            "v": 1,
+            "kind": "batch",
+            "events": [
+                {
+                    "v": 1, "pub": PUBLISHER_ID, "seq": 12, "ts": TS + 12, "kind": "admitted",
+                    "rid": "req-py-3", "wid": 12, "dp": 1, "ptok": 300,
+                },
+                {
+                    "v": 1, "pub": PUBLISHER_ID, "seq": 13, "ts": TS + 13, "kind": "progressed",
+                    "rid": "req-py-2", "wid": 12, "dp": 0, "stage": "decoding", "otok": 40,
+                },
+                {
+                    "v": 1, "pub": PUBLISHER_ID, "seq": 14, "ts": TS + 14, "kind": "completed",
+                    "rid": "req-py-1", "wid": 12, "dp": 0, "outcome": "cancelled",
+                },
+            ],
+        },
+    ),
+    # A batch may hold a single event. Built in the canonical key order, it packs to exactly the
+    # bytes the Rust encoder writes.
+    "python_batch_single": (
+        {
+            "v": 1,
+            "kind": "batch",
+            "events": [
+                {"v": 1, "pub": PUBLISHER_ID, "seq": 15, "ts": TS + 15, "kind": "worker_reset", "wid": 12, "leaving": True},
+            ],
+        },
+        {
+            "v": 1,
+            "kind": "batch",
+            "events": [
+                {"v": 1, "pub": PUBLISHER_ID, "seq": 15, "ts": TS + 15, "kind": "worker_reset", "wid": 12, "leaving": True},
+            ],
+        },
     ),
 }
 
