@@ -28,6 +28,7 @@ CORE_FILES=(
   src/ingress/sequence.rs
   src/ingress/reorder.rs
   src/wire.rs
+  src/wire/batch.rs
 )
 
 out=mutants.out

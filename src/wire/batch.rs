@@ -297,8 +297,9 @@ fn read_batch(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
         |events: usize, why: &str| refused(events, DecodeEventError::Malformed(why.into()));
 
     let mut version = None;
-    let mut kind_seen = false;
     let mut events = None;
+    // Every key, as in an event: a repeated one makes the map ambiguous.
+    let mut keys_seen = hashbrown::HashSet::new();
     let mut pairs = TopLevel::new(bytes);
     for pair in pairs.by_ref() {
         let declared = events.map_or(1, |(count, _)| count);
@@ -315,20 +316,19 @@ fn read_batch(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
                 return malformed(declared, why);
             }
         };
-        let duplicate = match key {
-            keys::VERSION => version.replace(read_uint(value)).is_some(),
-            keys::KIND => std::mem::replace(&mut kind_seen, true),
+        if !keys_seen.insert(key) {
+            return malformed(declared, "duplicate key in a batch");
+        }
+        match key {
+            keys::VERSION => version = Some(read_uint(value)),
             EVENTS_KEY => {
                 let mut pos = 0;
                 let Some(count) = read_len(value, &mut pos, Container::Array) else {
                     return malformed(1, "a batch's `events` must be an array");
                 };
-                events.replace((count, &value[pos..])).is_some()
+                events = Some((count, &value[pos..]));
             }
-            _ => false,
-        };
-        if duplicate {
-            return malformed(declared, "duplicate key in a batch");
+            _ => {}
         }
     }
     let declared = events.map_or(1, |(count, _)| count);
@@ -849,6 +849,17 @@ mod tests {
                     ("events", &array_of(&encoded)),
                 ]),
                 2,
+            ),
+            (
+                "a duplicate unknown key",
+                map(&[
+                    ("x", &v1),
+                    ("v", &v1),
+                    ("x", &v1),
+                    ("kind", &kind),
+                    ("events", &array_of(&encoded)),
+                ]),
+                1,
             ),
             (
                 "duplicate kind",
