@@ -1006,3 +1006,77 @@ async fn sigkill_mid_snapshot_leaves_nothing_a_later_replica_trusts() {
     );
     terminate(serve2);
 }
+
+/// The sum of every series of `family` for `deployment` (any other labels).
+fn metric_sum(addr: SocketAddr, family: &str, deployment: &str) -> f64 {
+    let (status, body) = http(addr, "GET", "/metrics");
+    assert_eq!(status, 200);
+    let label = format!("deployment=\"{deployment}\"");
+    body.lines()
+        .filter(|line| line.starts_with(&format!("{family}{{")) && line.contains(&label))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulate_batch_against_serve_ends_with_every_event_applied() {
+    common::init_tracing();
+    let server = common::server().await;
+    let url = server.url();
+    let (serve, addr) = serve(&url, &["--deployment", "cli-batch"]);
+
+    // No crashes, duplicates or reorders: every event the workers send must be applied.
+    let out = run(
+        command(&[
+            "simulate",
+            "--nats-url",
+            &url,
+            "--deployment",
+            "cli-batch",
+            "--workers",
+            "3",
+            "--rate",
+            "300",
+            "--duration",
+            "2s",
+            "--crash-share",
+            "0",
+            "--duplicate-share",
+            "0",
+            "--reorder-share",
+            "0",
+            "--seed",
+            "16",
+            "--batch",
+            "--json",
+        ]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.code(), Some(0), "stderr:\n{}", out.stderr);
+    let summary: serde_json::Value = serde_json::from_str(&out.stdout)
+        .unwrap_or_else(|e| panic!("a JSON summary: {e}\n{}", out.stdout));
+    let delivered = summary["events_delivered"]
+        .as_u64()
+        .expect("events_delivered");
+    assert_eq!(summary["events_dropped"], 0, "{summary}");
+    assert_eq!(summary["events_published"].as_u64(), Some(delivered));
+    assert!(delivered > 0, "{summary}");
+
+    let received = "lease_router_events_received_total";
+    eventually("every delivered event is received", BOUND, || {
+        (metric_sum(addr, received, "cli-batch") >= delivered as f64).then_some(())
+    });
+    let sum = |family| metric_sum(addr, family, "cli-batch") as u64;
+    assert_eq!(sum(received), delivered, "each event counted once");
+    assert_eq!(sum("lease_router_events_applied_total"), delivered);
+    assert_eq!(sum("lease_router_events_dropped_total"), 0);
+    assert_eq!(sum("lease_router_events_held"), 0);
+    let batches = sum("lease_router_batches_received_total");
+    assert!(
+        batches > 0 && batches < delivered,
+        "the workers sent batches: {batches} for {delivered} events"
+    );
+    // Every request was completed (the live ones as cancelled at the end).
+    assert_eq!(active_leases(addr, "cli-batch"), Some(0));
+    terminate(serve);
+}
