@@ -287,7 +287,10 @@ async fn bench() {
                 clients.push(nats(&url, None).await.client().clone());
             }
             let (run, name) = match kind {
-                0 => (raw(&url, server.pid(), &clients, &single, window).await, "raw"),
+                0 => (
+                    raw(&url, server.pid(), &clients, &single, window).await,
+                    "raw",
+                ),
                 1 => (
                     router(&url, server.pid(), &clients, &single, window).await,
                     "single",

@@ -26,17 +26,16 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use lease_router::wire::{self, LeaseEvent, DEFAULT_MAX_EVENT_BYTES};
-use lease_router::{Batching, IngressStats};
 use lease_router::NatsConnection;
 use lease_router::Scheduler;
 use lease_router::{ApplyConfig, EventApplier, NatsIngress};
+use lease_router::{Batching, IngressStats};
 use lease_router::{LeaseConfig, RequestLeaseManager};
 use lease_router::{Router, RouterConfig};
 use tokio_util::task::TaskTracker;
 
 use common::{
-    batch_stream, cpu_time, encoded_stream, nats, subjects, wait_for_count, Encoded,
-    LifecycleShape,
+    batch_stream, cpu_time, encoded_stream, nats, subjects, wait_for_count, Encoded, LifecycleShape,
 };
 
 const PUBLISHERS: u64 = 8;
@@ -230,12 +229,16 @@ async fn router(
 /// interleaved as a subscriber sees them) through `wire::decode` alone, then through an
 /// `EventApplier` (ingress checks, observer, manager), then the scheduler applying the
 /// bookings and releases queued by the latter. Runs on its own current-thread runtime so the
-/// scheduler cannot run until it is asked, and the three parts are timed apart.
-fn breakdown(streams: &[Vec<Encoded>]) {
-    let longest = streams.iter().map(Vec::len).max().unwrap_or(0);
-    let interleaved: Vec<&Encoded> = (0..longest)
-        .flat_map(|i| streams.iter().filter_map(move |s| s.get(i)))
-        .collect();
+/// scheduler cannot run until it is asked, and the three parts are timed apart. Last, the
+/// `batched` messages of the same events through an `EventApplier` of their own.
+fn breakdown(streams: &[Vec<Encoded>], batched: &[Vec<Encoded>]) {
+    fn interleave(streams: &[Vec<Encoded>]) -> Vec<&Encoded> {
+        let longest = streams.iter().map(Vec::len).max().unwrap_or(0);
+        (0..longest)
+            .flat_map(|i| streams.iter().filter_map(move |s| s.get(i)))
+            .collect()
+    }
+    let interleaved = interleave(streams);
     let n = interleaved.len() as f64;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -325,6 +328,37 @@ fn breakdown(streams: &[Vec<Encoded>]) {
             ns(apply + schedule),
             ns(apply + schedule) - ns(decode),
         );
+
+        let (manager, scheduler) = fresh();
+        let stats = Arc::new(IngressStats::new());
+        let mut applier = EventApplier::new(
+            subjects(DEPLOYMENT),
+            manager.downgrade(),
+            stats.clone(),
+            ApplyConfig::default(),
+        );
+        let messages = interleave(batched);
+        let start = Instant::now();
+        for burst in messages.chunks(256) {
+            applier.begin_batch();
+            for e in burst {
+                applier.apply(&e.subject, &e.payload).unwrap();
+            }
+            applier.end_batch();
+        }
+        let apply = start.elapsed();
+        let start = Instant::now();
+        scheduler.loads().await.unwrap();
+        let schedule = start.elapsed();
+        assert_eq!(stats.snapshot().applied_total() as f64, n);
+        println!(
+            "in-process, batched (the same events in {} messages): full ingress apply {:.0} ns \
+             per event; scheduler actor {:.0} ns; router total {:.0} ns per event",
+            messages.len(),
+            ns(apply),
+            ns(schedule),
+            ns(apply + schedule),
+        );
     });
 }
 
@@ -356,11 +390,6 @@ async fn bench() {
         requests * PUBLISHERS,
         bytes as f64 / total as f64
     );
-    // On a thread of its own: it runs its own runtime.
-    std::thread::scope(|scope| scope.spawn(|| breakdown(&streams)).join().unwrap());
-    if std::env::var_os("INGEST_BREAKDOWN_ONLY").is_some() {
-        return;
-    }
     let batching = Batching::default();
     let batched: Vec<Vec<common::BatchMessage>> =
         streams.iter().map(|s| batch_stream(s, batching)).collect();
@@ -382,13 +411,24 @@ async fn bench() {
     };
     assert_eq!(batched.events, total);
     println!(
-        "batched: {messages} messages ({} batches), mean {:.1} events and {:.0} bytes per          message (at most {} events, {} bytes)",
+        "batched: {messages} messages ({} batches), mean {:.1} events and {:.0} bytes per \
+         message (at most {} events, {} bytes)",
         batched.batches,
         total as f64 / messages as f64,
         batch_bytes as f64 / messages as f64,
         batching.max_events,
         batching.max_bytes,
     );
+    // On a thread of its own: it runs its own runtime.
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| breakdown(&streams, &batched.messages))
+            .join()
+            .unwrap()
+    });
+    if std::env::var_os("INGEST_BREAKDOWN_ONLY").is_some() {
+        return;
+    }
     let streams = Streams {
         messages: Arc::new(streams),
         events: total,
@@ -414,9 +454,15 @@ async fn bench() {
                 clients.push(nats(&url, None).await.client().clone());
             }
             let (run, name) = match kind {
-                0 => (raw(&url, server_pid, &clients, &streams.messages).await, "raw"),
+                0 => (
+                    raw(&url, server_pid, &clients, &streams.messages).await,
+                    "raw",
+                ),
                 1 => (router(&url, server_pid, &clients, &streams).await, "router"),
-                _ => (router(&url, server_pid, &clients, &batched).await, "batched"),
+                _ => (
+                    router(&url, server_pid, &clients, &batched).await,
+                    "batched",
+                ),
             };
             if run.note.contains("LOST") {
                 // What the server says about it.

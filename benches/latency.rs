@@ -34,8 +34,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use lease_router::wire::{self, Envelope, Message, MessageLimits};
 use lease_router::Subjects;
-use lease_router::{Batching, LeasePublisher, PublisherConfig};
 use lease_router::{ApplyConfig, NatsIngress};
+use lease_router::{Batching, LeasePublisher, PublisherConfig};
 use lease_router::{IngressStats, LagSnapshot};
 use lease_router::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
 use lease_router::{RequestLeaseManager, StepTime};
@@ -392,7 +392,17 @@ async fn bench() {
             .map(|(p, c)| Sender::Plain(c.clone(), (space << 32) + p as u64 + 1))
             .collect()
     };
-    let idle = phase("idle", &plain(1), &subjects, &stats, &log, 1, rate, duration).await;
+    let idle = phase(
+        "idle",
+        &plain(1),
+        &subjects,
+        &stats,
+        &log,
+        1,
+        rate,
+        duration,
+    )
+    .await;
 
     // The same load through batching publishers (default batching: 1 ms linger).
     let publishers: Vec<Sender> = clients
@@ -406,7 +416,17 @@ async fn bench() {
         })
         .collect();
     let before = stats.snapshot();
-    let batched = phase("batched", &publishers, &subjects, &stats, &log, 3, rate, duration).await;
+    let batched = phase(
+        "batched",
+        &publishers,
+        &subjects,
+        &stats,
+        &log,
+        3,
+        rate,
+        duration,
+    )
+    .await;
     let after = stats.snapshot();
     for sender in publishers {
         if let Sender::Publisher(publisher) = sender {
@@ -476,7 +496,17 @@ async fn bench() {
         scan_period,
         stop.clone(),
     ));
-    let scanning = phase("scan", &plain(2), &subjects, &stats, &log, 2, rate, duration).await;
+    let scanning = phase(
+        "scan",
+        &plain(2),
+        &subjects,
+        &stats,
+        &log,
+        2,
+        rate,
+        duration,
+    )
+    .await;
     stop.store(true, Ordering::Relaxed);
     let ScanLoop {
         steps: step_log,
@@ -523,7 +553,11 @@ async fn bench() {
         busy as f64 / 1e4 / (duration.as_secs_f64() + 0.05)
     );
     report("during_scan", &scanning.samples, during, None);
-    let mut l: Vec<u64> = batched.samples.iter().map(|(_, latency)| *latency).collect();
+    let mut l: Vec<u64> = batched
+        .samples
+        .iter()
+        .map(|(_, latency)| *latency)
+        .collect();
     l.sort_unstable();
     println!("batched_latency_p99_us={}", percentile(&l, 0.99));
     drop(router);
