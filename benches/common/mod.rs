@@ -353,8 +353,7 @@ pub fn batch_stream(stream: &[Encoded], batching: Batching) -> Vec<BatchMessage>
         first: u64,
         last: u64,
     }
-    fn send(open: Open, out: &mut Vec<BatchMessage>) {
-        let mut open = open;
+    fn send(mut open: Open, out: &mut Vec<BatchMessage>) {
         let events = open.writer.events();
         let msg_id = if events == 1 {
             format!("{}-{}", open.publisher, open.first)
