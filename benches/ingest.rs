@@ -6,9 +6,14 @@
 //! fast as possible to
 //! (a) a bare async-nats subscriber that only decodes each event, and
 //! (b) a router: NATS ingress, weak observer, lease manager, scheduler.
-//! Both are timed the same way, from the start of publishing to the moment the consumer has
-//! taken the last event, and alternate over a few rounds; the medians are compared. The last
-//! line is `ingest_ratio=<b/a>`.
+//! (c) the same router, the same events batched (wire 1.2) per worker subject as a batching
+//! `LeasePublisher` batches them (up to 256 events or 64 KiB), by the same 8 publishers.
+//! All are timed the same way, from the start of publishing to the moment the consumer has
+//! taken the last event, and take turns over a few rounds; the medians are compared.
+//! Pinned lines: `ingest_ratio=<b/a>` (events/s against the raw subscriber's messages/s, one
+//! event a message), `batched_ingest_ratio=<c/a>`, and nats-server's CPU time per million
+//! events, single-event messages (b) and batches (c), summed over the rounds:
+//! `nats_cpu_ms_per_million_events_single=`, `nats_cpu_ms_per_million_events_batched=`.
 //!
 //! Environment: `INGEST_EVENTS` (default 600000), `INGEST_ROUNDS` (default 7),
 //! `INGEST_BREAKDOWN_ONLY` (set: only the in-process breakdown, e.g. under callgrind).
@@ -21,15 +26,17 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use lease_router::wire::{self, LeaseEvent, DEFAULT_MAX_EVENT_BYTES};
-use lease_router::IngressStats;
 use lease_router::NatsConnection;
 use lease_router::Scheduler;
 use lease_router::{ApplyConfig, EventApplier, NatsIngress};
+use lease_router::{Batching, IngressStats};
 use lease_router::{LeaseConfig, RequestLeaseManager};
 use lease_router::{Router, RouterConfig};
 use tokio_util::task::TaskTracker;
 
-use common::{cpu_time, encoded_stream, nats, subjects, wait_for_count, Encoded, LifecycleShape};
+use common::{
+    batch_stream, cpu_time, encoded_stream, nats, subjects, wait_for_count, Encoded, LifecycleShape,
+};
 
 const PUBLISHERS: u64 = 8;
 const WORKERS: u64 = 64;
@@ -151,14 +158,22 @@ async fn raw(
     }
 }
 
-/// (b) A full router applying the stream.
+/// The messages each publisher sends, and what they hold.
+struct Streams {
+    messages: Arc<Vec<Vec<Encoded>>>,
+    events: u64,
+    /// Messages of two events or more.
+    batches: u64,
+}
+
+/// (b), (c) A full router applying the stream.
 async fn router(
     url: &str,
     server_pid: Option<u32>,
     clients: &[async_nats::Client],
-    streams: &Arc<Vec<Vec<Encoded>>>,
+    streams: &Streams,
 ) -> Run {
-    let total: u64 = streams.iter().map(|s| s.len() as u64).sum();
+    let total = streams.events;
     let conn = nats(url, Some(CAPACITY)).await;
     let stats = Arc::new(IngressStats::new());
     let ingress = NatsIngress::new(
@@ -172,7 +187,7 @@ async fn router(
         .expect("router starts");
     let (cpu0, server0) = (cpu_time(None), cpu_time(server_pid));
     let start = Instant::now();
-    let publishing = publish_all(clients, streams);
+    let publishing = publish_all(clients, &streams.messages);
     let done = wait_for_count(total, STALL, || stats.snapshot().received);
     let ((), (end, got)) = tokio::join!(publishing, done);
     let (cpu, server_cpu) = (cpu_time(None) - cpu0, cpu_time(server_pid) - server0);
@@ -188,8 +203,9 @@ async fn router(
         ));
     }
     if got == total {
-        // Everything was applied, nothing dropped.
+        // Everything was applied, nothing dropped, and every batch was read as one.
         assert_eq!(s.applied_total(), total, "{s:?}");
+        assert_eq!(s.batches, streams.batches, "{s:?}");
     }
     let loads = router.scheduler().loads().await.unwrap();
     let booked: u64 = loads.iter().map(|(_, l)| l.active_bookings).sum();
@@ -213,12 +229,16 @@ async fn router(
 /// interleaved as a subscriber sees them) through `wire::decode` alone, then through an
 /// `EventApplier` (ingress checks, observer, manager), then the scheduler applying the
 /// bookings and releases queued by the latter. Runs on its own current-thread runtime so the
-/// scheduler cannot run until it is asked, and the three parts are timed apart.
-fn breakdown(streams: &[Vec<Encoded>]) {
-    let longest = streams.iter().map(Vec::len).max().unwrap_or(0);
-    let interleaved: Vec<&Encoded> = (0..longest)
-        .flat_map(|i| streams.iter().filter_map(move |s| s.get(i)))
-        .collect();
+/// scheduler cannot run until it is asked, and the three parts are timed apart. Last, the
+/// `batched` messages of the same events through an `EventApplier` of their own.
+fn breakdown(streams: &[Vec<Encoded>], batched: &[Vec<Encoded>]) {
+    fn interleave(streams: &[Vec<Encoded>]) -> Vec<&Encoded> {
+        let longest = streams.iter().map(Vec::len).max().unwrap_or(0);
+        (0..longest)
+            .flat_map(|i| streams.iter().filter_map(move |s| s.get(i)))
+            .collect()
+    }
+    let interleaved = interleave(streams);
     let n = interleaved.len() as f64;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -308,6 +328,37 @@ fn breakdown(streams: &[Vec<Encoded>]) {
             ns(apply + schedule),
             ns(apply + schedule) - ns(decode),
         );
+
+        let (manager, scheduler) = fresh();
+        let stats = Arc::new(IngressStats::new());
+        let mut applier = EventApplier::new(
+            subjects(DEPLOYMENT),
+            manager.downgrade(),
+            stats.clone(),
+            ApplyConfig::default(),
+        );
+        let messages = interleave(batched);
+        let start = Instant::now();
+        for burst in messages.chunks(256) {
+            applier.begin_batch();
+            for e in burst {
+                applier.apply(&e.subject, &e.payload).unwrap();
+            }
+            applier.end_batch();
+        }
+        let apply = start.elapsed();
+        let start = Instant::now();
+        scheduler.loads().await.unwrap();
+        let schedule = start.elapsed();
+        assert_eq!(stats.snapshot().applied_total() as f64, n);
+        println!(
+            "in-process, batched (the same events in {} messages): full ingress apply {:.0} ns \
+             per event; scheduler actor {:.0} ns; router total {:.0} ns per event",
+            messages.len(),
+            ns(apply),
+            ns(schedule),
+            ns(apply + schedule),
+        );
     });
 }
 
@@ -339,18 +390,58 @@ async fn bench() {
         requests * PUBLISHERS,
         bytes as f64 / total as f64
     );
+    let batching = Batching::default();
+    let batched: Vec<Vec<common::BatchMessage>> =
+        streams.iter().map(|s| batch_stream(s, batching)).collect();
+    let messages: u64 = batched.iter().map(|s| s.len() as u64).sum();
+    let batch_bytes: usize = batched
+        .iter()
+        .flatten()
+        .map(|b| b.message.payload.len())
+        .sum();
+    let batched = Streams {
+        batches: batched.iter().flatten().filter(|b| b.events > 1).count() as u64,
+        events: batched.iter().flatten().map(|b| b.events as u64).sum(),
+        messages: Arc::new(
+            batched
+                .into_iter()
+                .map(|s| s.into_iter().map(|b| b.message).collect())
+                .collect(),
+        ),
+    };
+    assert_eq!(batched.events, total);
+    println!(
+        "batched: {messages} messages ({} batches), mean {:.1} events and {:.0} bytes per \
+         message (at most {} events, {} bytes)",
+        batched.batches,
+        total as f64 / messages as f64,
+        batch_bytes as f64 / messages as f64,
+        batching.max_events,
+        batching.max_bytes,
+    );
     // On a thread of its own: it runs its own runtime.
-    std::thread::scope(|scope| scope.spawn(|| breakdown(&streams)).join().unwrap());
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| breakdown(&streams, &batched.messages))
+            .join()
+            .unwrap()
+    });
     if std::env::var_os("INGEST_BREAKDOWN_ONLY").is_some() {
         return;
     }
-    let streams = Arc::new(streams);
+    let streams = Streams {
+        messages: Arc::new(streams),
+        events: total,
+        batches: 0,
+    };
 
-    let (mut raw_rates, mut router_rates) = (Vec::new(), Vec::new());
+    let (mut raw_rates, mut router_rates, mut batched_rates) = (Vec::new(), Vec::new(), Vec::new());
+    // nats-server CPU time and events, summed over the rounds: router, batched router.
+    let mut server_cpu = [(Duration::ZERO, 0u64); 2];
     for round in 0..rounds {
-        // Alternate which goes first, so neither always gets the warmer machine.
-        for phase in 0..2 {
-            let router_phase = (phase + round) % 2 == 1;
+        // Take turns at going first, so none always gets the warmer machine.
+        for phase in 0..3 {
+            let kind = (phase + round as usize) % 3;
             // A fresh server and fresh publisher connections for every run: with one server for
             // all runs, nats-server 2.9 was seen to deliver a few thousand events of a later run
             // to nobody (counted in its in_msgs, missing from out_msgs, no slow consumer).
@@ -362,12 +453,17 @@ async fn bench() {
             for _ in 0..PUBLISHERS {
                 clients.push(nats(&url, None).await.client().clone());
             }
-            let run = if router_phase {
-                router(&url, server_pid, &clients, &streams).await
-            } else {
-                raw(&url, server_pid, &clients, &streams).await
+            let (run, name) = match kind {
+                0 => (
+                    raw(&url, server_pid, &clients, &streams.messages).await,
+                    "raw",
+                ),
+                1 => (router(&url, server_pid, &clients, &streams).await, "router"),
+                _ => (
+                    router(&url, server_pid, &clients, &batched).await,
+                    "batched",
+                ),
             };
-            let name = if router_phase { "router" } else { "raw" };
             if run.note.contains("LOST") {
                 // What the server says about it.
                 if let Ok(varz) = server.monitor_json("/varz").await {
@@ -386,7 +482,7 @@ async fn bench() {
                 }
             }
             println!(
-                "round {round} {name:>6}: {} events in {:.3} s = {:.0} events/s; CPU per event: \
+                "round {round} {name:>7}: {} events in {:.3} s = {:.0} events/s; CPU per event: \
                  this process {:.2} us, nats-server {:.2} us{}",
                 run.events,
                 run.elapsed.as_secs_f64(),
@@ -395,10 +491,15 @@ async fn bench() {
                 run.server_cpu.as_secs_f64() * 1e6 / run.events as f64,
                 run.note,
             );
-            if router_phase {
-                router_rates.push(run.rate());
-            } else {
-                raw_rates.push(run.rate());
+            match kind {
+                0 => raw_rates.push(run.rate()),
+                1 => router_rates.push(run.rate()),
+                _ => batched_rates.push(run.rate()),
+            }
+            if kind > 0 {
+                let sum = &mut server_cpu[kind - 1];
+                sum.0 += run.server_cpu;
+                sum.1 += run.events;
             }
             drop(clients);
             drop(nats_server);
@@ -409,7 +510,20 @@ async fn bench() {
     let router_rate = median(router_rates);
     println!("raw_events_per_sec={raw_rate:.0}");
     println!("router_events_per_sec={router_rate:.0}");
+    let batched_rate = median(batched_rates);
+    let ms_per_million =
+        |(cpu, events): (Duration, u64)| cpu.as_secs_f64() * 1e3 * 1e6 / events.max(1) as f64;
+    println!("batched_events_per_sec={batched_rate:.0}");
     println!("ingest_ratio={:.3}", router_rate / raw_rate);
+    println!("batched_ingest_ratio={:.3}", batched_rate / raw_rate);
+    println!(
+        "nats_cpu_ms_per_million_events_single={:.0}",
+        ms_per_million(server_cpu[0])
+    );
+    println!(
+        "nats_cpu_ms_per_million_events_batched={:.0}",
+        ms_per_million(server_cpu[1])
+    );
 }
 
 fn main() {

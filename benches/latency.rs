@@ -16,6 +16,11 @@
 //! the events in flight while a scan ran are reported on their own (`during_scan`), with the
 //! length of every shard step (the time it holds one shard's lock and the applying task).
 //!
+//! Between the two, a third phase sends the same load through batching publishers
+//! (`LeasePublisher` with `Batching::default()`: 1 ms linger, wire 1.2): there an event's
+//! latency runs from the call to `publish` to its application, the linger included. Pinned
+//! line: `batched_latency_p99_us=`.
+//!
 //! Environment: `LATENCY_SECS` (seconds per phase, default 8), `LATENCY_RATE` (default 50000),
 //! `LATENCY_SCAN_PERIOD_MS` (default 1000).
 
@@ -27,9 +32,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use lease_router::wire::{self, Envelope};
+use lease_router::wire::{self, Envelope, Message, MessageLimits};
 use lease_router::Subjects;
 use lease_router::{ApplyConfig, NatsIngress};
+use lease_router::{Batching, LeasePublisher, PublisherConfig};
 use lease_router::{IngressStats, LagSnapshot};
 use lease_router::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
 use lease_router::{RequestLeaseManager, StepTime};
@@ -55,15 +61,21 @@ fn env_u64(name: &str, default: u64) -> u64 {
 struct ApplyLog(Mutex<Vec<(RequestId, u64)>>);
 
 impl ApplyLog {
-    /// Notes one applied burst: every event in it was applied at the same moment.
+    /// Notes one applied burst: every event in it, batched or not, was applied at the same
+    /// moment.
     fn note_burst(&self, burst: &[async_nats::Message]) {
         let now = wire::unix_micros_now();
         let mut log = self.0.lock().unwrap();
+        let mut note = |envelope: Result<Envelope, _>| {
+            if let Some(id) = envelope.ok().as_ref().and_then(|e| e.event.request_id()) {
+                log.push((RequestId::from(id), now));
+            }
+        };
         for message in burst {
-            if let Ok(envelope) = wire::decode(&message.payload, wire::DEFAULT_MAX_EVENT_BYTES) {
-                if let Some(id) = envelope.event.request_id() {
-                    log.push((RequestId::from(id), now));
-                }
+            match wire::decode_message(&message.payload, MessageLimits::default()) {
+                Message::Event(envelope) => note(envelope),
+                Message::Batch(events) => events.for_each(&mut note),
+                Message::Refused { .. } => {}
             }
         }
     }
@@ -77,12 +89,21 @@ impl ApplyLog {
     }
 }
 
-/// Sends one publisher's share of the rate, paced on 1 ms ticks, stamping each envelope just
-/// before it is published. Returns `(request id, send µs)` per event, in send order.
+/// How a paced publisher sends.
+#[derive(Clone)]
+enum Sender {
+    /// Encodes and publishes each event itself, one message each, under this publisher id.
+    Plain(async_nats::Client, u64),
+    /// Hands each event to a `LeasePublisher` (which batches).
+    Publisher(LeasePublisher),
+}
+
+/// Sends one publisher's share of the rate, paced on 1 ms ticks. `Plain` stamps each
+/// envelope just before it is published; with a `LeasePublisher`, the send time is when
+/// `publish` is called. Returns `(request id, send µs)` per event, in send order.
 async fn paced_publisher(
-    client: async_nats::Client,
+    sender: Sender,
     subjects: Subjects,
-    publisher_id: u64,
     mut gen: LifecycleGen,
     rate: f64,
     duration: Duration,
@@ -106,20 +127,29 @@ async fn paced_publisher(
             let event = gen
                 .next_event()
                 .expect("enough requests for the whole phase");
-            seq += 1;
-            let subject = worker_subjects[&event.worker_id()].clone();
             let rid = event.request_id().expect("per-request event").to_string();
             let ts = wire::unix_micros_now();
-            buf.clear();
-            wire::encode_into(&Envelope::new(publisher_id, seq, ts, event), &mut buf).unwrap();
-            client
-                .publish(subject, Bytes::copy_from_slice(&buf))
-                .await
-                .expect("publish");
+            match &sender {
+                Sender::Plain(client, publisher_id) => {
+                    seq += 1;
+                    let subject = worker_subjects[&event.worker_id()].clone();
+                    buf.clear();
+                    wire::encode_into(&Envelope::new(*publisher_id, seq, ts, event), &mut buf)
+                        .unwrap();
+                    client
+                        .publish(subject, Bytes::copy_from_slice(&buf))
+                        .await
+                        .expect("publish");
+                }
+                Sender::Publisher(publisher) => publisher.publish(event).expect("queued"),
+            }
             sent.push((rid, ts));
         }
     }
-    client.flush().await.expect("flush");
+    match &sender {
+        Sender::Plain(client, _) => client.flush().await.expect("flush"),
+        Sender::Publisher(publisher) => publisher.flush().await.expect("flush"),
+    }
     sent
 }
 
@@ -158,7 +188,7 @@ fn bucket_quantile(lag: &LagSnapshot, q: f64) -> String {
 #[allow(clippy::too_many_arguments)]
 async fn phase(
     name: &str,
-    clients: &[async_nats::Client],
+    senders: &[Sender],
     subjects: &Subjects,
     stats: &IngressStats,
     log: &ApplyLog,
@@ -175,14 +205,13 @@ async fn phase(
     };
     let requests = (per_publisher * duration.as_secs_f64() / 3.0) as u64 + 1000;
     let mut tasks = Vec::new();
-    for (p, client) in clients.iter().enumerate() {
+    for (p, sender) in senders.iter().enumerate() {
         let p = p as u64;
         let workers = (0..WORKERS).filter(|w| w % PUBLISHERS == p).collect();
         let gen = LifecycleGen::new(space * 100 + p, workers, requests, shape);
         tasks.push(tokio::spawn(paced_publisher(
-            client.clone(),
+            sender.clone(),
             subjects.clone(),
-            (space << 32) + p + 1,
             gen,
             per_publisher,
             duration,
@@ -355,7 +384,69 @@ async fn bench() {
         clients.push(nats(&url, None).await.client().clone());
     }
 
-    let idle = phase("idle", &clients, &subjects, &stats, &log, 1, rate, duration).await;
+    // One message per event, each publisher under its own id.
+    let plain = |space: u64| -> Vec<Sender> {
+        clients
+            .iter()
+            .enumerate()
+            .map(|(p, c)| Sender::Plain(c.clone(), (space << 32) + p as u64 + 1))
+            .collect()
+    };
+    let idle = phase(
+        "idle",
+        &plain(1),
+        &subjects,
+        &stats,
+        &log,
+        1,
+        rate,
+        duration,
+    )
+    .await;
+
+    // The same load through batching publishers (default batching: 1 ms linger).
+    let publishers: Vec<Sender> = clients
+        .iter()
+        .map(|c| {
+            Sender::Publisher(LeasePublisher::start(
+                c.clone(),
+                subjects.clone(),
+                PublisherConfig::default().with_batching(Batching::default()),
+            ))
+        })
+        .collect();
+    let before = stats.snapshot();
+    let batched = phase(
+        "batched",
+        &publishers,
+        &subjects,
+        &stats,
+        &log,
+        3,
+        rate,
+        duration,
+    )
+    .await;
+    let after = stats.snapshot();
+    for sender in publishers {
+        if let Sender::Publisher(publisher) = sender {
+            let s = publisher.close().await.expect("publisher closes");
+            assert_eq!(s.published, s.queued, "every event sent: {s:?}");
+        }
+    }
+    let (events, batches, in_batches) = (
+        after.received - before.received,
+        after.batches - before.batches,
+        after.batched_events - before.batched_events,
+    );
+    let messages = batches + events - in_batches;
+    println!(
+        "batched: {events} events in {messages} messages ({:.2} events per message); \
+         {batches} batches of {:.2} events on average, {} events sent alone",
+        events as f64 / messages.max(1) as f64,
+        in_batches as f64 / batches.max(1) as f64,
+        events - in_batches,
+    );
 
     // Prefill a million leases on workers the stream does not use.
     let start = Instant::now();
@@ -405,7 +496,17 @@ async fn bench() {
         scan_period,
         stop.clone(),
     ));
-    let scanning = phase("scan", &clients, &subjects, &stats, &log, 2, rate, duration).await;
+    let scanning = phase(
+        "scan",
+        &plain(2),
+        &subjects,
+        &stats,
+        &log,
+        2,
+        rate,
+        duration,
+    )
+    .await;
     stop.store(true, Ordering::Relaxed);
     let ScanLoop {
         steps: step_log,
@@ -435,6 +536,9 @@ async fn bench() {
         s.dropped.iter().filter(|(_, n)| *n > 0).collect::<Vec<_>>()
     );
     report("idle", &idle.samples, |_, _| true, Some(&idle.lag));
+    // The publisher stamps an event as it takes it from its queue, before the linger: the
+    // router's histogram covers the linger too.
+    report("batched", &batched.samples, |_, _| true, Some(&batched.lag));
     report("scan", &scanning.samples, |_, _| true, Some(&scanning.lag));
     // The events in flight while a scan ran: sent before it ended, applied after it started.
     let during = |sent: u64, latency: u64| {
@@ -449,6 +553,13 @@ async fn bench() {
         busy as f64 / 1e4 / (duration.as_secs_f64() + 0.05)
     );
     report("during_scan", &scanning.samples, during, None);
+    let mut l: Vec<u64> = batched
+        .samples
+        .iter()
+        .map(|(_, latency)| *latency)
+        .collect();
+    l.sort_unstable();
+    println!("batched_latency_p99_us={}", percentile(&l, 0.99));
     drop(router);
 }
 

@@ -13,8 +13,10 @@ use std::time::{Duration, Instant};
 use async_nats::Subject;
 use bytes::Bytes;
 use lease_router::wire::{
-    self, Admitted, Completed, Envelope, LeaseEvent, Outcome, ProgressStage, Progressed,
+    self, Admitted, BatchWriter, Completed, Envelope, LeaseEvent, Outcome, ProgressStage,
+    Progressed,
 };
+use lease_router::Batching;
 use lease_router::StepTime;
 use lease_router::{connect, NatsConnectConfig, NatsConnection};
 use lease_router::{DeploymentName, Subjects};
@@ -324,6 +326,97 @@ pub fn encoded_stream(
     out
 }
 
+/// One message of a batched stream: the events of one worker subject that a batching
+/// publisher sends together, and the `Nats-Msg-Id` the durable publisher gives it.
+#[derive(Clone)]
+pub struct BatchMessage {
+    pub message: Encoded,
+    pub events: usize,
+    pub msg_id: String,
+}
+
+/// Events held in open batches, over all subjects, before a publisher sends them all (the
+/// publisher's own limit, private to it: half a router's sequence window).
+const MAX_OPEN_BATCH_EVENTS: usize = 2048;
+
+/// One publisher's pre-encoded `stream`, batched as `LeasePublisher` batches it when its queue
+/// never runs dry: per worker subject, a batch goes out when it holds `batching.max_events`
+/// or one more event would make it larger than `batching.max_bytes`, and every open batch
+/// (oldest first) once 2,048 events are open in all. No linger: a stream prepared in advance
+/// has no time in it, so these are the largest batches the rules allow. Same events, same
+/// sequence numbers; one event alone goes as a plain message, as the publisher sends it.
+pub fn batch_stream(stream: &[Encoded], batching: Batching) -> Vec<BatchMessage> {
+    struct Open {
+        subject: Subject,
+        writer: BatchWriter,
+        publisher: u64,
+        first: u64,
+        last: u64,
+    }
+    fn send(mut open: Open, out: &mut Vec<BatchMessage>) {
+        let events = open.writer.events();
+        let msg_id = if events == 1 {
+            format!("{}-{}", open.publisher, open.first)
+        } else {
+            format!("{}-{}-{}", open.publisher, open.first, open.last)
+        };
+        if let Some(payload) = open.writer.finish() {
+            out.push(BatchMessage {
+                message: Encoded {
+                    subject: open.subject,
+                    payload,
+                },
+                events,
+                msg_id,
+            });
+        }
+    }
+    fn send_all(open: &mut std::collections::HashMap<String, Open>, out: &mut Vec<BatchMessage>) {
+        let mut all: Vec<Open> = open.drain().map(|(_, o)| o).collect();
+        all.sort_unstable_by_key(|o| o.first);
+        for o in all {
+            send(o, out);
+        }
+    }
+    let mut open: std::collections::HashMap<String, Open> = std::collections::HashMap::new();
+    let mut open_events = 0usize;
+    let mut out = Vec::new();
+    for e in stream {
+        let envelope =
+            wire::decode(&e.payload, wire::DEFAULT_MAX_EVENT_BYTES).expect("own stream decodes");
+        let len = e.payload.len();
+        if open
+            .get(e.subject.as_str())
+            .is_some_and(|o| o.writer.message_len(len) > batching.max_bytes)
+        {
+            let o = open.remove(e.subject.as_str()).expect("just seen");
+            open_events -= o.writer.events();
+            send(o, &mut out);
+        }
+        let o = open.entry(e.subject.to_string()).or_insert_with(|| Open {
+            subject: e.subject.clone(),
+            writer: BatchWriter::with_capacity((len * batching.max_events).min(batching.max_bytes)),
+            publisher: envelope.publisher_id,
+            first: envelope.sequence,
+            last: envelope.sequence,
+        });
+        o.writer.push(&envelope).expect("encodes");
+        o.last = envelope.sequence;
+        let full = o.writer.events() >= batching.max_events;
+        open_events += 1;
+        if open_events >= MAX_OPEN_BATCH_EVENTS {
+            send_all(&mut open, &mut out);
+            open_events = 0;
+        } else if full {
+            let o = open.remove(e.subject.as_str()).expect("just filled");
+            open_events -= o.writer.events();
+            send(o, &mut out);
+        }
+    }
+    send_all(&mut open, &mut out);
+    out
+}
+
 /// Scan step lengths in µs, each sorted: wall time and the scanning thread's CPU time.
 pub struct StepStats {
     pub wall: Vec<u64>,
@@ -385,8 +478,8 @@ pub async fn wait_until(bound: Duration, mut done: impl FnMut() -> bool) -> Opti
     }
 }
 
-/// CPU time (user + system) a process has used so far, from `/proc/<pid>/stat` (10 ms
-/// resolution); `None` for this process.
+/// CPU time (user + system) a process has used so far, from `/proc/<pid>/stat` (one clock
+/// tick's resolution, 10 ms at the usual 100 ticks per second); `None` for this process.
 pub fn cpu_time(pid: Option<u32>) -> Duration {
     let path = match pid {
         Some(pid) => format!("/proc/{pid}/stat"),
@@ -402,7 +495,12 @@ pub fn cpu_time(pid: Option<u32>) -> Duration {
     let ticks: u64 = fields
         .get(11..13)
         .map_or(0, |f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum());
-    Duration::from_millis(ticks * 10)
+    // SAFETY: sysconf only reads a configuration value.
+    let per_second = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) })
+        .ok()
+        .filter(|&t| t > 0)
+        .unwrap_or(100);
+    Duration::from_nanos(ticks * 1_000_000_000 / per_second)
 }
 
 /// Waits until `count()` reaches `total`, or stops growing for `stall`; returns when the last
