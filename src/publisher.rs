@@ -95,7 +95,8 @@ pub struct PublisherConfig {
 /// Flush and close send every open batch first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Batching {
-    /// How long the first event of a batch waits for more. Default 1 ms.
+    /// How long the first event of a batch waits for more, at most (the timer ticks every
+    /// millisecond: the batch leaves on the last tick before the linger is over). Default 1 ms.
     pub linger: Duration,
     /// Events per batch message. Default 256, at least 1.
     pub max_events: usize,
@@ -118,6 +119,9 @@ impl Default for Batching {
 /// in windows of 4,096 per publisher, and batches of different subjects leave out of
 /// sequence order, so they must stay well inside one window.
 const MAX_OPEN_BATCH_EVENTS: usize = 2048;
+
+/// The resolution of tokio's timer.
+const TIMER_TICK: Duration = Duration::from_millis(1);
 
 impl Default for PublisherConfig {
     fn default() -> Self {
@@ -813,7 +817,10 @@ impl<S: EnvelopeSink> PublishLoop<S> {
         let full = open.writer.events() >= batching.max_events;
         self.open_events += 1;
         if self.linger_deadline.is_none() {
-            self.linger_deadline = Some(tokio::time::Instant::now() + batching.linger);
+            // tokio's timer fires on the millisecond tick at or after its deadline: aim a
+            // tick early, so that the first event waits at most the linger, not a tick more.
+            let early = batching.linger.min(TIMER_TICK);
+            self.linger_deadline = Some(tokio::time::Instant::now() + batching.linger - early);
         }
         if self.open_events >= MAX_OPEN_BATCH_EVENTS {
             self.send_open_batches().await;
