@@ -906,6 +906,34 @@ mod tests {
     }
 
     #[test]
+    fn the_limits_are_inclusive_and_the_largest_is_named_above_both() {
+        let one = encode(&events(1)[0]).unwrap();
+        let exact = MessageLimits {
+            max_event_bytes: one.len(),
+            max_batch_bytes: 64,
+        };
+        assert!(matches!(decode_message(&one, exact), Message::Event(Ok(_))));
+        let batch = encode_batch(&events(100)).unwrap();
+        let exact = MessageLimits {
+            max_event_bytes: 4096,
+            max_batch_bytes: batch.len(),
+        };
+        assert!(batch.len() > 4096);
+        assert_eq!(self::batch(&batch, exact).len(), 100);
+        // Over every limit: refused unread, naming the largest.
+        let small = MessageLimits {
+            max_event_bytes: one.len() - 20,
+            max_batch_bytes: one.len() - 10,
+        };
+        match decode_message(&one, small) {
+            Message::Event(Err(DecodeEventError::Oversized { len, max })) => {
+                assert_eq!((len, max), (one.len(), one.len() - 10));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
     fn no_prefix_of_any_message_panics() {
         let mut bytes = encode_batch(&events(6)).unwrap();
         let single = encode(&events(1)[0]).unwrap();
