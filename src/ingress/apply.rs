@@ -109,7 +109,7 @@ impl BatchOutcome {
 /// Applies received events of one deployment to its router, reaching the manager only
 /// through a `Weak`.
 pub struct EventApplier {
-    decoder: Decoder,
+    subjects: Subjects,
     manager: WeakRequestLeaseManager,
     stats: Arc<IngressStats>,
     config: ApplyConfig,
@@ -124,66 +124,6 @@ pub struct EventApplier {
     counts: PendingCounts,
     /// The scheduler operations buffer handed from one lease batch to the next.
     spare_ops: Vec<Op>,
-}
-
-/// Reads messages (subject, then body) with an applier's subjects and limits: on the applying
-/// task, or beside it so that decoding runs in parallel with applying.
-#[derive(Clone, Debug)]
-pub(crate) struct Decoder {
-    subjects: Subjects,
-    limits: wire::MessageLimits,
-}
-
-/// What a message holds, once its subject named a worker.
-pub(crate) enum Body<B> {
-    Event(Result<wire::Envelope, wire::DecodeEventError>),
-    Batch(B),
-    Refused {
-        events: usize,
-        error: wire::DecodeEventError,
-    },
-}
-
-/// A message read by a [`Decoder`], owning its events; `read` is `None` for a subject outside
-/// the layout (the body is not read).
-pub(crate) struct Decoded {
-    bytes: usize,
-    read: Option<(
-        u64,
-        Body<std::vec::IntoIter<Result<wire::Envelope, wire::DecodeEventError>>>,
-    )>,
-}
-
-impl Decoder {
-    fn read<'a>(
-        &self,
-        subject: &str,
-        payload: &'a [u8],
-    ) -> Option<(u64, Body<wire::BatchEvents<'a>>)> {
-        let worker = self.subjects.parse_worker(subject)?;
-        let body = match wire::decode_message(payload, self.limits) {
-            Message::Event(event) => Body::Event(event),
-            Message::Batch(events) => Body::Batch(events),
-            Message::Refused { events, error } => Body::Refused { events, error },
-        };
-        Some((worker, body))
-    }
-
-    /// Reads a message into a form the applier takes without decoding again.
-    pub(crate) fn decode(&self, subject: &str, payload: &[u8]) -> Decoded {
-        let read = self.read(subject, payload).map(|(worker, body)| {
-            let body = match body {
-                Body::Event(event) => Body::Event(event),
-                Body::Batch(events) => Body::Batch(events.collect::<Vec<_>>().into_iter()),
-                Body::Refused { events, error } => Body::Refused { events, error },
-            };
-            (worker, body)
-        });
-        Decoded {
-            bytes: payload.len(),
-            read,
-        }
-    }
 }
 
 /// What a batch of messages shares.
@@ -202,15 +142,8 @@ impl EventApplier {
         stats: Arc<IngressStats>,
         config: ApplyConfig,
     ) -> Self {
-        let decoder = Decoder {
-            subjects,
-            limits: wire::MessageLimits {
-                max_event_bytes: config.max_event_bytes,
-                max_batch_bytes: config.max_batch_bytes,
-            },
-        };
         Self {
-            decoder,
+            subjects,
             manager,
             stats,
             sequences: SequenceTracker::new(config.max_publishers),
@@ -307,52 +240,23 @@ impl EventApplier {
             self.end_batch();
             return outcome;
         }
-        let read = self.decoder.read(subject, payload);
-        self.apply_read(subject, payload.len(), read)
-    }
-
-    /// Applies one message that a [`Decoder`] read beside the applying task.
-    pub(crate) fn apply_decoded(
-        &mut self,
-        subject: &str,
-        decoded: Decoded,
-    ) -> Result<Applied, DeliverEventError> {
-        if self.batch.is_none() {
-            self.begin_batch();
-            let outcome = self.apply_decoded(subject, decoded);
-            self.end_batch();
-            return outcome;
-        }
-        self.apply_read(subject, decoded.bytes, decoded.read)
-    }
-
-    /// A decoder with this applier's subjects and limits, for another task.
-    pub(crate) fn decoder(&self) -> Decoder {
-        self.decoder.clone()
-    }
-
-    fn apply_read<B>(
-        &mut self,
-        subject: &str,
-        bytes: usize,
-        read: Option<(u64, Body<B>)>,
-    ) -> Result<Applied, DeliverEventError>
-    where
-        B: ExactSizeIterator<Item = Result<wire::Envelope, wire::DecodeEventError>>,
-    {
-        let Some((subject_worker, body)) = read else {
+        let Some(subject_worker) = self.subjects.parse_worker(subject) else {
             self.warn(|| warn!(subject, "dropped an event on a subject outside the layout"));
             // Not read: counted once, whatever the message holds.
             return self.count(Ok(Applied::Dropped(DropReason::Subject)));
         };
-        match body {
-            Body::Event(decoded) => {
-                let outcome = self.apply_event(subject_worker, decoded, bytes);
+        let limits = wire::MessageLimits {
+            max_event_bytes: self.config.max_event_bytes,
+            max_batch_bytes: self.config.max_batch_bytes,
+        };
+        match wire::decode_message(payload, limits) {
+            Message::Event(decoded) => {
+                let outcome = self.apply_event(subject_worker, decoded, payload.len());
                 self.count(outcome)
             }
-            Body::Refused { events, error } => {
+            Message::Refused { events, error } => {
                 self.warn(|| {
-                    warn!(worker = subject_worker, bytes, events, %error, "dropped an unreadable batch")
+                    warn!(worker = subject_worker, bytes = payload.len(), events, %error, "dropped an unreadable batch")
                 });
                 let reason = DropReason::from_decode(&error);
                 self.counts.batch(events);
@@ -362,12 +266,12 @@ impl EventApplier {
                 }
                 Ok(Applied::Batch(summary))
             }
-            Body::Batch(events) => {
+            Message::Batch(events) => {
                 self.counts.batch(events.len());
                 let mut summary = BatchOutcome::default();
                 let mut gone = false;
                 for decoded in events {
-                    let outcome = self.apply_event(subject_worker, decoded, bytes);
+                    let outcome = self.apply_event(subject_worker, decoded, payload.len());
                     gone |= outcome.is_err();
                     summary.add(self.count(outcome));
                 }
@@ -851,13 +755,7 @@ mod tests {
         f.check(0, 5, 0);
         // Over the batch limit: not read either.
         let mut small = Fixture::new().await;
-        small
-            .applier
-            .as_mut()
-            .unwrap()
-            .decoder
-            .limits
-            .max_batch_bytes = batch.len() - 1;
+        small.applier.as_mut().unwrap().config.max_batch_bytes = batch.len() - 1;
         assert_eq!(
             small.bytes(&subject, &batch),
             Applied::Dropped(DropReason::Oversized)

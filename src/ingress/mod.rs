@@ -2,8 +2,8 @@
 //! messages go through [`apply::EventApplier`] to the router's weak observer.
 //!
 //! Two tasks form a short pipeline: one takes bursts of up to 256 messages off the
-//! subscription and decodes them, the other applies each burst as one batch, so receiving and
-//! decoding run beside applying (with batches, decoding is half of the work per event) (at most 8 bursts wait between them, then the subscription's own buffer
+//! subscription, the other decodes and applies each burst as one batch, so receiving runs
+//! beside applying (at most 8 bursts wait between them, then the subscription's own buffer
 //! fills and NATS reports a slow consumer). The applying task also runs the reaper's steps
 //! between bursts (see [`crate::lease::reaper`]). When the observer reports the router gone,
 //! the applying task stops the receiving one; when the router cancels, the receiving task
@@ -25,7 +25,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
 pub use apply::{Applied, ApplyConfig, BatchOutcome, EventApplier};
-use apply::{Decoded, Decoder};
 pub(crate) use sequence::SequenceImage;
 
 use crate::lease::Reaper;
@@ -128,10 +127,7 @@ impl IngressStart for NatsIngress {
         info!(deployment = %ctx.deployment, %filter, "ingress subscribed");
         let applier = EventApplier::new(self.subjects, ctx.manager, self.stats, self.config);
         let (batches, inbox) = mpsc::channel(PIPELINE_BATCHES);
-        let pipe = Pipe {
-            spare: Arc::default(),
-            decoder: applier.decoder(),
-        };
+        let pipe = Pipe::default();
         // Cancelled by the router, or by the applying task once the router is gone.
         let stop = ctx.cancel.child_token();
         let span = tracing::info_span!("ingress", deployment = %ctx.deployment);
@@ -154,29 +150,20 @@ impl IngressStart for NatsIngress {
     }
 }
 
-/// Messages taken off the subscription at once, with what they hold.
-#[derive(Default)]
-struct Burst {
-    messages: Vec<Message>,
-    decoded: Vec<Decoded>,
-}
-
-/// Emptied bursts, handed back from the applying task to the receiving one so a burst costs
-/// no allocation; and the decoder the receiving task reads them with.
-#[derive(Clone)]
+/// Emptied burst vectors, handed back from the applying task to the receiving one so a
+/// burst costs no allocation.
+#[derive(Clone, Default)]
 struct Pipe {
-    spare: Arc<Mutex<Vec<Burst>>>,
-    decoder: Decoder,
+    spare: Arc<Mutex<Vec<Vec<Message>>>>,
 }
 
 impl Pipe {
-    fn take(&self) -> Burst {
+    fn take(&self) -> Vec<Message> {
         self.spare.lock().pop().unwrap_or_default()
     }
 
-    fn give_back(&self, mut burst: Burst) {
-        burst.messages.clear();
-        burst.decoded.clear();
+    fn give_back(&self, mut burst: Vec<Message>) {
+        burst.clear();
         let mut spare = self.spare.lock();
         if spare.len() <= PIPELINE_BATCHES {
             spare.push(burst);
@@ -189,7 +176,7 @@ impl Pipe {
 /// cancelled or gone), then unsubscribes and hands over what was already buffered.
 async fn receive(
     mut subscriber: async_nats::Subscriber,
-    batches: mpsc::Sender<Burst>,
+    batches: mpsc::Sender<Vec<Message>>,
     pipe: Pipe,
     stop: CancellationToken,
 ) -> Result<(), TaskError> {
@@ -216,22 +203,16 @@ async fn receive(
     Ok(())
 }
 
-/// `first` and the messages already buffered behind it, up to [`BURST`], decoded.
-fn burst(first: Message, subscriber: &mut async_nats::Subscriber, pipe: &Pipe) -> Burst {
+/// `first` and the messages already buffered behind it, up to [`BURST`].
+fn burst(first: Message, subscriber: &mut async_nats::Subscriber, pipe: &Pipe) -> Vec<Message> {
     let mut burst = pipe.take();
-    burst.messages.push(first);
-    while burst.messages.len() < BURST {
+    burst.push(first);
+    while burst.len() < BURST {
         match subscriber.next().now_or_never() {
-            Some(Some(next)) => burst.messages.push(next),
+            Some(Some(next)) => burst.push(next),
             _ => break,
         }
     }
-    burst.decoded.extend(
-        burst
-            .messages
-            .iter()
-            .map(|message| pipe.decoder.decode(&message.subject, &message.payload)),
-    );
     burst
 }
 
@@ -239,7 +220,7 @@ fn burst(first: Message, subscriber: &mut async_nats::Subscriber, pipe: &Pipe) -
 /// them. Once the router is gone it stops the receiving task and goes on counting what still
 /// arrives as late, until that task is done.
 async fn apply(
-    mut inbox: mpsc::Receiver<Burst>,
+    mut inbox: mpsc::Receiver<Vec<Message>>,
     mut reaper: Reaper,
     pipe: Pipe,
     mut applier: EventApplier,
@@ -257,16 +238,15 @@ async fn apply(
             },
         };
         applier.begin_batch();
-        let mut burst = burst;
-        for (message, decoded) in burst.messages.iter().zip(burst.decoded.drain(..)) {
-            if applier.apply_decoded(&message.subject, decoded).is_err() && !stop.is_cancelled() {
+        for message in &burst {
+            if applier.apply(&message.subject, &message.payload).is_err() && !stop.is_cancelled() {
                 info!("router is gone: the ingress stops");
                 stop.cancel();
             }
         }
         applier.end_batch();
         if let Some(hook) = &on_applied {
-            hook(&burst.messages);
+            hook(&burst);
         }
         pipe.give_back(burst);
     }
@@ -275,7 +255,11 @@ async fn apply(
 
 /// Unsubscribes and hands over what was already on its way: applied while the router
 /// lives, counted as late once it is gone.
-async fn drain(mut subscriber: async_nats::Subscriber, batches: &mpsc::Sender<Burst>, pipe: &Pipe) {
+async fn drain(
+    mut subscriber: async_nats::Subscriber,
+    batches: &mpsc::Sender<Vec<Message>>,
+    pipe: &Pipe,
+) {
     if let Err(error) = subscriber.drain().await {
         warn!(%error, "draining the subscription failed; buffered events are abandoned");
         return;
@@ -284,7 +268,7 @@ async fn drain(mut subscriber: async_nats::Subscriber, batches: &mpsc::Sender<Bu
         let mut n = 0u64;
         while let Some(message) = subscriber.next().await {
             let burst = burst(message, &mut subscriber, pipe);
-            n += burst.messages.len() as u64;
+            n += burst.len() as u64;
             if batches.send(burst).await.is_err() {
                 break;
             }
