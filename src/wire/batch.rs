@@ -558,8 +558,11 @@ mod tests {
         }
     }
 
+    /// Writes one MessagePack value.
+    type Write<'a> = &'a dyn Fn(&mut Vec<u8>);
+
     /// A batch map written by hand: `pairs` in the given order.
-    fn map(pairs: &[(&str, &dyn Fn(&mut Vec<u8>))]) -> Vec<u8> {
+    fn map(pairs: &[(&str, Write<'_>)]) -> Vec<u8> {
         let mut out = Vec::new();
         rmp::encode::write_map_len(&mut out, pairs.len() as u32).unwrap();
         for (key, value) in pairs {
