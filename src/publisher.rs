@@ -955,20 +955,16 @@ impl<S: EnvelopeSink> PublishLoop<S> {
         }
     }
 
+    /// An event that could not be encoded (so was never sent).
     fn warn_failed(&self, envelope: &Envelope, attempts: usize, error: &str) {
-        if let Some(suppressed) = self.failure_log.check() {
-            tracing::warn!(
-                worker = envelope.event.worker_id(),
-                request_id = envelope.event.request_id(),
-                kind = %envelope.kind(),
-                sequence = envelope.sequence,
-                attempts,
-                error,
-                failed = self.stats.failed.load(Ordering::Acquire),
-                suppressed,
-                "publishing lease event failed, event dropped"
-            );
-        }
+        let sent = Sent {
+            worker_id: envelope.event.worker_id(),
+            first_sequence: envelope.sequence,
+            events: 1,
+            request_id: envelope.event.request_id(),
+            kind: Some(envelope.kind()),
+        };
+        self.warn_failed_message(&sent, attempts, error);
     }
 }
 
