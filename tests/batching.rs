@@ -15,7 +15,6 @@ use async_nats::jetstream;
 use common::*;
 use futures::StreamExt;
 use lease_router::wire::{self, EventKind, Message, MessageLimits};
-use lease_router::{connect, NatsConnectConfig, NatsConnection, RetryPolicy};
 use lease_router::{ensure_stream, CatchUpState, JetStreamIngress, LeaseStreamConfig};
 use lease_router::{ApplyConfig, DropReason, IngressStats, IngressStatsSnapshot};
 use lease_router::{Batching, LeasePublisher, PublisherConfig, Router, RouterConfig};
@@ -30,28 +29,6 @@ const TEST_BOUND: Duration = Duration::from_secs(120);
 const NO_EXPIRY: Duration = Duration::from_secs(3600);
 /// A linger no test outlives: batches leave only when full or flushed.
 const FOREVER: Duration = Duration::from_secs(3600);
-
-/// A connection with fast reconnects, so a restart does not wait for the production backoff.
-async fn fast_client(url: &str, name: &str) -> NatsConnection {
-    let config = NatsConnectConfig::new([url])
-        .with_name(name)
-        .with_connect_deadline(Duration::from_secs(10))
-        .with_reconnect(
-            RetryPolicy::new()
-                .with_initial(Duration::from_millis(20))
-                .with_max_interval(Duration::from_millis(200)),
-        );
-    connect(&config).await.expect("connects")
-}
-
-fn live_ids(router: &Router) -> HashSet<String> {
-    router
-        .manager()
-        .leases(usize::MAX)
-        .into_iter()
-        .map(|l| l.booking.request_id.as_str().to_string())
-        .collect()
-}
 
 fn ids(prefix: &str, range: impl IntoIterator<Item = usize>) -> impl Iterator<Item = String> {
     let prefix = prefix.to_owned();

@@ -217,15 +217,6 @@ fn lifecycle_events(
     (events, live)
 }
 
-fn live_ids(router: &Router) -> HashSet<String> {
-    router
-        .manager()
-        .leases(usize::MAX)
-        .into_iter()
-        .map(|l| l.booking.request_id.as_str().to_string())
-        .collect()
-}
-
 /// A bare ordered consumer that only decodes: the replay ceiling.
 async fn raw_replay_rate(client: &async_nats::Client, deployment: &str, expected: u64) -> f64 {
     let js = jetstream::new(client.clone());

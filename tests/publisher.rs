@@ -9,8 +9,6 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use lease_router::wire::{self, Envelope, LeaseEvent, Outcome, ProgressStage};
-use lease_router::RetryPolicy;
-use lease_router::{connect, NatsConnectConfig, NatsConnection};
 use lease_router::{DeploymentName, SubjectPrefix, Subjects};
 use lease_router::{LeasePublisher, PublishEventError, PublisherConfig};
 use tokio::time::timeout;
@@ -19,19 +17,6 @@ use tokio::time::timeout;
 const TEST_BOUND: Duration = Duration::from_secs(90);
 /// The bound of one step inside a test.
 const STEP: Duration = Duration::from_secs(20);
-
-/// A connection through the crate's own `connect`, with fast reconnects.
-async fn connection(url: &str, name: &str) -> NatsConnection {
-    let config = NatsConnectConfig::new([url])
-        .with_name(name)
-        .with_connect_deadline(Duration::from_secs(10))
-        .with_reconnect(
-            RetryPolicy::new()
-                .with_initial(Duration::from_millis(20))
-                .with_max_interval(Duration::from_millis(200)),
-        );
-    connect(&config).await.expect("connects")
-}
 
 fn subjects(deployment: &str) -> Subjects {
     Subjects::new(
@@ -175,7 +160,7 @@ async fn events_arrive_in_order_and_numbered() {
         let server = common::server().await;
         let subjects = subjects("order");
         let mut watcher = Watcher::new(&server.url(), &subjects).await;
-        let conn = connection(&server.url(), "publisher order").await;
+        let conn = common::fast_client(&server.url(), "publisher order").await;
         watcher.wait_routed(conn.client()).await;
 
         let publisher = LeasePublisher::start(
@@ -293,7 +278,7 @@ async fn flush_and_close_deliver_everything() {
         let server = common::server().await;
         let subjects = subjects("flush");
         let mut watcher = Watcher::new(&server.url(), &subjects).await;
-        let conn = connection(&server.url(), "publisher flush").await;
+        let conn = common::fast_client(&server.url(), "publisher flush").await;
         watcher.wait_routed(conn.client()).await;
         let publisher = LeasePublisher::start(
             conn.client().clone(),
@@ -333,7 +318,7 @@ async fn survives_a_server_restart() {
         let port = server.port();
         let subjects = subjects("restart");
         let mut watcher = Watcher::new(&server.url(), &subjects).await;
-        let conn = connection(&server.url(), "publisher restart").await;
+        let conn = common::fast_client(&server.url(), "publisher restart").await;
         watcher.wait_routed(conn.client()).await;
         let publisher = LeasePublisher::start(
             conn.client().clone(),
@@ -406,7 +391,7 @@ async fn two_publishers_number_separately() {
         let server = common::server().await;
         let subjects = subjects("two");
         let mut watcher = Watcher::new(&server.url(), &subjects).await;
-        let conn = connection(&server.url(), "publisher two").await;
+        let conn = common::fast_client(&server.url(), "publisher two").await;
         watcher.wait_routed(conn.client()).await;
         let a = LeasePublisher::start(
             conn.client().clone(),

@@ -9,11 +9,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use lease_router::wire::{self, Admitted, Completed, Envelope, LeaseEvent, Outcome, Progressed};
 use lease_router::IngressStats;
+use lease_router::RetryPolicy;
 use lease_router::{connect, NatsConnectConfig, NatsConnection};
 use lease_router::{ApplyConfig, NatsIngress};
 use lease_router::{DeploymentName, Subjects};
 use lease_router::{Router, RouterConfig};
 use lease_router_testkit::{NatsServer, NatsServerBuilder};
+use std::collections::HashSet;
 use tokio_util::task::TaskTracker;
 
 pub const BOUND: Duration = Duration::from_secs(20);
@@ -234,4 +236,28 @@ impl Mp {
         self.0.extend_from_slice(raw);
         self
     }
+}
+
+/// A connection through the crate's own `connect`, with fast reconnects, so a server restart
+/// does not wait for the production backoff.
+pub async fn fast_client(url: &str, name: &str) -> NatsConnection {
+    let config = NatsConnectConfig::new([url])
+        .with_name(name)
+        .with_connect_deadline(Duration::from_secs(10))
+        .with_reconnect(
+            RetryPolicy::new()
+                .with_initial(Duration::from_millis(20))
+                .with_max_interval(Duration::from_millis(200)),
+        );
+    connect(&config).await.expect("connects")
+}
+
+/// The request ids of the router's live leases.
+pub fn live_ids(router: &Router) -> HashSet<String> {
+    router
+        .manager()
+        .leases(usize::MAX)
+        .into_iter()
+        .map(|l| l.booking.request_id.as_str().to_string())
+        .collect()
 }
