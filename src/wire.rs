@@ -46,7 +46,12 @@
 //!
 //! # Performance
 //!
-//! Decoding is one pass over the map with a hand-written visitor: keys are matched as borrowed
+//! An event written the plain way (known keys, each once, scalar values of their types: what
+//! every encoder of this contract writes) is read by a byte-level reader without serde, in one
+//! pass and with the request id as its only allocation. Anything else goes to the full
+//! decoder below, which gives every answer the plain reader does not, errors included.
+//!
+//! The full decoder is one pass over the map with a hand-written visitor: keys are matched as borrowed
 //! strings (no allocation), values go straight into typed slots, and the only allocation of a
 //! successful decode is the request id. Serde's internally tagged enums (`#[serde(tag = ..)]`)
 //! are deliberately not used: they buffer the whole map into an intermediate `Content` tree
@@ -65,6 +70,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::types::{RequestId, RequestLoad, WorkerWithDpRank};
 
 mod batch;
+mod plain;
 pub use batch::{
     decode_message, encode_batch, BatchEvents, BatchWriter, Message, MessageLimits, BATCH_KIND,
     DEFAULT_MAX_BATCH_BYTES, EVENTS_KEY,
@@ -676,6 +682,20 @@ impl Serialize for EventKind {
 /// Never panics; every failure is a [`DecodeEventError`]. The checks come in this order: size,
 /// version (even if the rest does not parse), structure, kind, then the kind's fields.
 pub fn decode(bytes: &[u8], max_len: usize) -> Result<Envelope, DecodeEventError> {
+    if bytes.len() > max_len {
+        return Err(DecodeEventError::Oversized {
+            len: bytes.len(),
+            max: max_len,
+        });
+    }
+    match plain::read(bytes) {
+        Some((raw, end)) if end == bytes.len() => raw.validate(false),
+        _ => decode_full(bytes, max_len),
+    }
+}
+
+/// [`decode`] through serde alone: every input the plain reader leaves, and every error.
+fn decode_full(bytes: &[u8], max_len: usize) -> Result<Envelope, DecodeEventError> {
     if bytes.len() > max_len {
         return Err(DecodeEventError::Oversized {
             len: bytes.len(),

@@ -11,10 +11,14 @@
 //! other than 1), every event it declares is dropped for that one reason. Then each event on
 //! its own, through [`super::decode`]: a bad event drops that event only.
 
+use std::marker::PhantomData;
+
 use bytes::Bytes;
 use rmp::Marker;
 
-use super::{decode, value_len, DecodeEventError, EncodeEventError, Envelope, MAX_NESTING_DEPTH};
+use super::{
+    decode, plain, value_len, DecodeEventError, EncodeEventError, Envelope, MAX_NESTING_DEPTH,
+};
 use super::{keys, WIRE_VERSION};
 
 /// The `kind` of a batch.
@@ -105,19 +109,18 @@ pub fn decode_message(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
     }
 }
 
-/// The events of a batch, decoded one by one, in order.
+/// The events of a batch, each decoded on its own, in order.
 #[derive(Debug, Clone)]
 pub struct BatchEvents<'a> {
-    /// The encoded events not yet taken; every one of them was measured already.
-    rest: &'a [u8],
-    remaining: usize,
-    max_event_bytes: usize,
+    events: std::vec::IntoIter<Result<Envelope, DecodeEventError>>,
+    /// Borrowed like the message, so that a later version may decode lazily again.
+    _message: PhantomData<&'a [u8]>,
 }
 
 impl BatchEvents<'_> {
     /// Events not yet taken.
     pub fn remaining(&self) -> usize {
-        self.remaining
+        self.events.len()
     }
 }
 
@@ -125,28 +128,68 @@ impl Iterator for BatchEvents<'_> {
     type Item = Result<Envelope, DecodeEventError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if self.remaining == 0 {
-            return None;
-        }
-        self.remaining -= 1;
-        // The whole array was measured before: each event's length is known to fit.
-        let len = value_len(self.rest, MAX_NESTING_DEPTH).unwrap_or(self.rest.len());
-        let (event, rest) = self.rest.split_at(len.min(self.rest.len()));
-        self.rest = rest;
-        Some(match decode(event, self.max_event_bytes) {
-            Err(DecodeEventError::UnknownKind { kind }) if kind == BATCH_KIND => Err(
-                DecodeEventError::Malformed("a batch inside a batch is not an event".into()),
-            ),
-            other => other,
-        })
+        self.events.next()
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        (self.remaining, Some(self.remaining))
+        self.events.size_hint()
     }
 }
 
 impl ExactSizeIterator for BatchEvents<'_> {}
+
+/// Decodes the `count` events that start `body`, each as if alone; `None` when one of them
+/// cannot even be measured (the batch is then refused whole). Also returns where they end.
+fn decode_events(
+    body: &[u8],
+    count: usize,
+    max_event_bytes: usize,
+) -> Option<(Vec<Result<Envelope, DecodeEventError>>, usize)> {
+    // Every event takes at least a byte: a count larger than the body fails below anyway.
+    let mut events = Vec::with_capacity(count.min(body.len()));
+    let mut pos = 0;
+    for _ in 0..count {
+        let rest = body.get(pos..)?;
+        // A plain event is read in the same pass that measures it.
+        if let Some((raw, len)) = plain::read(rest) {
+            if len <= max_event_bytes {
+                events.push(raw.validate(false));
+                pos += len;
+                continue;
+            }
+        }
+        let len = value_len(rest, MAX_NESTING_DEPTH)?;
+        events.push(match decode(&rest[..len], max_event_bytes) {
+            Err(DecodeEventError::UnknownKind { kind }) if kind == BATCH_KIND => Err(
+                DecodeEventError::Malformed("a batch inside a batch is not an event".into()),
+            ),
+            other => other,
+        });
+        pos += len;
+    }
+    Some((events, pos))
+}
+
+fn batch_of(events: Vec<Result<Envelope, DecodeEventError>>) -> Message<'static> {
+    Message::Batch(BatchEvents {
+        events: events.into_iter(),
+        _message: PhantomData,
+    })
+}
+
+/// A batch written as the encoder writes it (the canonical prefix, then one array of at least
+/// one event, and nothing after it), read in one pass; `None` for anything else, which the
+/// general reader then answers.
+fn read_canonical(bytes: &[u8], max_event_bytes: usize) -> Option<Message<'static>> {
+    let mut pos = CANONICAL_PREFIX.len();
+    if !bytes.starts_with(&CANONICAL_PREFIX) {
+        return None;
+    }
+    let count = read_len(bytes, &mut pos, Container::Array).filter(|&n| n > 0)?;
+    let body = &bytes[pos..];
+    let (events, end) = decode_events(body, count, max_event_bytes)?;
+    (end == body.len()).then(|| batch_of(events))
+}
 
 /// Whether `bytes` is a map whose `kind` is `"batch"`, looking no deeper than its top level.
 fn is_batch(bytes: &[u8]) -> bool {
@@ -289,6 +332,14 @@ fn read_batch(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
             max: limits.max_batch_bytes,
         }));
     }
+    match read_canonical(bytes, limits.max_event_bytes) {
+        Some(batch) => batch,
+        None => read_general(bytes, limits),
+    }
+}
+
+/// Reads a batch in any key order, and answers every batch [`read_canonical`] leaves.
+fn read_general(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
     let refused = |events: usize, error: DecodeEventError| Message::Refused {
         events: events.clamp(1, bytes.len().max(1)),
         error,
@@ -356,21 +407,10 @@ fn read_batch(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
         return malformed(1, "a batch holds at least one event");
     }
     // Every event must be measurable before any is applied: a batch is read whole or not.
-    let mut measured = 0;
-    for _ in 0..count {
-        match body
-            .get(measured..)
-            .and_then(|rest| value_len(rest, MAX_NESTING_DEPTH))
-        {
-            Some(len) => measured += len,
-            None => return malformed(count, "the batch is cut short or malformed"),
-        }
+    match decode_events(body, count, limits.max_event_bytes) {
+        Some((events, _)) => batch_of(events),
+        None => malformed(count, "the batch is cut short or malformed"),
     }
-    Message::Batch(BatchEvents {
-        rest: body,
-        remaining: count,
-        max_event_bytes: limits.max_event_bytes,
-    })
 }
 
 /// Builds batch messages from encoded events, without copying them again.
@@ -958,5 +998,96 @@ mod tests {
             }
             bytes[i] ^= 0xff;
         }
+    }
+
+    /// What a message reads as, in a form that compares.
+    fn answer(message: Message<'_>) -> String {
+        match message {
+            Message::Batch(events) => format!("batch {:?}", events.collect::<Vec<_>>()),
+            other => format!("{other:?}"),
+        }
+    }
+
+    /// A batch of the encoder's events, some of them replaced by not-plain ones (unknown keys,
+    /// signed integers, a nested value, a wrong kind, a batch), then damaged.
+    fn damaged_batch(seed: u64) -> Vec<u8> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let n = rng.random_range(1..40u64);
+        let mut encoded: Vec<Vec<u8>> = events(n).iter().map(|e| encode(e).unwrap()).collect();
+        for event in &mut encoded {
+            match rng.random_range(0..12) {
+                0 => {
+                    event[0] += 1;
+                    event.extend_from_slice(&[0xa1, b'x', 0x91, 0x91, 0x01]);
+                }
+                1 => {
+                    let at = event.windows(4).position(|w| w == b"\xa3seq").unwrap();
+                    event.splice(at + 4..at + 4, [0xd0]);
+                }
+                2 => *event = encode_batch(&events(2)).unwrap(),
+                3 => {
+                    let at = event.windows(5).position(|w| w == b"\xa4kind").unwrap();
+                    event[at + 6] ^= 0x01;
+                }
+                4 => event[0] = 0x8f,
+                _ => {}
+            }
+        }
+        let mut bytes = encode_batch(&events(1)).unwrap();
+        bytes.truncate(CANONICAL_PREFIX.len());
+        match rng.random_range(0..10) {
+            0 => bytes.extend_from_slice(&[0xdd, 0, 0, 0, encoded.len() as u8]),
+            1 => drop(rmp::encode::write_array_len(
+                &mut bytes,
+                encoded.len() as u32 + 1,
+            )),
+            2 => drop(rmp::encode::write_array_len(&mut bytes, 0)),
+            _ => drop(rmp::encode::write_array_len(
+                &mut bytes,
+                encoded.len() as u32,
+            )),
+        }
+        for event in &encoded {
+            bytes.extend_from_slice(event);
+        }
+        match rng.random_range(0..8) {
+            0 => bytes.push(0xc0),
+            1 => {
+                let cut = rng.random_range(0..bytes.len());
+                bytes.truncate(cut);
+            }
+            2 => {
+                let at = rng.random_range(0..bytes.len());
+                bytes[at] = rng.random();
+            }
+            _ => {}
+        }
+        bytes
+    }
+
+    #[test]
+    fn the_canonical_reader_answers_as_the_general_one() {
+        let small = MessageLimits {
+            max_event_bytes: 40,
+            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
+        };
+        let mut canonical = 0;
+        for seed in 0..3000 {
+            let bytes = damaged_batch(seed);
+            for limits in [limits(), small] {
+                let general = answer(read_general(&bytes, limits));
+                if read_canonical(&bytes, limits.max_event_bytes).is_some() {
+                    canonical += 1;
+                }
+                assert_eq!(
+                    answer(read_batch(&bytes, limits)),
+                    general,
+                    "seed {seed}, {limits:?}, {bytes:x?}"
+                );
+            }
+        }
+        // Both kinds of answer were compared, often.
+        assert!((500..5000).contains(&canonical), "{canonical}");
     }
 }
