@@ -26,11 +26,10 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use lease_router::wire::{self, LeaseEvent, DEFAULT_MAX_EVENT_BYTES};
+use lease_router::LeaseConfig;
 use lease_router::NatsConnection;
-use lease_router::Scheduler;
 use lease_router::{ApplyConfig, EventApplier, NatsIngress};
 use lease_router::{Batching, IngressStats};
-use lease_router::{LeaseConfig, RequestLeaseManager};
 use lease_router::{Router, RouterConfig};
 use tokio_util::task::TaskTracker;
 
@@ -255,16 +254,14 @@ fn breakdown(streams: &[Vec<Encoded>], batched: &[Vec<Encoded>]) {
 
         let fresh = || {
             let tracker = TaskTracker::new();
-            let (scheduler, actor) = Scheduler::new(DEPLOYMENT);
-            let manager = RequestLeaseManager::new(
+            let (manager, scheduler, _task) = lease_router::internals::manager_and_scheduler(
                 DEPLOYMENT,
                 LeaseConfig {
                     max_active_leases: 4_000_000,
                     ..LeaseConfig::default()
                 },
-                scheduler.cleanup(),
+                &tracker,
             );
-            actor.spawn(Some(manager.replica_observer()), &tracker);
             (manager, scheduler)
         };
 

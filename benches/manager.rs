@@ -12,9 +12,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode};
+use lease_router::SchedulerHandle;
 use lease_router::{LeaseConfig, RequestLeaseManager};
 use lease_router::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
-use lease_router::{Scheduler, SchedulerHandle};
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
@@ -53,18 +53,16 @@ impl Fixture {
             .build()
             .unwrap();
         let tracker = TaskTracker::new();
-        let (scheduler, actor) = Scheduler::new("bench");
-        let manager = RequestLeaseManager::new(
-            "bench",
-            LeaseConfig {
-                max_active_leases: 4_000_000,
-                ..LeaseConfig::default()
-            },
-            scheduler.cleanup(),
-        );
-        let task = {
+        let (manager, scheduler, task) = {
             let _enter = rt.enter();
-            actor.spawn(Some(manager.replica_observer()), &tracker)
+            lease_router::internals::manager_and_scheduler(
+                "bench",
+                LeaseConfig {
+                    max_active_leases: 4_000_000,
+                    ..LeaseConfig::default()
+                },
+                &tracker,
+            )
         };
         let mut live = Vec::with_capacity(size);
         for i in 0..size as u64 {

@@ -10,8 +10,7 @@ mod common;
 
 use std::time::Instant;
 
-use lease_router::Scheduler;
-use lease_router::{LeaseConfig, RequestLeaseManager, INLINE_KEY_BYTES};
+use lease_router::{LeaseConfig, INLINE_KEY_BYTES};
 use lease_router::{RequestLoad, WorkerWithDpRank};
 use tokio_util::task::TaskTracker;
 
@@ -30,16 +29,14 @@ fn per_lease(bytes: i64) -> f64 {
 async fn bench() {
     println!("machine: {}", common::machine());
     let tracker = TaskTracker::new();
-    let (scheduler, actor) = Scheduler::new("memory");
-    let manager = RequestLeaseManager::new(
+    let (manager, scheduler, _task) = lease_router::internals::manager_and_scheduler(
         "memory",
         LeaseConfig {
             max_active_leases: 4_000_000,
             ..LeaseConfig::default()
         },
-        scheduler.cleanup(),
+        &tracker,
     );
-    actor.spawn(Some(manager.replica_observer()), &tracker);
     // Warm the allocator and the runtime a little so the baseline is not the bare process.
     scheduler.loads().await.unwrap();
 

@@ -16,8 +16,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use lease_router::Scheduler;
-use lease_router::{LeaseConfig, RequestLeaseManager};
+use lease_router::LeaseConfig;
 use lease_router::{RequestLoad, WorkerWithDpRank};
 use lease_router::{RoutePolicy, RouteRequest, RoutingConfig};
 use tokio_util::task::TaskTracker;
@@ -39,16 +38,14 @@ fn main() {
     println!("workers={workers} decisions_per_policy={decisions} leases_per_worker={per_worker}");
     common::run(async move {
         let tracker = TaskTracker::new();
-        let (scheduler, actor) = Scheduler::new("route");
-        let manager = RequestLeaseManager::new(
+        let (manager, scheduler, _task) = lease_router::internals::manager_and_scheduler(
             "route",
             LeaseConfig {
                 scan_interval: Duration::from_secs(3600),
                 ..LeaseConfig::default()
             },
-            scheduler.cleanup(),
+            &tracker,
         );
-        actor.spawn(Some(manager.replica_observer()), &tracker);
 
         let mut rng = Rng::new(7);
         let members: Vec<_> = (0..workers)

@@ -17,9 +17,9 @@
 //! they compute. Arrival i goes to replica i mod R (a front balancer taking turns).
 //!
 //! # Policies
-//! round robin, random, weighted cost (prefill 1, KV 0.25: the crate's default) and power of
-//! two on it, through `SchedulerHandle::route`; least bookings (fewest bookings, then fewest
-//! tokens) through `SchedulerHandle::schedule`. The routers are not told output lengths.
+//! round robin, random, least bookings (fewest bookings, then fewest tokens), weighted cost
+//! (prefill 1, KV 0.25: the crate's default) and power of two on it, each through
+//! `SchedulerHandle::route`. The routers are not told output lengths.
 //!
 //! # The deployment model (`routing/model.rs`)
 //! 8 workers, each an engine serving an 8B-class model (Llama-3.1-8B, bf16) on one

@@ -13,7 +13,7 @@
 //! count, from which reconnects and disconnects are derived, so that no counter can miss a
 //! change. The client's event callback (a queue of 128 that drops events when full) feeds
 //! only what it alone knows, best-effort: slow-consumer events, errors, the log lines.
-//! Failures are logged with a rate limit ([`LogRateLimiter`]), so a server that stays down
+//! Failures are logged with a rate limit (`LogRateLimiter`), so a server that stays down
 //! does not flood the log.
 
 use std::fmt;
@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
+use crate::log_limit::LogRateLimiter;
 use crate::retry::{retry, Attempt, RetryPolicy};
 
 /// How often waits and the monitor look at the client's state.
@@ -447,69 +448,6 @@ fn classify(err: async_nats::ConnectError) -> Attempt<async_nats::ConnectError> 
         | ConnectErrorKind::TimedOut
         | ConnectErrorKind::Io
         | ConnectErrorKind::MaxReconnects => Attempt::Transient(err),
-    }
-}
-
-/// Lets a log line through at most once per interval; counts the ones held back.
-///
-/// `check()` returns `Some(suppressed)` when a line may be logged now (`suppressed`: how many
-/// were held back since the last one), `None` when it must be suppressed. Lock-free.
-#[derive(Debug)]
-pub struct LogRateLimiter {
-    interval_nanos: u64,
-    epoch: std::time::Instant,
-    /// Nanoseconds since `epoch` from which the next line is allowed.
-    next_allowed: AtomicU64,
-    suppressed: AtomicU64,
-}
-
-impl LogRateLimiter {
-    pub fn new(interval: Duration) -> Self {
-        Self {
-            interval_nanos: u64::try_from(interval.as_nanos()).unwrap_or(u64::MAX),
-            epoch: std::time::Instant::now(),
-            next_allowed: AtomicU64::new(0),
-            suppressed: AtomicU64::new(0),
-        }
-    }
-
-    /// `Some(suppressed since the last allowed line)` when a line may be logged now.
-    pub fn check(&self) -> Option<u64> {
-        let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.check_at(now)
-    }
-
-    fn check_at(&self, now_nanos: u64) -> Option<u64> {
-        let next = self.next_allowed.load(Ordering::Acquire);
-        if now_nanos >= next
-            && self
-                .next_allowed
-                .compare_exchange(
-                    next,
-                    now_nanos.saturating_add(self.interval_nanos).max(1),
-                    Ordering::AcqRel,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
-        {
-            Some(self.suppressed.swap(0, Ordering::AcqRel))
-        } else {
-            self.suppressed.fetch_add(1, Ordering::Relaxed);
-            None
-        }
-    }
-
-    /// Held back since the last allowed line.
-    #[cfg(test)]
-    fn suppressed(&self) -> u64 {
-        self.suppressed.load(Ordering::Relaxed)
-    }
-}
-
-impl Default for LogRateLimiter {
-    /// One line per 5 seconds.
-    fn default() -> Self {
-        Self::new(Duration::from_secs(5))
     }
 }
 
@@ -991,47 +929,6 @@ async fn monitor(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rate_limiter_allows_once_per_interval_and_counts() {
-        let l = LogRateLimiter::new(Duration::from_secs(1));
-        let s = 1_000_000_000u64;
-        assert_eq!(l.check_at(0), Some(0));
-        assert_eq!(l.check_at(1), None);
-        assert_eq!(l.check_at(s / 2), None);
-        assert_eq!(l.suppressed(), 2);
-        assert_eq!(l.check_at(s), Some(2));
-        assert_eq!(l.check_at(s + 1), None);
-        assert_eq!(l.check_at(3 * s), Some(1));
-        assert_eq!(l.suppressed(), 0);
-    }
-
-    #[test]
-    fn rate_limiter_zero_interval_allows_all() {
-        let l = LogRateLimiter::new(Duration::ZERO);
-        for _ in 0..10 {
-            assert_eq!(l.check(), Some(0));
-        }
-    }
-
-    #[test]
-    fn rate_limiter_is_shared_across_threads() {
-        let l = Arc::new(LogRateLimiter::new(Duration::from_secs(3600)));
-        let allowed = AtomicU64::new(0);
-        std::thread::scope(|s| {
-            for _ in 0..4 {
-                s.spawn(|| {
-                    for _ in 0..1000 {
-                        if l.check().is_some() {
-                            allowed.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                });
-            }
-        });
-        assert_eq!(allowed.load(Ordering::Relaxed), 1);
-        assert_eq!(l.suppressed(), 3999);
-    }
 
     #[test]
     fn urls_are_parsed_and_redacted() {

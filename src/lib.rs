@@ -11,28 +11,33 @@
 //! # Layout
 //! The API is what this page re-exports; the modules are private, one concept each:
 //! - `types`: identities: request, worker, data-parallel rank, attempt, booking.
-//! - `lease`: the lease clock, the [`RequestLeaseManager`], its scan cursor ([`Reaper`],
-//!   run by the task that applies ingest) and [`LeaseBatch`] (a burst of events at once).
+//! - `load`: what a request weighs on its worker by phase ([`RequestLoad`]) and a worker's
+//!   sums ([`WorkerLoad`]); a leaf that `lease`, `scheduler` and `routing` import.
+//! - `lease`: the lease clock, the [`RequestLeaseManager`] and its scan cursor (run by the
+//!   task that applies ingest).
 //! - `observer`: the [`ReplicaRequestLeaseObserver`] contract; the weak implementation that
 //!   breaks the router's ownership cycle lives beside the manager.
+//! - `routing`: how a router chooses a worker ([`RoutePolicy`], [`RouteDecision`]): the
+//!   policies, over the load the scheduler keeps.
 //! - `scheduler`: the actor that owns per-worker load (sums only: the leases are the
-//!   per-booking record): [`Scheduler`], [`SchedulerHandle`].
-//! - `routing`: how a router chooses a worker ([`RoutePolicy`], [`RouteDecision`]), from the
-//!   load by phase the scheduler keeps.
+//!   per-booking record) and makes route decisions: [`SchedulerHandle`].
 //! - `router`: one deployment's [`Router`]: one-pass wiring under a drop guard, teardown,
 //!   shutdown; [`IngressStart`] for whatever feeds it.
 //! - [`wire`]: the MessagePack wire contract (documented in `schemas/`).
 //! - `subject`: NATS subjects and the validation of the names in them ([`Subjects`]).
 //! - `ingress`: the core-NATS ingress ([`NatsIngress`]) and the per-event path shared with
-//!   durable mode ([`EventApplier`]).
-//! - `durable`: durable mode on JetStream: the lease stream and [`JetStreamIngress`].
+//!   durable mode.
+//! - `durable`: durable mode on JetStream: the lease stream, [`JetStreamIngress`], its
+//!   catch-up ([`CatchUpState`]) and snapshots.
 //! - `stats`: the counters of one deployment's ingress ([`IngressStats`]).
-//! - `publisher`: [`LeasePublisher`], what workers publish their events with.
+//! - `publisher`: [`LeasePublisher`], what workers publish their events with, core or
+//!   durable.
 //! - `connection`: [`connect`]ing to NATS with retry, and connection state.
 //! - `retry`: exponential backoff, the one module that uses the `backoff` crate.
+//! - `log_limit`: rate-limited warnings.
 //! - [`service`]: what `lease-router serve` runs: the multi-deployment host, the HTTP API
 //!   and the Prometheus metrics, configured by plain structs.
-//!
+
 //! This package is the library only. Beside it in the workspace: `cli/` (package
 //! `lease-router-cli`, the `lease-router` binary: `serve`, `publish`, `simulate`, `demo`,
 //! the flag/environment/TOML settings, the simulated workers and the allocator setting) and
@@ -42,7 +47,11 @@
 mod connection;
 mod durable;
 mod ingress;
+#[doc(hidden)]
+pub mod internals;
 mod lease;
+mod load;
+mod log_limit;
 mod observer;
 mod publisher;
 mod retry;
@@ -61,19 +70,20 @@ pub use connection::{
 };
 pub use durable::{
     delete_stream, ensure_stream, legacy_stream_name, require_stream, stream_name, CatchUpState,
-    EnsureStreamError, JetStreamIngress, LeaseStreamConfig, SnapshotFigures,
-    StartDurableIngressError, StreamFigures, DEFAULT_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_KEEP,
-    DEFAULT_STREAM_MAX_BYTES, MIN_STREAM_MAX_AGE,
+    DeleteStreamError, EnsureStreamError, ForeignStream, JetStreamIngress, LeaseStreamConfig,
+    LegacyStream, RequireStreamError, SnapshotFigures, StartDurableIngressError, StreamFigures,
+    DEFAULT_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_KEEP, DEFAULT_STREAM_MAX_BYTES, MIN_STREAM_MAX_AGE,
 };
 pub use durable::{snapshot_bucket, snapshot_lock_bucket};
 pub use ingress::{
     Applied, AppliedHook, ApplyConfig, BatchOutcome, EventApplier, NatsIngress, StartIngressError,
 };
 pub use lease::{
-    LeaseBatch, LeaseConfig, LeaseRecord, LeaseState, LeaseStats, Reaper, RequestLeaseManager,
-    ScanReport, StepTime, WeakRequestLeaseManager, DEFAULT_MAX_ACTIVE_LEASES,
+    LeaseConfig, LeaseRecord, LeaseState, LeaseStats, Reaper, RequestLeaseManager, ScanReport,
+    StepTime, WeakRequestLeaseManager, DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_PROVISIONAL_DEADLINE,
     DEFAULT_SCAN_INTERVAL, INLINE_KEY_BYTES,
 };
+pub use load::{RequestLoad, WorkerLoad};
 pub use observer::{
     AdmitOutcome, CompleteOutcome, DeliverEventError, ProgressOutcome, ReplicaRequestLeaseObserver,
 };
@@ -91,8 +101,7 @@ pub use routing::{
     RouteRequest, RouteRequestError, RoutingConfig,
 };
 pub use scheduler::{
-    QuerySchedulerError, ReleaseReason, ScheduleRequestError, Scheduler, SchedulerBookingCleanup,
-    SchedulerHandle, SchedulerStatsSnapshot, WorkerLoad,
+    QuerySchedulerError, ReleaseReason, SchedulerHandle, SchedulerStatsSnapshot, WorkerStatus,
 };
 pub use stats::{DropReason, IngressStats, IngressStatsSnapshot, LagSnapshot};
 pub use subject::{
@@ -100,8 +109,7 @@ pub use subject::{
     MAX_TOKEN_LEN,
 };
 pub use types::{
-    AttemptId, DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId,
-    WorkerWithDpRank,
+    AttemptId, DpRank, RequestId, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
 };
 
 /// The README's Rust examples, compiled by `cargo test` so they cannot rot.

@@ -7,7 +7,8 @@
 //! dropped and counted instead of reviving anything. This module holds only the contract (the
 //! trait and its outcomes); the weak implementation lives with the manager it points at.
 
-use crate::types::{DpRank, RequestLoad, SchedulerBookingDescriptor, WorkerId};
+use crate::load::RequestLoad;
+use crate::types::{DpRank, SchedulerBookingDescriptor, WorkerId};
 
 /// The event could not be delivered.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, thiserror::Error)]

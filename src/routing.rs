@@ -9,20 +9,21 @@
 //! uncached prompt) + kv_weight × (KV tokens held + the request's prompt)`: what a new
 //! request waits behind (prefill is compute-bound and served before it) and how full the
 //! worker's KV cache would be with it (decode is memory-bound). The defaults, weighted cost
-//! with prefill 1 and KV 0.25, come from `benches/route_policies.rs`: a model fleet of 16
-//! workers and 4 replicas at ~85% load, 300 simulated seconds (see BENCHMARKS.md). p99
-//! time-to-first-token, KV to spare / KV that binds: prefill 1 KV 0.25: 381 / 440 ms;
-//! prefill alone: 344 / 1,039 ms (it piles requests onto workers short of memory); 1 : 1
-//! (the reference router's): 514 / 562 ms; KV alone: 706 / 747 ms; power of two at
-//! 1 : 0.25: 451 / 944 ms; round robin 376 / 4,519 ms; random 736 / 6,618 ms. Replicas that
-//! see only their own decisions, at 1 : 0.25: 576 / 690 ms.
+//! with prefill 1 and KV 0.25, had the lowest p99 time to first token of the policies and
+//! weights tried in a model fleet (`cargo bench --bench route_policies`; the figures are in
+//! BENCHMARKS.md).
+//!
+//! [`Chooser`] is the policy code: it picks among the members the scheduler hands it, and
+//! keeps what the policies remember between decisions (the turn, the draws).
 
 use std::time::Duration;
 
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use crate::scheduler::WorkerLoad;
-use crate::types::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
+use crate::load::{LoadSums, RequestLoad, WorkerLoad};
+use crate::types::{RequestId, SchedulerBookingDescriptor, WorkerWithDpRank};
 
 /// How a deployment's router chooses among its member workers.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
@@ -40,14 +41,19 @@ pub enum RoutePolicy {
     RoundRobin,
     /// A member drawn at random (a baseline that ignores load).
     Random,
+    /// The fewest bookings, then the fewest tokens (prompt plus expected output; ties: the
+    /// lower worker): a baseline that counts requests, not their phases.
+    LeastBookings,
 }
 
 impl RoutePolicy {
-    pub const ALL: [RoutePolicy; 4] = [
+    /// Every policy, in the order of the decision counters.
+    pub const ALL: [RoutePolicy; 5] = [
         Self::WeightedCost,
         Self::PowerOfTwo,
         Self::RoundRobin,
         Self::Random,
+        Self::LeastBookings,
     ];
 
     /// Its name in settings, JSON and metric labels.
@@ -57,6 +63,7 @@ impl RoutePolicy {
             Self::PowerOfTwo => "power_of_two",
             Self::RoundRobin => "round_robin",
             Self::Random => "random",
+            Self::LeastBookings => "least_bookings",
         }
     }
 }
@@ -75,7 +82,8 @@ impl std::str::FromStr for RoutePolicy {
 /// A policy name that is not one of [`RoutePolicy::ALL`].
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "unknown routing policy {0:?}: expected weighted_cost, power_of_two, round_robin or random"
+    "unknown routing policy {0:?}: expected weighted_cost, power_of_two, round_robin, random \
+     or least_bookings"
 )]
 pub struct ParsePolicyError(String);
 
@@ -131,8 +139,10 @@ pub struct RoutingConfig {
 }
 
 /// What a route decision is asked to place.
+///
+/// Keys it does not know are ignored, as the wire contract ignores them: a gateway that
+/// sends a field a newer router understands still gets a decision from an older one.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct RouteRequest {
     pub request_id: RequestId,
     pub prompt_tokens: u32,
@@ -286,7 +296,7 @@ pub fn cost(weights: CostWeights, load: &WorkerLoad, request: &RequestLoad) -> f
 }
 
 /// [`cost`] from a worker's signed sums (briefly negative ones count as zero).
-pub(crate) fn cost_of(weights: CostWeights, prefill: i64, kv: i64, request: &RequestLoad) -> f64 {
+fn cost_of(weights: CostWeights, prefill: i64, kv: i64, request: &RequestLoad) -> f64 {
     let uncached = request.prompt_tokens.saturating_sub(request.cached_tokens);
     let prefill = prefill.max(0) as f64 + f64::from(uncached);
     let kv = kv.max(0) as f64 + f64::from(request.prompt_tokens);
@@ -294,6 +304,140 @@ pub(crate) fn cost_of(weights: CostWeights, prefill: i64, kv: i64, request: &Req
 }
 
 /// The order of candidates: cheaper first, then the lower worker.
-pub(crate) fn cheaper(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
+fn cheaper(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
     a.cost.total_cmp(&b.cost).then(a.worker.cmp(&b.worker))
+}
+
+/// The policy code and what it remembers between decisions: the turn of round robin, the
+/// draws of the random policies, the members in order for the policies that pick by index.
+pub(crate) struct Chooser {
+    config: RoutingConfig,
+    /// The members in worker order; rebuilt when membership has changed.
+    members: Vec<WorkerWithDpRank>,
+    members_dirty: bool,
+    round_robin: usize,
+    /// The draws of the random policies (see [`RoutingConfig::seed`]).
+    rng: SmallRng,
+}
+
+impl Chooser {
+    pub(crate) fn new() -> Self {
+        Self {
+            config: RoutingConfig::default(),
+            members: Vec::new(),
+            members_dirty: true,
+            round_robin: 0,
+            rng: SmallRng::from_os_rng(),
+        }
+    }
+
+    pub(crate) fn config(&self) -> RoutingConfig {
+        self.config
+    }
+
+    /// A new seed restarts the draws; the same one (a PUT that changes only the policy)
+    /// leaves them where they are.
+    pub(crate) fn set_config(&mut self, config: RoutingConfig) {
+        if let Some(seed) = config.seed.filter(|&seed| Some(seed) != self.config.seed) {
+            self.rng = SmallRng::seed_from_u64(seed);
+        }
+        self.config = config;
+    }
+
+    /// Some worker joined or left the members: the ordered list is rebuilt at the next
+    /// decision that needs it.
+    pub(crate) fn members_changed(&mut self) {
+        self.members_dirty = true;
+    }
+
+    /// Picks one of `members` (each with its sums) for `request` by the policy in force,
+    /// with the candidates it compared, cheapest first; `None` when there is no member.
+    /// `sums_of` finds a member's sums for the policies that pick by index.
+    pub(crate) fn choose<'a>(
+        &mut self,
+        members: impl Iterator<Item = (&'a WorkerWithDpRank, &'a LoadSums)>,
+        sums_of: impl Fn(&WorkerWithDpRank) -> WorkerLoad,
+        request: &RequestLoad,
+    ) -> Option<(WorkerWithDpRank, Vec<Candidate>)> {
+        let weights = self.config.weights;
+        match self.config.policy {
+            RoutePolicy::WeightedCost => return cheapest(weights, members, request),
+            RoutePolicy::LeastBookings => {
+                let (worker, load) = members
+                    .map(|(w, sums)| (*w, sums.load()))
+                    .min_by_key(|(w, load)| (load.rank(), *w))?;
+                let cost = cost(weights, &load, request);
+                return Some((worker, vec![Candidate { worker, cost }]));
+            }
+            _ => {}
+        }
+        if self.members_dirty {
+            self.members.clear();
+            self.members.extend(members.map(|(w, _)| *w));
+            self.members.sort_unstable();
+            self.members_dirty = false;
+        }
+        let n = self.members.len();
+        if n == 0 {
+            return None;
+        }
+        let pick = |chooser: &Self, i: usize| {
+            let worker = chooser.members[i];
+            Candidate {
+                worker,
+                cost: cost(weights, &sums_of(&worker), request),
+            }
+        };
+        let mut candidates = match self.config.policy {
+            RoutePolicy::PowerOfTwo if n > 1 => {
+                let first = self.rng.random_range(0..n);
+                let second = (first + self.rng.random_range(1..n)) % n;
+                vec![pick(self, first), pick(self, second)]
+            }
+            RoutePolicy::RoundRobin => {
+                let i = self.round_robin % n;
+                self.round_robin = self.round_robin.wrapping_add(1);
+                vec![pick(self, i)]
+            }
+            _ => {
+                let i = self.rng.random_range(0..n);
+                vec![pick(self, i)]
+            }
+        };
+        candidates.sort_unstable_by(cheaper);
+        Some((candidates[0].worker, candidates))
+    }
+}
+
+/// The weighted-cost choice, over the members as they come (no lookup per member), keeping
+/// the cheapest few in a sorted array: most members cost one comparison with the dearest
+/// kept.
+fn cheapest<'a>(
+    weights: CostWeights,
+    members: impl Iterator<Item = (&'a WorkerWithDpRank, &'a LoadSums)>,
+    request: &RequestLoad,
+) -> Option<(WorkerWithDpRank, Vec<Candidate>)> {
+    const KEEP: usize = REPORTED_CANDIDATES;
+    let mut best = [Candidate {
+        worker: WorkerWithDpRank::default(),
+        cost: f64::INFINITY,
+    }; KEEP];
+    let mut kept = 0;
+    for (worker, sums) in members {
+        let c = Candidate {
+            worker: *worker,
+            cost: cost_of(weights, sums.prefill_tokens, sums.kv_tokens, request),
+        };
+        if kept == KEEP && cheaper(&c, &best[KEEP - 1]).is_ge() {
+            continue;
+        }
+        let mut at = kept.min(KEEP - 1);
+        while at > 0 && cheaper(&c, &best[at - 1]).is_lt() {
+            best[at] = best[at - 1];
+            at -= 1;
+        }
+        best[at] = c;
+        kept = (kept + 1).min(KEEP);
+    }
+    (kept > 0).then(|| (best[0].worker, best[..kept].to_vec()))
 }

@@ -150,31 +150,5 @@ impl SchedulerBookingDescriptor {
     }
 }
 
-/// How much a booking weighs on its worker.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
-pub struct RequestLoad {
-    pub prompt_tokens: u32,
-    /// `None` when the worker does not know yet how long the answer will be.
-    pub expected_output_tokens: Option<u32>,
-    /// Prompt tokens the worker's prefix cache already holds: they are never prefilled, so
-    /// they do not count as prefill waiting (they do count as KV held). At most
-    /// `prompt_tokens` is taken into account.
-    #[serde(default)]
-    pub cached_tokens: u32,
-}
-
-impl RequestLoad {
-    pub fn new(prompt_tokens: u32, expected_output_tokens: Option<u32>) -> Self {
-        Self {
-            prompt_tokens,
-            expected_output_tokens,
-            cached_tokens: 0,
-        }
-    }
-
-    /// The same load with `cached_tokens` of its prompt already cached on the worker.
-    pub fn with_cached_tokens(mut self, cached_tokens: u32) -> Self {
-        self.cached_tokens = cached_tokens;
-        self
-    }
-}
+// Until wire/ moves with it: the wire module still names the load here.
+pub(crate) use crate::load::RequestLoad;

@@ -770,7 +770,9 @@ async fn an_event_stored_behind_the_sequence_window_is_applied_live_and_on_repla
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_deployment_has_its_own_stream_kept_until_deleted_on_request() {
     use lease_router::service::{DeploymentHost, HostSettings};
-    use lease_router::{delete_stream, require_stream, stream_name, DeploymentName};
+    use lease_router::{
+        delete_stream, require_stream, stream_name, DeploymentName, RequireStreamError,
+    };
     let server = js_server().await;
     let conn = client(&server.url()).await;
     let js = jetstream::new(conn.client().clone());
@@ -817,7 +819,7 @@ async fn each_deployment_has_its_own_stream_kept_until_deleted_on_request() {
     let err = require_stream(&js, &subjects("alpha"))
         .await
         .expect_err("deleted");
-    assert!(matches!(err, EnsureStreamError::Missing { .. }), "{err:?}");
+    assert!(matches!(err, RequireStreamError::Missing { .. }), "{err:?}");
     host.shutdown_all().await.unwrap();
 }
 
@@ -827,7 +829,9 @@ async fn each_deployment_has_its_own_stream_kept_until_deleted_on_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_or_legacy_stream_is_refused_with_what_to_do() {
     use lease_router::service::{DeploymentHost, HostSettings};
-    use lease_router::{legacy_stream_name, require_stream, DeploymentName, SubjectPrefix};
+    use lease_router::{
+        legacy_stream_name, require_stream, DeploymentName, RequireStreamError, SubjectPrefix,
+    };
     let server = js_server().await;
     let conn = client(&server.url()).await;
     let js = jetstream::new(conn.client().clone());
@@ -854,7 +858,7 @@ async fn a_missing_or_legacy_stream_is_refused_with_what_to_do() {
     let err = require_stream(&js, &subjects("old"))
         .await
         .expect_err("legacy");
-    assert!(matches!(err, EnsureStreamError::Legacy { .. }), "{err:?}");
+    assert!(matches!(err, RequireStreamError::Legacy(_)), "{err:?}");
     let host = DeploymentHost::new(
         conn.clone(),
         HostSettings {

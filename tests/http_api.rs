@@ -792,6 +792,13 @@ impl Service {
     }
 }
 
+fn worker_series_in(text: &str, name: &str, worker: u64) -> Option<f64> {
+    metric(
+        text,
+        &format!("lease_router_{name}{{deployment=\"r\",worker_id=\"{worker}\",dp_rank=\"0\"}}"),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_over_http() {
     let service = Service::start(None).await;
@@ -801,6 +808,7 @@ async fn route_over_http() {
     for bad in [
         r#"{"policy": "nope"}"#,
         r#"{"weights": {"prefill": -1, "kv": 1}}"#,
+        r#"{"polcy": "random"}"#,
         "{",
     ] {
         service
@@ -863,7 +871,6 @@ async fn route_over_http() {
         r#"{"request_id": "z", "prompt_tokens": 0}"#,
         r#"{"request_id": "z", "prompt_tokens": 5, "cached_tokens": 6}"#,
         r#"{"request_id": "z", "prompt_tokens": -5}"#,
-        r#"{"request_id": "z", "prompt_tokens": 5, "colour": "red"}"#,
         "not json",
     ] {
         route(bad).await.assert_error(400, bad);
@@ -886,20 +893,52 @@ async fn route_over_http() {
     };
     assert_eq!(decisions("routed"), Some(2.0), "{text}");
     assert_eq!(decisions("no_workers"), Some(1.0));
-    assert_eq!(decisions("invalid"), Some(7.0));
-    let worker_series = |name: &str, worker: u64| {
-        metric(
-            &text,
-            &format!(
-                "lease_router_{name}{{deployment=\"r\",worker_id=\"{worker}\",dp_rank=\"0\"}}"
-            ),
-        )
-    };
+    assert_eq!(decisions("invalid"), Some(6.0));
+    let worker_series = |name: &str, worker: u64| worker_series_in(&text, name, worker);
     assert_eq!(worker_series("worker_kv_tokens", 7), Some(150.0));
     assert_eq!(worker_series("worker_prefill_tokens", 8), Some(140.0));
     assert_eq!(
         worker_series("worker_remaining_output_tokens", 8),
         Some(25.0)
+    );
+
+    // A gateway whose request "x" never reached worker 7 releases its booking at once, once.
+    let cancel = service.call("DELETE", "/v1/deployments/r/route/x").await;
+    assert_eq!(cancel.status, 200, "{}", cancel.body);
+    assert_eq!(cancel.json()["released"], true, "{}", cancel.body);
+    let again = service.call("DELETE", "/v1/deployments/r/route/x").await;
+    assert_eq!(
+        (again.status, again.json()["released"].clone()),
+        (200, false.into())
+    );
+    service
+        .call("DELETE", "/v1/deployments/nope/route/x")
+        .await
+        .assert_error(404, "unknown deployment");
+    let unknown = service
+        .call("DELETE", "/v1/deployments/r/route/never-routed")
+        .await;
+    assert_eq!(unknown.json()["released"], false, "{}", unknown.body);
+    let text = service.metrics().await;
+    assert_eq!(worker_series_in(&text, "worker_kv_tokens", 7), Some(100.0));
+    assert_eq!(
+        metric(
+            &text,
+            "lease_router_routes_cancelled_total{deployment=\"r\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    // A field this router does not know (a newer gateway's) is ignored, as the wire
+    // contract ignores unknown keys; the PUT body, a configuration, refuses one (above).
+    let newer = route(r#"{"request_id": "fwd", "prompt_tokens": 5, "colour": "red"}"#).await;
+    assert_eq!(newer.status, 200, "{}", newer.body);
+    assert!(
+        service
+            .call("DELETE", "/v1/deployments/r/route/fwd")
+            .await
+            .json()["released"]
+            == true
     );
 
     // Worker 8 leaves: gone from /workers, its series removed, never chosen.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use lease_router::wire::{Admitted, Completed, Outcome, ProgressStage, Progressed};
 use lease_router::{
-    ApplyConfig, IngressStats, LeasePublisher, NatsIngress, NoIngress, PublisherConfig, RequestId,
+    ApplyConfig, IngressStats, LeasePublisher, NatsIngress, NoIngress, PublisherConfig,
     RequestLeaseManager, RequestLoad, RoutePolicy, RouteRequest, Router, RouterConfig,
     WorkerWithDpRank,
 };
@@ -40,7 +40,7 @@ impl Setting {
 pub enum Policy {
     RoundRobin,
     Random,
-    /// Fewest bookings, then fewest tokens: [`lease_router::SchedulerHandle::schedule`].
+    /// Fewest bookings, then fewest tokens.
     LeastBookings,
     WeightedCost,
     PowerOfTwo,
@@ -56,18 +56,16 @@ impl Policy {
     ];
 
     pub fn name(self) -> &'static str {
-        match self {
-            Self::LeastBookings => "least_bookings",
-            other => other.route_policy().as_str(),
-        }
+        self.route_policy().as_str()
     }
 
-    /// The route API's policy (least bookings goes through `schedule`, whatever is set).
+    /// The route API's policy.
     fn route_policy(self) -> RoutePolicy {
         match self {
             Self::RoundRobin => RoutePolicy::RoundRobin,
             Self::Random => RoutePolicy::Random,
-            Self::WeightedCost | Self::LeastBookings => RoutePolicy::WeightedCost,
+            Self::LeastBookings => RoutePolicy::LeastBookings,
+            Self::WeightedCost => RoutePolicy::WeightedCost,
             Self::PowerOfTwo => RoutePolicy::PowerOfTwo,
         }
     }
@@ -304,22 +302,10 @@ impl Replicas {
     }
 
     /// Chooses a worker for request `index` on `replica`.
-    async fn route(&self, policy: Policy, replica: usize, index: usize, r: &Request) -> usize {
+    async fn route(&self, replica: usize, index: usize, r: &Request) -> usize {
         let scheduler = self.routers[replica].scheduler();
-        let chosen = match policy {
-            Policy::LeastBookings => {
-                let load = RequestLoad::new(r.prompt, None).with_cached_tokens(r.cached);
-                scheduler
-                    .schedule(RequestId::from(request_id(index)), load)
-                    .await
-                    .expect("scheduled")
-            }
-            _ => {
-                let request =
-                    RouteRequest::new(request_id(index), r.prompt).with_cached_tokens(r.cached);
-                scheduler.route(request).await.expect("routed").booking
-            }
-        };
+        let request = RouteRequest::new(request_id(index), r.prompt).with_cached_tokens(r.cached);
+        let chosen = scheduler.route(request).await.expect("routed").booking;
         (chosen.worker.worker_id.0 - 1) as usize
     }
 
@@ -421,7 +407,7 @@ pub async fn run(
             let w = if draining {
                 index % plan.workers
             } else {
-                let w = replicas.route(case.policy, replica, index, r).await;
+                let w = replicas.route(replica, index, r).await;
                 // The worker accepts it into its queue at once and says so.
                 replicas.feed.admitted(index, r, w, replica);
                 w

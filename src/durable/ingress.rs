@@ -6,190 +6,27 @@
 //! consumer is lost (server restart, failover, deletion), it is recreated with backoff from
 //! the last stream sequence applied.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use futures::{FutureExt, StreamExt};
-use parking_lot::Mutex;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
+use super::catch_up::{CatchUpState, StreamFigures};
 use super::snapshot::{self, SnapshotStore};
 use super::stream::{ensure_stream, EnsureStreamError, LeaseStreamConfig};
-use crate::connection::LogRateLimiter;
 use crate::ingress::{Applied, ApplyConfig, EventApplier, BURST};
 use crate::lease::Reaper;
+use crate::log_limit::LogRateLimiter;
 use crate::retry::RetryPolicy;
 use crate::router::{IngressContext, IngressStart, RouterTask, TaskError};
 use crate::stats::IngressStats;
 use crate::subject::Subjects;
 use tokio::sync::mpsc;
-
-/// Progress of a durable ingress's catch-up and the state of its stream, shared with
-/// `/readyz` and the metrics.
-#[derive(Debug, Default)]
-pub struct CatchUpState {
-    caught_up: AtomicBool,
-    replayed: AtomicU64,
-    micros: AtomicU64,
-    last_stream_sequence: AtomicU64,
-    consumer_recreations: AtomicU64,
-    truncated_events: AtomicU64,
-    last_truncation: Mutex<Option<std::time::Instant>>,
-    stream: Mutex<Option<StreamFigures>>,
-    pub(crate) snapshots: SnapshotCounters,
-    notify: Notify,
-}
-
-/// What became of this replica's snapshots, written and loaded.
-#[derive(Debug, Default)]
-pub(crate) struct SnapshotCounters {
-    pub written: AtomicU64,
-    pub failed: AtomicU64,
-    /// Size of the last one written.
-    pub bytes: AtomicU64,
-    /// Stream sequence of the last one written.
-    pub sequence: AtomicU64,
-    /// Stream sequence of the one loaded at start (0: none).
-    pub loaded_sequence: AtomicU64,
-    /// Leases it held.
-    pub loaded_leases: AtomicU64,
-    /// Starts that found no snapshot.
-    pub missing: AtomicU64,
-    /// Starts whose snapshot was unreadable, partial, corrupt or of another stream.
-    pub invalid: AtomicU64,
-}
-
-/// A copy of [`CatchUpState`]'s snapshot counters.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SnapshotFigures {
-    pub written: u64,
-    pub failed: u64,
-    pub last_bytes: u64,
-    pub last_sequence: u64,
-    pub loaded_sequence: u64,
-    pub loaded_leases: u64,
-    pub missing: u64,
-    pub invalid: u64,
-}
-
-/// The deployment's stream as last read from the server, next to its limits.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct StreamFigures {
-    pub bytes: u64,
-    pub messages: u64,
-    pub first_sequence: u64,
-    pub last_sequence: u64,
-    /// Age of the oldest event held (zero when empty).
-    pub oldest_age: Duration,
-    /// The limits the stream was configured with (`max_bytes` -1: none).
-    pub max_bytes: i64,
-    pub max_age: Duration,
-}
-
-impl CatchUpState {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    pub fn is_caught_up(&self) -> bool {
-        self.caught_up.load(Ordering::Acquire)
-    }
-
-    /// Events applied during catch-up.
-    pub fn replayed(&self) -> u64 {
-        self.replayed.load(Ordering::Relaxed)
-    }
-
-    /// How long catch-up took (0 until it is done).
-    pub fn duration(&self) -> Duration {
-        Duration::from_micros(self.micros.load(Ordering::Relaxed))
-    }
-
-    /// The last stream sequence applied.
-    pub fn last_stream_sequence(&self) -> u64 {
-        self.last_stream_sequence.load(Ordering::Relaxed)
-    }
-
-    /// Times the consumer was lost and recreated.
-    pub fn consumer_recreations(&self) -> u64 {
-        self.consumer_recreations.load(Ordering::Relaxed)
-    }
-
-    /// Events this replica needed (the next stream sequence it expected, and those after)
-    /// that the stream no longer held when it read on: discarded by the stream's limits.
-    /// Leases they admitted or ended are missing or linger until they expire.
-    pub fn truncated_events(&self) -> u64 {
-        self.truncated_events.load(Ordering::Relaxed)
-    }
-
-    /// How long ago the stream last turned out truncated, if it ever did.
-    pub fn since_truncation(&self) -> Option<Duration> {
-        self.last_truncation.lock().map(|at| at.elapsed())
-    }
-
-    /// Snapshots written and loaded by this replica.
-    pub fn snapshot_figures(&self) -> SnapshotFigures {
-        let s = &self.snapshots;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        SnapshotFigures {
-            written: get(&s.written),
-            failed: get(&s.failed),
-            last_bytes: get(&s.bytes),
-            last_sequence: get(&s.sequence),
-            loaded_sequence: get(&s.loaded_sequence),
-            loaded_leases: get(&s.loaded_leases),
-            missing: get(&s.missing),
-            invalid: get(&s.invalid),
-        }
-    }
-
-    /// The stream's size and age next to its limits, refreshed every few seconds.
-    pub fn stream_figures(&self) -> Option<StreamFigures> {
-        *self.stream.lock()
-    }
-
-    fn truncated(&self, events: u64) {
-        self.truncated_events.fetch_add(events, Ordering::Relaxed);
-        *self.last_truncation.lock() = Some(std::time::Instant::now());
-    }
-
-    /// Resolves once catch-up is done.
-    pub async fn wait(&self) {
-        loop {
-            let notified = self.notify.notified();
-            if self.is_caught_up() {
-                return;
-            }
-            notified.await;
-        }
-    }
-
-    fn finish(&self, started: Instant) {
-        self.micros
-            .store(started.elapsed().as_micros() as u64, Ordering::Relaxed);
-        self.caught_up.store(true, Ordering::Release);
-        self.notify.notify_waiters();
-        info!(
-            replayed = self.replayed(),
-            seconds = self.duration().as_secs_f64(),
-            "catch-up done: following live events"
-        );
-    }
-}
-
-/// Where a new router replica starts reading the stream.
-#[derive(Clone, Copy, Debug)]
-pub enum ReplayFrom {
-    /// Everything the stream retains.
-    All,
-    /// Events published in the last `Duration` (for example one lease lifetime).
-    Last(Duration),
-}
 
 /// Why the durable ingress could not start.
 #[derive(Debug, thiserror::Error)]
@@ -214,7 +51,6 @@ pub struct JetStreamIngress {
     apply: ApplyConfig,
     stats: Arc<IngressStats>,
     catch_up: Arc<CatchUpState>,
-    replay_from: ReplayFrom,
     retry: RetryPolicy,
 }
 
@@ -239,31 +75,22 @@ impl JetStreamIngress {
             },
             stats,
             catch_up,
-            replay_from: ReplayFrom::All,
             retry: RetryPolicy::default()
                 .with_initial(Duration::from_millis(100))
                 .with_max_interval(Duration::from_secs(5)),
         }
     }
-
-    pub fn with_replay_from(mut self, from: ReplayFrom) -> Self {
-        self.replay_from = from;
-        self
-    }
 }
 
-/// The consumer position to (re)start from.
-fn deliver_policy(from: ReplayFrom, last_applied: u64) -> consumer::DeliverPolicy {
+/// The consumer position to (re)start from: everything the stream retains, or what
+/// follows the last event applied.
+fn deliver_policy(last_applied: u64) -> consumer::DeliverPolicy {
     if last_applied > 0 {
-        return consumer::DeliverPolicy::ByStartSequence {
+        consumer::DeliverPolicy::ByStartSequence {
             start_sequence: last_applied + 1,
-        };
-    }
-    match from {
-        ReplayFrom::All => consumer::DeliverPolicy::All,
-        ReplayFrom::Last(window) => consumer::DeliverPolicy::ByStartTime {
-            start_time: time::OffsetDateTime::now_utc() - window,
-        },
+        }
+    } else {
+        consumer::DeliverPolicy::All
     }
 }
 
@@ -277,7 +104,6 @@ const IDLE_CHECK: Duration = Duration::from_secs(2);
 struct Follower {
     stream: jetstream::stream::Stream,
     filter: String,
-    replay_from: ReplayFrom,
 }
 
 impl Follower {
@@ -289,7 +115,7 @@ impl Follower {
     ) -> Result<(Messages, OrderedConsumer, u64), TaskError> {
         let config = consumer::pull::OrderedConfig {
             filter_subject: self.filter.clone(),
-            deliver_policy: deliver_policy(self.replay_from, last_applied),
+            deliver_policy: deliver_policy(last_applied),
             ..Default::default()
         };
         let mut consumer = self.stream.create_consumer(config).await?;
@@ -320,9 +146,9 @@ impl IngressStart for JetStreamIngress {
                 Ok(stream) => break stream,
                 // Failed requests (timeouts while a cluster elects) are retried; what the
                 // stream's state refuses is not.
-                Err(error @ EnsureStreamError::Create { .. })
-                    if attempts < START_ATTEMPTS && is_transient(&error) =>
-                {
+                Err(
+                    error @ (EnsureStreamError::Create { .. } | EnsureStreamError::Lookup { .. }),
+                ) if attempts < START_ATTEMPTS && is_transient(&error) => {
                     attempts += 1;
                     let delay = backoff.next_delay();
                     warn!(%error, ?delay, "the lease stream is not ready; retrying");
@@ -351,7 +177,7 @@ impl IngressStart for JetStreamIngress {
             }
         };
         let from = match &store {
-            Some(store) if matches!(self.replay_from, ReplayFrom::All) => {
+            Some(store) => {
                 load_snapshot(
                     store,
                     &ctx,
@@ -369,7 +195,6 @@ impl IngressStart for JetStreamIngress {
         let mut follower = Follower {
             stream,
             filter: filter.clone(),
-            replay_from: self.replay_from,
         };
         // A cluster electing leaders (a node just died) answers with timeouts for a while:
         // retried with backoff; the caller bounds the whole start (the host by its connect
@@ -407,10 +232,7 @@ impl IngressStart for JetStreamIngress {
             target,
             started,
             replaying,
-            expect_from: match self.replay_from {
-                ReplayFrom::All => Some(1),
-                ReplayFrom::Last(_) => None,
-            },
+            expect_from: Some(1),
             truncation_warn: LogRateLimiter::new(TRUNCATION_WARN_INTERVAL),
         };
         let span = tracing::info_span!("durable_ingress", deployment = %ctx.deployment);

@@ -3,25 +3,26 @@
 //!
 //! - [`stream`]: one stream per deployment, created or updated idempotently when the
 //!   deployment is added, deleted only by [`delete_stream`].
-//! - `publish`: the JetStream sink behind [`crate::publisher::LeasePublisher::start_durable`].
 //! - [`ingress`]: the durable ingress: loads the deployment's newest snapshot, then one
 //!   ordered consumer replays the stream after it and keeps following it, so there is no
 //!   seam between catch-up and live events; recreated from the last applied stream sequence
 //!   when it is lost. It counts events the stream discarded before it read them.
+//! - `catch_up`: how far the ingress has caught up ([`CatchUpState`]), with the figures of
+//!   its stream and snapshots.
 //! - `snapshot`: the deployment's state in a JetStream object store, written by one replica
 //!   at a time (a KV entry with a TTL), so catch-up grows with the live state.
 
+mod catch_up;
 mod ingress;
-pub(crate) mod publish;
 mod snapshot;
 mod stream;
 
-pub use ingress::{
-    CatchUpState, JetStreamIngress, SnapshotFigures, StartDurableIngressError, StreamFigures,
-};
+pub use catch_up::{CatchUpState, SnapshotFigures, StreamFigures};
+pub use ingress::{JetStreamIngress, StartDurableIngressError};
 pub use snapshot::{snapshot_bucket, snapshot_lock_bucket};
 pub use stream::{
     delete_stream, ensure_stream, legacy_stream_name, require_stream, stream_name,
-    EnsureStreamError, LeaseStreamConfig, DEFAULT_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_KEEP,
-    DEFAULT_STREAM_MAX_BYTES, MIN_STREAM_MAX_AGE,
+    DeleteStreamError, EnsureStreamError, ForeignStream, LeaseStreamConfig, LegacyStream,
+    RequireStreamError, DEFAULT_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_KEEP, DEFAULT_STREAM_MAX_BYTES,
+    MIN_STREAM_MAX_AGE,
 };

@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::ingress::CatchUpState;
+use super::catch_up::CatchUpState;
 use super::stream::LeaseStreamConfig;
 use crate::ingress::SequenceImage;
 use crate::lease::{LeaseImage, WeakRequestLeaseManager};

@@ -120,14 +120,99 @@ pub fn legacy_stream_name(prefix: &SubjectPrefix) -> String {
     format!("LEASE_ROUTER_{}", prefix.as_str().replace('.', "_"))
 }
 
-/// Why a deployment's lease stream could not be made ready or found.
+/// The hint of every `JetStreamUnavailable`.
+const NO_JETSTREAM: &str = "the NATS server has no JetStream: start nats-server with -js (or \
+     `jetstream {}` in its config) to use durable mode, or run without --durable";
+
+/// Why looking the deployment's stream up failed: what all three stream operations share.
+#[derive(Debug, thiserror::Error)]
+enum FindStreamError {
+    #[error("{}", NO_JETSTREAM)]
+    JetStreamUnavailable,
+    #[error(transparent)]
+    Legacy(LegacyStream),
+    #[error(transparent)]
+    Foreign(ForeignStream),
+    #[error("reading stream {name} failed: {source}")]
+    Lookup {
+        name: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// An installation from before per-deployment streams: its one stream takes every
+/// deployment's subjects, so no deployment stream can be created beside it.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "JetStream stream {name} holds every deployment's events ({prefix}.>), the layout of \
+     lease-router before one stream per deployment; a stream per deployment cannot be \
+     created beside it. To move on: stop the durable routers and publishers of prefix \
+     {prefix}, delete it (`nats stream rm {name}`), then start the routers again (each \
+     creates its deployment's stream). Leases admitted before the switch are unknown to \
+     replicas that start afterwards until they end. Or keep running the previous version"
+)]
+pub struct LegacyStream {
+    /// The single stream's name.
+    pub name: String,
+    /// The subject prefix it covers.
+    pub prefix: String,
+}
+
+/// The deployment's stream name is taken by a stream over other subjects.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "JetStream stream {name} exists over {found:?}, not {wanted}: it is not this \
+     deployment's lease stream; delete or rename it, or choose another subject prefix"
+)]
+pub struct ForeignStream {
+    /// The stream's name.
+    pub name: String,
+    /// The subjects it has.
+    pub found: Vec<String>,
+    /// The subject the deployment's stream takes.
+    pub wanted: String,
+}
+
+/// Why [`ensure_stream`] could not make the deployment's stream ready.
 #[derive(Debug, thiserror::Error)]
 pub enum EnsureStreamError {
-    #[error(
-        "the NATS server has no JetStream: start nats-server with -js (or `jetstream {{}}` \
-         in its config) to use durable mode, or run without --durable"
-    )]
+    /// The server runs without JetStream.
+    #[error("{}", NO_JETSTREAM)]
     JetStreamUnavailable,
+    /// Only an older installation's single stream exists.
+    #[error(transparent)]
+    Legacy(LegacyStream),
+    /// The name is taken by another stream.
+    #[error(transparent)]
+    Foreign(ForeignStream),
+    /// A request to the server failed (retried by the durable ingress when transient).
+    #[error("reading stream {name} failed: {source}")]
+    Lookup {
+        /// The stream.
+        name: String,
+        /// What the client said.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Creating or updating the stream failed.
+    #[error("creating or updating stream {name} failed: {source}")]
+    Create {
+        /// The stream.
+        name: String,
+        /// What the client said.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// Why [`require_stream`] found no stream to publish to.
+#[derive(Debug, thiserror::Error)]
+pub enum RequireStreamError {
+    /// The server runs without JetStream.
+    #[error("{}", NO_JETSTREAM)]
+    JetStreamUnavailable,
+    /// No router has added the deployment yet.
     #[error(
         "no JetStream stream {name} holds deployment {deployment}'s events ({filter}): a \
          durable router creates it when the deployment is added (`serve --durable \
@@ -135,37 +220,94 @@ pub enum EnsureStreamError {
          deployment first, or publish without --durable"
     )]
     Missing {
+        /// The stream it looked for.
         name: String,
+        /// The deployment.
         deployment: String,
+        /// The subjects the stream would take.
         filter: String,
     },
-    /// An installation from before per-deployment streams: its one stream takes every
-    /// deployment's subjects, so no deployment stream can be created beside it.
-    #[error(
-        "JetStream stream {name} holds every deployment's events ({prefix}.>), the layout of \
-         lease-router before one stream per deployment; a stream per deployment cannot be \
-         created beside it. To move on: stop the durable routers and publishers of prefix \
-         {prefix}, delete it (`nats stream rm {name}`), then start the routers again (each \
-         creates its deployment's stream). Leases admitted before the switch are unknown to \
-         replicas that start afterwards until they end. Or keep running the previous version"
-    )]
-    Legacy { name: String, prefix: String },
-    /// The name is taken by a stream over other subjects.
-    #[error(
-        "JetStream stream {name} exists over {found:?}, not {wanted}: it is not this \
-         deployment's lease stream; delete or rename it, or choose another subject prefix"
-    )]
-    Foreign {
+    /// Only an older installation's single stream exists.
+    #[error(transparent)]
+    Legacy(LegacyStream),
+    /// The name is taken by another stream.
+    #[error(transparent)]
+    Foreign(ForeignStream),
+    /// A request to the server failed.
+    #[error("reading stream {name} failed: {source}")]
+    Lookup {
+        /// The stream.
         name: String,
-        found: Vec<String>,
-        wanted: String,
-    },
-    #[error("creating or updating stream {name} failed: {source}")]
-    Create {
-        name: String,
+        /// What the client said.
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+}
+
+/// Why [`delete_stream`] could not delete the deployment's stream.
+#[derive(Debug, thiserror::Error)]
+pub enum DeleteStreamError {
+    /// The server runs without JetStream.
+    #[error("{}", NO_JETSTREAM)]
+    JetStreamUnavailable,
+    /// The name is taken by another stream, which is left alone.
+    #[error(transparent)]
+    Foreign(ForeignStream),
+    /// A request to the server failed.
+    #[error("reading stream {name} failed: {source}")]
+    Lookup {
+        /// The stream.
+        name: String,
+        /// What the client said.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The delete request failed.
+    #[error("deleting stream {name} failed: {source}")]
+    Delete {
+        /// The stream.
+        name: String,
+        /// What the client said.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl From<FindStreamError> for EnsureStreamError {
+    fn from(e: FindStreamError) -> Self {
+        match e {
+            FindStreamError::JetStreamUnavailable => Self::JetStreamUnavailable,
+            FindStreamError::Legacy(l) => Self::Legacy(l),
+            FindStreamError::Foreign(f) => Self::Foreign(f),
+            FindStreamError::Lookup { name, source } => Self::Lookup { name, source },
+        }
+    }
+}
+
+impl From<FindStreamError> for RequireStreamError {
+    fn from(e: FindStreamError) -> Self {
+        match e {
+            FindStreamError::JetStreamUnavailable => Self::JetStreamUnavailable,
+            FindStreamError::Legacy(l) => Self::Legacy(l),
+            FindStreamError::Foreign(f) => Self::Foreign(f),
+            FindStreamError::Lookup { name, source } => Self::Lookup { name, source },
+        }
+    }
+}
+
+impl From<FindStreamError> for DeleteStreamError {
+    fn from(e: FindStreamError) -> Self {
+        match e {
+            FindStreamError::JetStreamUnavailable => Self::JetStreamUnavailable,
+            // Deleting never looks for the legacy stream.
+            FindStreamError::Legacy(l) => Self::Lookup {
+                name: l.name.clone(),
+                source: Box::new(l),
+            },
+            FindStreamError::Foreign(f) => Self::Foreign(f),
+            FindStreamError::Lookup { name, source } => Self::Lookup { name, source },
+        }
+    }
 }
 
 /// Creates the stream of `subjects`' deployment, or updates its limits to `config` if it
@@ -174,7 +316,8 @@ pub enum EnsureStreamError {
 /// # Errors
 /// [`EnsureStreamError::JetStreamUnavailable`] when the server runs without JetStream,
 /// [`EnsureStreamError::Legacy`] beside an installation's single stream,
-/// [`EnsureStreamError::Foreign`] when the name is taken by another stream.
+/// [`EnsureStreamError::Foreign`] when the name is taken by another stream,
+/// [`EnsureStreamError::Lookup`] and [`EnsureStreamError::Create`] when a request fails.
 pub async fn ensure_stream(
     js: &jetstream::Context,
     config: &LeaseStreamConfig,
@@ -229,17 +372,17 @@ pub async fn ensure_stream(
 /// it: what a durable publisher does, so that only routers decide the stream's settings.
 ///
 /// # Errors
-/// [`EnsureStreamError::Missing`] when no router has added the deployment yet,
-/// [`EnsureStreamError::Legacy`] when only an installation's single stream exists.
+/// [`RequireStreamError::Missing`] when no router has added the deployment yet,
+/// [`RequireStreamError::Legacy`] when only an installation's single stream exists.
 pub async fn require_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
-) -> Result<stream::Stream, EnsureStreamError> {
+) -> Result<stream::Stream, RequireStreamError> {
     if let Some(stream) = find_stream(js, subjects).await? {
         return Ok(stream);
     }
     refuse_legacy(js, subjects.prefix()).await?;
-    Err(EnsureStreamError::Missing {
+    Err(RequireStreamError::Missing {
         name: stream_name(subjects),
         deployment: subjects.deployment().to_string(),
         filter: subjects.deployment_filter(),
@@ -251,18 +394,19 @@ pub async fn require_stream(
 /// Returns whether there was one.
 ///
 /// # Errors
-/// [`EnsureStreamError::Foreign`] when the name is taken by another stream (left alone).
+/// [`DeleteStreamError::Foreign`] when the name is taken by another stream (left alone),
+/// [`DeleteStreamError::Delete`] when the server refuses.
 pub async fn delete_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
-) -> Result<bool, EnsureStreamError> {
+) -> Result<bool, DeleteStreamError> {
     let name = stream_name(subjects);
     if find_stream(js, subjects).await?.is_none() {
         return Ok(false);
     }
     js.delete_stream(&name)
         .await
-        .map_err(|e| EnsureStreamError::Create {
+        .map_err(|e| DeleteStreamError::Delete {
             name: name.clone(),
             source: Box::new(e),
         })?;
@@ -274,7 +418,7 @@ pub async fn delete_stream(
 async fn find_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
-) -> Result<Option<stream::Stream>, EnsureStreamError> {
+) -> Result<Option<stream::Stream>, FindStreamError> {
     let name = stream_name(subjects);
     let Some(stream) = get_stream(js, &name).await? else {
         return Ok(None);
@@ -282,21 +426,21 @@ async fn find_stream(
     let wanted = subjects.deployment_filter();
     let found = &stream.cached_info().config.subjects;
     if found.len() != 1 || found[0] != wanted {
-        return Err(EnsureStreamError::Foreign {
+        return Err(FindStreamError::Foreign(ForeignStream {
             name,
             found: found.clone(),
             wanted,
-        });
+        }));
     }
     Ok(Some(stream))
 }
 
-/// Fails with [`EnsureStreamError::Legacy`] when the single stream of an older installation
+/// Fails with [`FindStreamError::Legacy`] when the single stream of an older installation
 /// holds the prefix.
 async fn refuse_legacy(
     js: &jetstream::Context,
     prefix: &SubjectPrefix,
-) -> Result<(), EnsureStreamError> {
+) -> Result<(), FindStreamError> {
     let name = legacy_stream_name(prefix);
     match get_stream(js, &name).await? {
         Some(stream)
@@ -306,10 +450,10 @@ async fn refuse_legacy(
                 .subjects
                 .contains(&format!("{prefix}.>")) =>
         {
-            Err(EnsureStreamError::Legacy {
+            Err(FindStreamError::Legacy(LegacyStream {
                 name,
                 prefix: prefix.to_string(),
-            })
+            }))
         }
         _ => Ok(()),
     }
@@ -318,19 +462,19 @@ async fn refuse_legacy(
 async fn get_stream(
     js: &jetstream::Context,
     name: &str,
-) -> Result<Option<stream::Stream>, EnsureStreamError> {
+) -> Result<Option<stream::Stream>, FindStreamError> {
     match js.get_stream(name).await {
         Ok(stream) => Ok(Some(stream)),
         Err(e) => match e.kind() {
             GetStreamErrorKind::JetStream(j) if j.code() == 404 => Ok(None),
             GetStreamErrorKind::JetStream(j) if j.code() == 503 => {
-                Err(EnsureStreamError::JetStreamUnavailable)
+                Err(FindStreamError::JetStreamUnavailable)
             }
             // No responder on the API subject: a server without JetStream.
             GetStreamErrorKind::Request if is_no_responders(&e) => {
-                Err(EnsureStreamError::JetStreamUnavailable)
+                Err(FindStreamError::JetStreamUnavailable)
             }
-            _ => Err(EnsureStreamError::Create {
+            _ => Err(FindStreamError::Lookup {
                 name: name.to_owned(),
                 source: Box::new(e),
             }),

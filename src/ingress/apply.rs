@@ -17,13 +17,14 @@ use tracing::{debug, warn};
 
 use super::reorder::{ExpiringMap, InsertOutcome};
 use super::sequence::{SequenceTracker, SequenceVerdict};
-use crate::connection::LogRateLimiter;
 use crate::lease::{LeaseBatch, WeakRequestLeaseManager};
+use crate::load::RequestLoad;
+use crate::log_limit::LogRateLimiter;
 use crate::observer::{AdmitOutcome, CompleteOutcome, DeliverEventError, ProgressOutcome};
 use crate::scheduler::Op;
 use crate::stats::{DropReason, IngressStats, PendingCounts};
 use crate::subject::Subjects;
-use crate::types::{DpRank, RequestId, RequestLoad, WorkerId, WorkerWithDpRank};
+use crate::types::{DpRank, RequestId, WorkerId, WorkerWithDpRank};
 use crate::wire::{
     self, Admitted, Completed, EventKind, LeaseEvent, Message, Progressed, WorkerReset,
 };

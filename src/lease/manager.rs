@@ -27,12 +27,13 @@ use tracing::debug;
 
 use super::clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
 use super::key::{hash_id, LeaseKey};
-use super::load::LeaseLoad;
+use super::weight::LeaseWeight;
+use crate::load::RequestLoad;
+use crate::load::WorkerLoad;
 use crate::observer::{AdmitOutcome, CompleteOutcome, ProgressOutcome};
-use crate::scheduler::{Op, ReleaseReason, SchedulerBookingCleanup, WorkerLoad};
+use crate::scheduler::{Op, ReleaseReason, SchedulerBookingCleanup};
 use crate::types::{
-    AttemptId, DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId,
-    WorkerWithDpRank,
+    AttemptId, DpRank, RequestId, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
 };
 
 /// The reference router's scan interval: a silent lease lives 5 to 10 minutes.
@@ -59,7 +60,16 @@ pub struct LeaseConfig {
     /// The bound may be passed by at most the number of concurrent admitters: the count is
     /// shared by all shards, and each admitter holds only its own shard's lock.
     pub max_active_leases: usize,
+    /// How long a route decision's provisional booking waits for its worker's `admitted`
+    /// before it is released ([`LeaseStats::provisional_expired`]): the time from a decision
+    /// to its worker's admission is milliseconds, so a booking still provisional after this
+    /// is a request that never reached its worker, and would otherwise weigh on it as
+    /// phantom load for a whole lease lifetime.
+    pub provisional_deadline: Duration,
 }
+
+/// Default of [`LeaseConfig::provisional_deadline`].
+pub const DEFAULT_PROVISIONAL_DEADLINE: Duration = Duration::from_secs(5);
 
 impl Default for LeaseConfig {
     fn default() -> Self {
@@ -67,6 +77,7 @@ impl Default for LeaseConfig {
             scan_interval: DEFAULT_SCAN_INTERVAL,
             shards: DEFAULT_SHARDS,
             max_active_leases: DEFAULT_MAX_ACTIVE_LEASES,
+            provisional_deadline: DEFAULT_PROVISIONAL_DEADLINE,
         }
     }
 }
@@ -122,9 +133,11 @@ enum Counter {
     Scans,
     Provisional,
     TakenOver,
+    ProvisionalExpired,
+    RoutesCancelled,
 }
 
-const COUNTERS: usize = Counter::TakenOver as usize + 1;
+const COUNTERS: usize = Counter::RoutesCancelled as usize + 1;
 
 /// Counters of a manager, for dashboards and tests.
 #[derive(Debug, Default)]
@@ -162,6 +175,12 @@ pub struct LeaseStats {
     /// Provisional bookings taken over by their worker's `admitted` (same request, same
     /// worker): the admission's sizes replace the estimate, counted once.
     pub taken_over: u64,
+    /// Provisional bookings released because their worker's `admitted` did not come within
+    /// [`LeaseConfig::provisional_deadline`].
+    pub provisional_expired: u64,
+    /// Provisional bookings released at once by [`RequestLeaseManager::cancel_route`] (a
+    /// gateway whose request never reached the worker).
+    pub routes_cancelled: u64,
 }
 
 /// One live lease. The request id is the other half of its table entry.
@@ -172,7 +191,7 @@ struct Lease {
     /// What the booking weighs on its worker, phase by phase; every change is sent to the
     /// scheduler as a shift and the release gives back the last weight: the scheduler keeps
     /// no per-booking record of its own.
-    load: LeaseLoad,
+    weight: LeaseWeight,
     clock: LeaseClock,
     /// Booked by a route decision of this replica; the worker's `admitted` has not come.
     provisional: bool,
@@ -191,7 +210,7 @@ impl Lease {
 
     /// The release of a lease the caller has claimed: seals its weight and gives it back.
     fn release(&self, reason: ReleaseReason) -> Op {
-        Op::Release(self.worker, self.load.seal(), reason)
+        Op::Release(self.worker, self.weight.seal(), reason)
     }
 
     fn new(
@@ -204,7 +223,7 @@ impl Lease {
         Self {
             attempt_id,
             worker,
-            load: LeaseLoad::new(load),
+            weight: LeaseWeight::new(load),
             clock: LeaseClock::touched(),
             provisional,
             admitted_at,
@@ -292,6 +311,19 @@ pub(crate) struct RequestLeaseManagerInner {
     active: AtomicU64,
     max_active_leases: u64,
     steps: StepLog,
+    provisional_deadline: Duration,
+    /// This replica's provisional bookings in the order they were made (so in deadline
+    /// order), until their deadline: most are taken over long before, and are then skipped.
+    unconfirmed: Mutex<VecDeque<Unconfirmed>>,
+}
+
+/// A provisional booking waiting for its worker's `admitted`.
+#[derive(Debug)]
+struct Unconfirmed {
+    /// Tokio's clock, so that tests with a paused clock can pass the deadline.
+    due: tokio::time::Instant,
+    request_id: RequestId,
+    attempt_id: AttemptId,
 }
 
 impl RequestLeaseManagerInner {
@@ -305,6 +337,10 @@ impl RequestLeaseManagerInner {
 
     pub(super) fn scan_interval(&self) -> Duration {
         self.scan_interval
+    }
+
+    pub(super) fn provisional_deadline(&self) -> Duration {
+        self.provisional_deadline
     }
 
     pub(super) fn count_scan(&self) {
@@ -370,7 +406,7 @@ impl RequestLeaseManagerInner {
                         // The worker's own sizes replace the route decision's estimate;
                         // under the write lock, so no claim runs meanwhile.
                         lease.provisional = false;
-                        let (from, to) = lease.load.readmit(load);
+                        let (from, to) = lease.weight.readmit(load);
                         pending.ops.push(Op::Shift(worker, from, to));
                         pending.count(Counter::TakenOver);
                         return AdmitOutcome::Registered;
@@ -386,7 +422,7 @@ impl RequestLeaseManagerInner {
                     lease,
                     Lease::new(attempt_id, worker, load, provisional, admitted_at),
                 );
-                pending.ops.push(book(worker, &lease.load, provisional));
+                pending.ops.push(book(worker, &lease.weight, provisional));
                 if provisional {
                     pending.count(Counter::Provisional);
                 }
@@ -412,7 +448,7 @@ impl RequestLeaseManagerInner {
                 }
                 let (key, attempt_id) = fresh();
                 let lease = Lease::new(attempt_id, worker, load, provisional, admitted_at);
-                pending.ops.push(book(worker, &lease.load, provisional));
+                pending.ops.push(book(worker, &lease.weight, provisional));
                 entry.insert((key, lease));
                 self.active.fetch_add(1, Ordering::Relaxed);
                 pending.count(if provisional {
@@ -472,7 +508,7 @@ impl RequestLeaseManagerInner {
             TouchOutcome::Claimed => ProgressOutcome::Stale,
         };
         let shift = (outcome != ProgressOutcome::Stale)
-            .then(|| output_tokens.and_then(|n| lease.load.advance(n)))
+            .then(|| output_tokens.and_then(|n| lease.weight.advance(n)))
             .flatten();
         match shift {
             // The worker spoke: a shift says so itself.
@@ -481,6 +517,37 @@ impl RequestLeaseManagerInner {
         }
         drop(table);
         Some(count_touch(pending, outcome))
+    }
+
+    /// Releases the lease of `request_id` if it is still a provisional booking (its worker's
+    /// `admitted` has not taken it over), of attempt `attempt_id` when given. Returns whether
+    /// it did.
+    fn release_provisional(
+        &self,
+        pending: &mut Pending,
+        request_id: &str,
+        attempt_id: Option<AttemptId>,
+        counter: Counter,
+    ) -> bool {
+        let hash = self.hash(request_id);
+        let mut table = self.shard(hash).write();
+        let Ok(entry) = table.find_entry(hash, |(key, lease)| {
+            key.is(request_id)
+                && lease.provisional
+                && attempt_id.is_none_or(|attempt| lease.attempt_id == attempt)
+        }) else {
+            return false;
+        };
+        let ((_, lease), _) = entry.remove();
+        drop(table);
+        self.active.fetch_sub(1, Ordering::Relaxed);
+        // Claimed already: the reaper expired it and releases it itself.
+        let released = lease.clock.claim();
+        if released {
+            pending.count(counter);
+            pending.ops.push(lease.release(ReleaseReason::Unconfirmed));
+        }
+        released
     }
 
     /// Ends the lease of `request_id` if `matches` it, releasing its booking. `None` when
@@ -513,11 +580,11 @@ impl RequestLeaseManagerInner {
 
 /// The booking of a new lease: a worker's admission also says the worker spoke; a route
 /// decision's does not.
-fn book(worker: WorkerWithDpRank, load: &LeaseLoad, provisional: bool) -> Op {
+fn book(worker: WorkerWithDpRank, weight: &LeaseWeight, provisional: bool) -> Op {
     if provisional {
-        Op::Book(worker, load.weight())
+        Op::Book(worker, weight.weight())
     } else {
-        Op::Admitted(worker, load.weight())
+        Op::Admitted(worker, weight.weight())
     }
 }
 
@@ -687,8 +754,12 @@ impl Drop for LeaseBatch {
 
 impl RequestLeaseManager {
     /// A manager whose bookings are counted in and released from the scheduler behind
-    /// `scheduler` (see [`crate::scheduler::Scheduler::new`]).
-    pub fn new(deployment: &str, config: LeaseConfig, scheduler: SchedulerBookingCleanup) -> Self {
+    /// `scheduler` (see `Scheduler::new`).
+    pub(crate) fn new(
+        deployment: &str,
+        config: LeaseConfig,
+        scheduler: SchedulerBookingCleanup,
+    ) -> Self {
         let shards = config.shards.max(1).next_power_of_two();
         Self {
             inner: Arc::new(RequestLeaseManagerInner {
@@ -702,6 +773,8 @@ impl RequestLeaseManager {
                 active: AtomicU64::new(0),
                 max_active_leases: u64::try_from(config.max_active_leases).unwrap_or(u64::MAX),
                 steps: StepLog::default(),
+                provisional_deadline: config.provisional_deadline,
+                unconfirmed: Mutex::new(VecDeque::new()),
             }),
         }
     }
@@ -722,7 +795,8 @@ impl RequestLeaseManager {
         WeakRequestLeaseManager(Arc::downgrade(&self.inner))
     }
 
-    /// Starts a batch (see [`LeaseBatch`]).
+    /// Starts a batch (see [`LeaseBatch`]): for the benches; the ingress batches its own.
+    #[doc(hidden)]
     pub fn batch(&self) -> LeaseBatch {
         LeaseBatch {
             manager: self.clone(),
@@ -825,7 +899,66 @@ impl RequestLeaseManager {
         booking: SchedulerBookingDescriptor,
         load: RequestLoad,
     ) -> AdmitOutcome {
-        self.admit_booking(booking, load, true)
+        let request_id = booking.request_id.clone();
+        let attempt_id = booking.attempt_id;
+        let outcome = self.admit_booking(booking, load, true);
+        if matches!(outcome, AdmitOutcome::Registered | AdmitOutcome::Superseded) {
+            let due = tokio::time::Instant::now() + self.inner.provisional_deadline;
+            self.inner.unconfirmed.lock().push_back(Unconfirmed {
+                due,
+                request_id,
+                attempt_id,
+            });
+        }
+        outcome
+    }
+
+    /// Releases `booking` at once if it is still a provisional booking of a route decision
+    /// (its worker's `admitted` has not come): for a gateway whose request never reached the
+    /// worker. Idempotent: `false` when there is nothing (any more) to release, because it
+    /// was released already, taken over by its admission, superseded or expired.
+    pub fn cancel_route(&self, booking: &SchedulerBookingDescriptor) -> bool {
+        self.single(|inner, pending| {
+            inner.release_provisional(
+                pending,
+                &booking.request_id,
+                Some(booking.attempt_id),
+                Counter::RoutesCancelled,
+            )
+        })
+    }
+
+    /// [`Self::cancel_route`] by request id alone, whatever the attempt: what the HTTP API
+    /// offers a gateway, which knows only the request id.
+    pub(crate) fn cancel_route_of(&self, request_id: &str) -> bool {
+        self.single(|inner, pending| {
+            inner.release_provisional(pending, request_id, None, Counter::RoutesCancelled)
+        })
+    }
+
+    /// Releases the provisional bookings whose deadline has passed by `now` and whose
+    /// worker's `admitted` has not come. Returns how many it released.
+    pub(super) fn expire_unconfirmed(&self, now: tokio::time::Instant) -> usize {
+        let due: Vec<Unconfirmed> = {
+            let mut queue = self.inner.unconfirmed.lock();
+            let n = queue.iter().take_while(|u| u.due <= now).count();
+            queue.drain(..n).collect()
+        };
+        if due.is_empty() {
+            return 0;
+        }
+        self.single(|inner, pending| {
+            due.iter()
+                .filter(|u| {
+                    inner.release_provisional(
+                        pending,
+                        &u.request_id,
+                        Some(u.attempt_id),
+                        Counter::ProvisionalExpired,
+                    )
+                })
+                .count()
+        })
     }
 
     /// Admits a booking that names its attempt: a duplicate is the same attempt again.
@@ -862,14 +995,9 @@ impl RequestLeaseManager {
                 if lease.clock.state() == LeaseState::Claimed {
                     continue;
                 }
-                let w = lease.load.weight();
-                let sum = sums.entry(lease.worker).or_default();
-                sum.active_bookings += 1;
-                sum.prompt_tokens += u64::from(w.prompt_tokens);
-                sum.expected_output_tokens += u64::from(w.expected_output_tokens);
-                sum.prefill_tokens += u64::from(w.prefill_tokens);
-                sum.kv_tokens += u64::from(w.kv_tokens);
-                sum.remaining_output_tokens += u64::from(w.remaining_output_tokens);
+                sums.entry(lease.worker)
+                    .or_default()
+                    .add(lease.weight.weight());
             }
         }
         let mut sums: Vec<_> = sums.into_iter().collect();
@@ -998,7 +1126,7 @@ impl RequestLeaseManager {
                 if lease.provisional || state == LeaseState::Claimed {
                     continue;
                 }
-                let (load, output_tokens) = lease.load.image();
+                let (load, output_tokens) = lease.weight.image();
                 out.push(LeaseImage {
                     request_id: key.as_str().to_owned(),
                     worker_id: lease.worker.worker_id.0,
@@ -1054,6 +1182,8 @@ impl RequestLeaseManager {
             scans: c.get(Counter::Scans),
             provisional: c.get(Counter::Provisional),
             taken_over: c.get(Counter::TakenOver),
+            provisional_expired: c.get(Counter::ProvisionalExpired),
+            routes_cancelled: c.get(Counter::RoutesCancelled),
         }
     }
 
@@ -1076,7 +1206,8 @@ impl RequestLeaseManager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scheduler::{Scheduler, SchedulerHandle, WorkerLoad};
+    use crate::load::WorkerLoad;
+    use crate::scheduler::{Scheduler, SchedulerHandle};
     use tokio_util::task::TaskTracker;
 
     #[tokio::test]
@@ -1555,5 +1686,115 @@ mod sizes {
     fn lease_and_operation_sizes() {
         assert_eq!(std::mem::size_of::<super::Lease>(), 56);
         assert_eq!(std::mem::size_of::<crate::scheduler::Op>(), 64);
+    }
+}
+
+/// A route decision's provisional booking and its own deadline.
+#[cfg(test)]
+mod provisional_deadline {
+    use std::time::Duration;
+
+    use tokio_util::sync::CancellationToken;
+    use tokio_util::task::TaskTracker;
+
+    use super::*;
+    use crate::scheduler::Scheduler;
+
+    const LOAD: RequestLoad = RequestLoad {
+        prompt_tokens: 10,
+        expected_output_tokens: Some(5),
+        cached_tokens: 0,
+    };
+
+    /// A route decision's booking that its worker never admits is released at its deadline,
+    /// not after a lease lifetime; one that is admitted in time, or cancelled first, is not
+    /// released by the deadline.
+    #[tokio::test(start_paused = true)]
+    async fn unconfirmed_bookings_end_at_their_deadline_or_when_cancelled() {
+        let tracker = TaskTracker::new();
+        let (scheduler, actor) = Scheduler::new("t");
+        let deadline = Duration::from_secs(4);
+        let config = LeaseConfig {
+            provisional_deadline: deadline,
+            ..LeaseConfig::default()
+        };
+        let manager = RequestLeaseManager::new("t", config, scheduler.cleanup());
+        actor.spawn(Some(manager.replica_observer()), &tracker);
+        let reaper = tracker.spawn(manager.reaper().run(CancellationToken::new()));
+        let worker = WorkerWithDpRank::new(1, 0);
+        let lost = SchedulerBookingDescriptor::new(RequestId::from("lost"), worker);
+        let admitted = SchedulerBookingDescriptor::new(RequestId::from("admitted"), worker);
+        let cancelled = SchedulerBookingDescriptor::new(RequestId::from("cancelled"), worker);
+        for b in [&lost, &admitted, &cancelled] {
+            assert_eq!(
+                manager.book_provisional(b.clone(), LOAD),
+                AdmitOutcome::Registered
+            );
+        }
+        assert_eq!(
+            manager.register_remote(admitted.clone(), LOAD),
+            AdmitOutcome::Registered
+        );
+        assert!(manager.cancel_route(&cancelled), "released at once");
+        assert!(!manager.cancel_route(&cancelled), "idempotent");
+        assert!(
+            !manager.cancel_route(&admitted),
+            "admitted: not provisional any more"
+        );
+        assert_eq!(scheduler.load(worker).await.unwrap().active_bookings, 2);
+
+        tokio::time::sleep(deadline - Duration::from_millis(100)).await;
+        assert_eq!(manager.active_leases(), 2, "before the deadline");
+        tokio::time::sleep(deadline).await;
+        assert_eq!(manager.active_leases(), 1, "the lost one is gone");
+        assert!(manager.lease(&RequestId::from("admitted")).is_some());
+        assert_eq!(scheduler.load(worker).await.unwrap().active_bookings, 1);
+        let stats = manager.stats();
+        assert_eq!((stats.provisional_expired, stats.routes_cancelled), (1, 1));
+        assert_eq!(stats.expired, 0, "not a lease expiry");
+        assert_eq!(scheduler.stats().released_unconfirmed, 2);
+        assert!(!manager.cancel_route(&lost), "released already");
+        drop(manager);
+        tokio::time::timeout(Duration::from_secs(60), reaper)
+            .await
+            .expect("the reaper ends with its manager")
+            .unwrap();
+    }
+
+    /// A provisional booking superseded by a new attempt elsewhere is not released by the
+    /// first booking's deadline: the deadline is the attempt's, not the request id's.
+    #[tokio::test(start_paused = true)]
+    async fn the_deadline_belongs_to_the_attempt() {
+        let tracker = TaskTracker::new();
+        let (scheduler, actor) = Scheduler::new("t");
+        let config = LeaseConfig {
+            provisional_deadline: Duration::from_secs(2),
+            ..LeaseConfig::default()
+        };
+        let manager = RequestLeaseManager::new("t", config, scheduler.cleanup());
+        actor.spawn(Some(manager.replica_observer()), &tracker);
+        let first =
+            SchedulerBookingDescriptor::new(RequestId::from("r"), WorkerWithDpRank::new(1, 0));
+        manager.book_provisional(first.clone(), LOAD);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let second =
+            SchedulerBookingDescriptor::new(RequestId::from("r"), WorkerWithDpRank::new(2, 0));
+        assert_eq!(
+            manager.book_provisional(second.clone(), LOAD),
+            AdmitOutcome::Superseded
+        );
+        let now = tokio::time::Instant::now();
+        assert_eq!(
+            manager.expire_unconfirmed(now + Duration::from_millis(1500)),
+            0,
+            "first's deadline: nothing"
+        );
+        assert_eq!(manager.active_leases(), 1);
+        assert_eq!(
+            manager.expire_unconfirmed(now + Duration::from_secs(2)),
+            1,
+            "second's"
+        );
+        assert_eq!(manager.active_leases(), 0);
     }
 }

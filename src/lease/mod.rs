@@ -8,17 +8,18 @@
 
 mod clock;
 mod key;
-pub(crate) mod load;
 mod manager;
 mod reaper;
 mod weak_observer;
+mod weight;
 
 pub use clock::LeaseState;
 pub use key::INLINE_KEY_BYTES;
 pub(crate) use manager::LeaseImage;
 pub use manager::{
     LeaseBatch, LeaseConfig, LeaseRecord, LeaseStats, RequestLeaseManager, StepTime,
-    WeakRequestLeaseManager, DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_SCAN_INTERVAL,
+    WeakRequestLeaseManager, DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_PROVISIONAL_DEADLINE,
+    DEFAULT_SCAN_INTERVAL,
 };
 pub use reaper::{Reaper, ScanReport};
 #[cfg(test)]

@@ -8,6 +8,10 @@
 //! `select!`), so ingest never waits on a lock a scan holds and a step costs ingest only its
 //! own length (well under a millisecond at a million leases). A router without such a task
 //! runs the cursor on a task of its own ([`Reaper::run`]).
+//!
+//! The same cursor releases the provisional bookings of route decisions that their worker's
+//! `admitted` did not take over within [`crate::LeaseConfig::provisional_deadline`]: it looks
+//! twice per deadline, so such a booking lives one to one and a half deadlines.
 
 use std::pin::Pin;
 use std::sync::Weak;
@@ -21,6 +25,9 @@ use super::manager::{RequestLeaseManager, RequestLeaseManagerInner, StepTime};
 
 /// The reaper's pause between two shards.
 const SCAN_STEP_PAUSE: Duration = Duration::from_millis(1);
+
+/// Unconfirmed bookings are looked at no more often than this, whatever the deadline.
+const MIN_UNCONFIRMED_CHECK: Duration = Duration::from_millis(10);
 
 /// What one full scan did.
 #[derive(Clone, Debug, Default)]
@@ -44,6 +51,9 @@ pub struct Reaper {
     /// When the next step is due; kept registered across `tick`s so serving the reaper in a
     /// loop costs no timer registration per iteration.
     due: Pin<Box<Sleep>>,
+    /// Half the provisional deadline: how often unconfirmed bookings are looked at.
+    unconfirmed_every: Duration,
+    unconfirmed_due: Pin<Box<Sleep>>,
 }
 
 impl Reaper {
@@ -52,6 +62,7 @@ impl Reaper {
         let interval = inner.scan_interval();
         let shards = inner.shard_count().max(1) as u32;
         let now = tokio::time::Instant::now();
+        let unconfirmed_every = (inner.provisional_deadline() / 2).max(MIN_UNCONFIRMED_CHECK);
         Self {
             manager: std::sync::Arc::downgrade(inner),
             interval,
@@ -62,6 +73,8 @@ impl Reaper {
             scan_started: now,
             expired: 0,
             due: Box::pin(tokio::time::sleep_until(now + interval)),
+            unconfirmed_every,
+            unconfirmed_due: Box::pin(tokio::time::sleep_until(now + unconfirmed_every)),
         }
     }
 
@@ -69,10 +82,31 @@ impl Reaper {
     /// `select!` branch beside the caller's own work); never returns once the manager is
     /// gone.
     pub async fn tick(&mut self) {
-        self.due.as_mut().await;
+        loop {
+            tokio::select! {
+                biased;
+                () = self.due.as_mut() => break,
+                () = self.unconfirmed_due.as_mut() => {
+                    if self.release_unconfirmed().is_none() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+            }
+        }
         if self.step().is_none() {
             std::future::pending::<()>().await;
         }
+    }
+
+    /// Releases the provisional bookings past their deadline; `None` once the manager is
+    /// gone.
+    fn release_unconfirmed(&mut self) -> Option<usize> {
+        let manager = RequestLeaseManager::from_inner(self.manager.upgrade()?);
+        let now = tokio::time::Instant::now();
+        self.unconfirmed_due
+            .as_mut()
+            .reset(now + self.unconfirmed_every);
+        Some(manager.expire_unconfirmed(now))
     }
 
     /// Runs `work` to its end, running the steps that fall due meanwhile: so leases go on
@@ -91,11 +125,12 @@ impl Reaper {
     /// Runs the steps on this task until `cancel` fires or the manager is gone.
     pub async fn run(mut self, cancel: CancellationToken) {
         loop {
-            tokio::select! {
+            let alive = tokio::select! {
                 _ = cancel.cancelled() => break,
-                _ = self.due.as_mut() => {}
-            }
-            if self.step().is_none() {
+                _ = self.due.as_mut() => self.step().is_some(),
+                _ = self.unconfirmed_due.as_mut() => self.release_unconfirmed().is_some(),
+            };
+            if !alive {
                 break;
             }
         }
@@ -208,8 +243,9 @@ mod tests {
 
     use super::*;
     use crate::lease::LeaseConfig;
+    use crate::load::RequestLoad;
     use crate::scheduler::Scheduler;
-    use crate::types::{RequestLoad, WorkerWithDpRank};
+    use crate::types::WorkerWithDpRank;
 
     const INTERVAL: Duration = Duration::from_secs(300);
 

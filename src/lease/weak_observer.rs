@@ -4,10 +4,11 @@
 use std::sync::Arc;
 
 use super::manager::{RequestLeaseManager, WeakRequestLeaseManager};
+use crate::load::RequestLoad;
 use crate::observer::{
     AdmitOutcome, CompleteOutcome, DeliverEventError, ProgressOutcome, ReplicaRequestLeaseObserver,
 };
-use crate::types::{DpRank, RequestLoad, SchedulerBookingDescriptor, WorkerId};
+use crate::types::{DpRank, SchedulerBookingDescriptor, WorkerId};
 
 struct WeakRequestLeaseObserver(WeakRequestLeaseManager);
 

@@ -6,11 +6,11 @@ use tokio_util::task::TaskTracker;
 
 use super::*;
 use crate::lease::{LeaseState, StrongRequestLeaseObserver, WeakRequestLeaseManager};
+use crate::load::RequestLoad;
+use crate::load::WorkerLoad;
 use crate::observer::{AdmitOutcome, CompleteOutcome, DeliverEventError, ProgressOutcome};
-use crate::scheduler::WorkerLoad;
-use crate::types::{
-    DpRank, RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
-};
+use crate::routing::RouteRequest;
+use crate::types::{DpRank, RequestId, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank};
 
 const BOUND: Duration = Duration::from_secs(5);
 
@@ -395,7 +395,7 @@ async fn worker_reset_drops_every_lease_of_that_worker() {
 }
 
 #[tokio::test]
-async fn local_schedule_books_and_leases_through_the_observer() {
+async fn a_route_decision_books_and_leases_through_the_observer() {
     let tracked = tracked_router(RouterConfig::new("local")).await;
     let router = &tracked.router;
     router
@@ -404,9 +404,10 @@ async fn local_schedule_books_and_leases_through_the_observer() {
         .unwrap();
     let placed = router
         .scheduler()
-        .schedule(RequestId::from("local-1"), RequestLoad::new(7, Some(3)))
+        .route(RouteRequest::new("local-1", 7).with_expected_output_tokens(3))
         .await
-        .unwrap();
+        .unwrap()
+        .booking;
     assert_eq!(placed.worker, WorkerWithDpRank::new(4, 0));
     let lease = router.manager().lease(&placed.request_id).expect("leased");
     assert_eq!(lease.booking, placed);

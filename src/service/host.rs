@@ -64,6 +64,8 @@ pub struct HostSettings {
     /// How long a silent worker with nothing live stays a member; `None`: twice the lease
     /// scan interval.
     pub worker_idle: Option<Duration>,
+    /// How long a route decision's provisional booking waits for its worker's `admitted`.
+    pub provisional_deadline: Duration,
 }
 
 impl Default for HostSettings {
@@ -77,6 +79,7 @@ impl Default for HostSettings {
             max_active_leases: LeaseConfig::default().max_active_leases,
             route_policy: Default::default(),
             worker_idle: None,
+            provisional_deadline: crate::lease::DEFAULT_PROVISIONAL_DEADLINE,
         }
     }
 }
@@ -237,6 +240,10 @@ pub struct DeploymentMetrics {
     pub router_tasks_ended: Option<u64>,
     /// Expired leases over every router this name has had.
     pub leases_expired: u64,
+    /// Provisional bookings released at their deadline, over every router this name has had.
+    pub provisional_expired: u64,
+    /// Provisional bookings cancelled by gateways, over every router this name has had.
+    pub routes_cancelled: u64,
     /// Durable mode only: the replay of the running router.
     pub catch_up: Option<CatchUpMetrics>,
 }
@@ -306,8 +313,24 @@ enum Slot {
 #[derive(Default)]
 struct Record {
     stats: Arc<IngressStats>,
-    /// Expired leases of this name's previous routers.
-    expired_before: u64,
+    /// The releases of this name's previous routers.
+    before: Released,
+}
+
+/// Releases that a dashboard counts over every router a name has had.
+#[derive(Clone, Copy, Default)]
+struct Released {
+    expired: u64,
+    provisional_expired: u64,
+    routes_cancelled: u64,
+}
+
+impl Released {
+    fn add(&mut self, stats: &crate::lease::LeaseStats) {
+        self.expired += stats.expired;
+        self.provisional_expired += stats.provisional_expired;
+        self.routes_cancelled += stats.routes_cancelled;
+    }
 }
 
 #[derive(Default)]
@@ -463,7 +486,7 @@ impl DeploymentHost {
                         );
                         // From here on the metrics show this router's expiries as history.
                         let record = state.records.entry(name.clone()).or_default();
-                        record.expired_before += running.router.manager().stats().expired;
+                        record.before.add(&running.router.manager().stats());
                         Ok((running, op, done))
                     }
                 }
@@ -702,7 +725,7 @@ impl DeploymentHost {
         struct Entry {
             name: String,
             stats: Arc<IngressStats>,
-            expired_before: u64,
+            before: Released,
             manager: Option<crate::lease::WeakRequestLeaseManager>,
             catch_up: Option<Arc<CatchUpState>>,
             tasks_ended: Option<u64>,
@@ -715,7 +738,7 @@ impl DeploymentHost {
                 .map(|(name, record)| Entry {
                     name: name.to_string(),
                     stats: record.stats.clone(),
-                    expired_before: record.expired_before,
+                    before: record.before,
                     manager: match state.slots.get(name) {
                         Some(Slot::Running(running)) => Some(running.router.manager().downgrade()),
                         _ => None,
@@ -747,8 +770,12 @@ impl DeploymentHost {
                         u64::try_from(self.inner.settings.max_active_leases).unwrap_or(u64::MAX)
                     }),
                     router_tasks_ended: entry.tasks_ended,
-                    leases_expired: entry.expired_before
+                    leases_expired: entry.before.expired
                         + lease_stats.as_ref().map_or(0, |s| s.expired),
+                    provisional_expired: entry.before.provisional_expired
+                        + lease_stats.as_ref().map_or(0, |s| s.provisional_expired),
+                    routes_cancelled: entry.before.routes_cancelled
+                        + lease_stats.as_ref().map_or(0, |s| s.routes_cancelled),
                     catch_up: entry.catch_up.map(|c| CatchUpMetrics {
                         done: c.is_caught_up(),
                         replayed: c.replayed(),
@@ -863,6 +890,7 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
         lease: LeaseConfig {
             scan_interval: settings.lease_scan_interval,
             max_active_leases: settings.max_active_leases,
+            provisional_deadline: settings.provisional_deadline,
             ..LeaseConfig::default()
         },
         routing: crate::routing::RoutingConfig {

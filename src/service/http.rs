@@ -13,6 +13,7 @@
 //! | `GET /v1/deployments/{name}/leases?limit=N` | active leases (default limit 1000) |
 //! | `GET /v1/deployments/{name}/workers` | load by phase of each member worker, with its last-seen age, and the least loaded |
 //! | `POST /v1/deployments/{name}/route` | a routing decision for the JSON body `{"request_id", "prompt_tokens", "cached_tokens"?, "expected_output_tokens"?}`, booked provisionally: 200 with the worker, the policy and the candidates with their costs; 404 unknown deployment, 409 no live worker, 400 missing or nonsense sizes, 503 leases full or router gone |
+//! | `DELETE /v1/deployments/{name}/route/{request_id}` | release this replica's provisional booking of `request_id` at once (the request never reached its worker): 200 `{"request_id", "released": true}`, or `"released": false` when there is none (any more: released already, admitted by its worker, expired); idempotent; 404 unknown deployment |
 //!
 //! Every error is JSON, `{"error": "..."}`, also those axum would answer itself: an
 //! unknown route (404), a wrong method (405, with its `Allow` header), a name in the path
@@ -52,8 +53,9 @@ use tracing::{info, warn};
 use super::host::{AddDeploymentError, AddOutcome, DeploymentHost, DeploymentView};
 use super::metrics::{AuthFailure, Metrics, CONTENT_TYPE};
 use crate::lease::LeaseState;
+use crate::load::WorkerLoad;
 use crate::routing::{CostWeights, RoutePolicy, RouteRequest, RouteRequestError, RoutingConfig};
-use crate::scheduler::{WorkerLoad, WorkerStatus};
+use crate::scheduler::WorkerStatus;
 use crate::subject::DeploymentName;
 use crate::types::WorkerWithDpRank;
 
@@ -325,6 +327,10 @@ pub fn router(state: ApiState) -> axum::Router {
         .route("/v1/deployments/{name}/leases", get(leases))
         .route("/v1/deployments/{name}/workers", get(workers))
         .route("/v1/deployments/{name}/route", post(route))
+        .route(
+            "/v1/deployments/{name}/route/{request_id}",
+            axum::routing::delete(cancel_route),
+        )
         .fallback(not_found)
         // After the routes: it applies to those registered before it.
         .method_not_allowed_fallback(method_not_allowed)
@@ -750,6 +756,25 @@ async fn workers(
         "least_loaded": least.map(WorkerJson::new),
     });
     Ok(Json(body).into_response())
+}
+
+async fn cancel_route(
+    State(state): State<ApiState>,
+    path: Result<Path<(String, String)>, axum::extract::rejection::PathRejection>,
+) -> ApiResult<Response> {
+    let Path((raw, request_id)) = path.map_err(|err| {
+        ApiError(
+            err.status(),
+            format!(
+                "invalid deployment name or request id in the path: {}",
+                err.body_text()
+            ),
+        )
+    })?;
+    let name = parse_name(&raw)?;
+    let view = running_view(&state, &name)?;
+    let released = view.manager().cancel_route_of(&request_id);
+    Ok(Json(json!({ "request_id": request_id, "released": released })).into_response())
 }
 
 async fn route(

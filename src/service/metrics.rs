@@ -22,8 +22,9 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use super::host::{DeploymentHost, HostMetricsSnapshot};
+use crate::load::WorkerLoad;
 use crate::routing::{RouteOutcome, RoutePolicy};
-use crate::scheduler::{SchedulerStatsSnapshot, WorkerLoad};
+use crate::scheduler::SchedulerStatsSnapshot;
 use crate::stats::LagSnapshot;
 use crate::types::WorkerWithDpRank;
 
@@ -600,6 +601,18 @@ pub fn encode_snapshot(
     )?;
     counter_family(
         encoder,
+        "provisional_expired",
+        "Route decisions' provisional bookings released because their worker's admitted did not come within the provisional deadline.",
+        &by_deployment(|d| d.provisional_expired),
+    )?;
+    counter_family(
+        encoder,
+        "routes_cancelled",
+        "Route decisions' provisional bookings released at once by a gateway (DELETE .../route/{request_id}).",
+        &by_deployment(|d| d.routes_cancelled),
+    )?;
+    counter_family(
+        encoder,
         "sequence_gaps",
         "Publisher sequence numbers that left the 4096-number window without arriving (lost).",
         &by_deployment(|d| d.ingress.gaps),
@@ -736,6 +749,8 @@ mod tests {
                     router_tasks_ended: None,
                     catch_up: None,
                     leases_expired: 4,
+                    provisional_expired: 3,
+                    routes_cancelled: 2,
                 },
                 DeploymentMetrics {
                     name: "prod".into(),
@@ -745,6 +760,8 @@ mod tests {
                     router_tasks_ended: Some(1),
                     catch_up: None,
                     leases_expired: 1,
+                    provisional_expired: 0,
+                    routes_cancelled: 5,
                 },
             ],
             hosted: 1,
@@ -805,6 +822,8 @@ mod tests {
         );
         has("lease_router_leases_expired_total{deployment=\"gone\"} 4");
         has("lease_router_leases_expired_total{deployment=\"prod\"} 1");
+        has("lease_router_provisional_expired_total{deployment=\"gone\"} 3");
+        has("lease_router_routes_cancelled_total{deployment=\"prod\"} 5");
         has("lease_router_sequence_gaps_total{deployment=\"prod\"} 3");
         has("lease_router_reorders_held_total{deployment=\"prod\"} 1");
         has("lease_router_publisher_restarts_total{deployment=\"prod\"} 1");
@@ -854,6 +873,8 @@ mod tests {
             "max_active_leases",
             "router_tasks_ended",
             "leases_expired",
+            "provisional_expired",
+            "routes_cancelled",
             "sequence_gaps",
             "reorders_held",
             "publisher_restarts",

@@ -1,11 +1,8 @@
-//! What one lease weighs on its worker, phase by phase, and how that weight moves.
+//! How one lease's weight on its worker moves with its progress (the phases are described
+//! in [`crate::load`]).
 //!
-//! A request costs its worker differently in its two phases. Until prefill is done, its
-//! uncached prompt is **prefill waiting** (compute-bound work queued ahead of a new request);
-//! from admission to release, prompt plus output so far is **KV held** (the memory decode is
-//! bound by); expected output minus output so far is **output still to come**. The lease
-//! keeps what it needs to compute that weight (the admitted sizes, and its progress in one
-//! atomic word), and every change of it is handed to the scheduler as a delta (a shift
+//! The lease keeps what it needs to compute its weight (the admitted sizes, and its progress
+//! in one atomic word), and every change of it is handed to the scheduler as a delta (a shift
 //! from the old weight to the new), so a release gives back exactly what the booking and
 //! its shifts added.
 //!
@@ -17,8 +14,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::scheduler::BookingWeight;
-use crate::types::RequestLoad;
+use crate::load::{BookingSizes, BookingWeight, RequestLoad};
 
 const OUTPUT_MASK: u64 = u32::MAX as u64;
 /// Set by the first `progressed`: prefill is over.
@@ -26,35 +22,15 @@ const PREFILL_DONE: u64 = 1 << 32;
 /// Set by whoever claims the lease: the weight is final.
 const SEALED: u64 = 1 << 33;
 
-/// The sizes an admission (or the route decision that booked it) gave the lease.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
-struct AdmittedLoad {
-    prompt_tokens: u32,
-    /// Prompt tokens not in the worker's prefix cache: what prefill has to do.
-    uncached_tokens: u32,
-    /// 0 when unknown.
-    expected_output_tokens: u32,
-}
-
-impl From<RequestLoad> for AdmittedLoad {
-    fn from(load: RequestLoad) -> Self {
-        Self {
-            prompt_tokens: load.prompt_tokens,
-            uncached_tokens: load.prompt_tokens.saturating_sub(load.cached_tokens),
-            expected_output_tokens: load.expected_output_tokens.unwrap_or(0),
-        }
-    }
-}
-
-/// A lease's load: its admitted sizes and its progress (20 bytes).
+/// A lease's weight: its admitted sizes and its progress (20 bytes).
 #[derive(Debug, Default)]
-pub(crate) struct LeaseLoad {
-    admitted: AdmittedLoad,
+pub(crate) struct LeaseWeight {
+    admitted: BookingSizes,
     /// Output tokens so far (low 32 bits), [`PREFILL_DONE`], [`SEALED`].
     progress: AtomicU64,
 }
 
-impl LeaseLoad {
+impl LeaseWeight {
     pub(crate) fn new(load: RequestLoad) -> Self {
         Self {
             admitted: load.into(),
@@ -63,19 +39,10 @@ impl LeaseLoad {
     }
 
     fn weight_at(&self, progress: u64) -> BookingWeight {
-        let a = self.admitted;
-        let output = (progress & OUTPUT_MASK) as u32;
-        BookingWeight {
-            prompt_tokens: a.prompt_tokens,
-            expected_output_tokens: a.expected_output_tokens,
-            prefill_tokens: if progress & PREFILL_DONE == 0 {
-                a.uncached_tokens
-            } else {
-                0
-            },
-            kv_tokens: a.prompt_tokens.saturating_add(output),
-            remaining_output_tokens: a.expected_output_tokens.saturating_sub(output),
-        }
+        self.admitted.weight(
+            progress & PREFILL_DONE != 0,
+            (progress & OUTPUT_MASK) as u32,
+        )
     }
 
     /// What the lease weighs now.
@@ -112,16 +79,9 @@ impl LeaseLoad {
     /// The admitted sizes, and the output count once prefill is done: what a snapshot keeps
     /// to rebuild this load with an admission and a `progressed`.
     pub(crate) fn image(&self) -> (RequestLoad, Option<u32>) {
-        let a = self.admitted;
         let progress = self.progress.load(Ordering::Acquire);
-        let load = RequestLoad {
-            prompt_tokens: a.prompt_tokens,
-            expected_output_tokens: (a.expected_output_tokens > 0)
-                .then_some(a.expected_output_tokens),
-            cached_tokens: a.prompt_tokens - a.uncached_tokens,
-        };
         let output = (progress & PREFILL_DONE != 0).then_some((progress & OUTPUT_MASK) as u32);
-        (load, output)
+        (self.admitted.into(), output)
     }
 
     /// Freezes the weight, for the release by whoever claimed the lease: later progress
@@ -153,7 +113,7 @@ mod tests {
 
     #[test]
     fn phases_move_the_weight() {
-        let load = LeaseLoad::new(RequestLoad::new(100, Some(20)).with_cached_tokens(30));
+        let load = LeaseWeight::new(RequestLoad::new(100, Some(20)).with_cached_tokens(30));
         assert_eq!(parts(load.weight()), weight(70, 100, 20), "admitted");
         let (before, after) = load.advance(0).expect("prefill done moves it");
         assert_eq!(
@@ -185,7 +145,7 @@ mod tests {
 
     #[test]
     fn cached_beyond_the_prompt_leaves_no_prefill_and_unknown_output_counts_nothing() {
-        let load = LeaseLoad::new(RequestLoad::new(10, None).with_cached_tokens(50));
+        let load = LeaseWeight::new(RequestLoad::new(10, None).with_cached_tokens(50));
         let w = load.weight();
         assert_eq!(parts(w), weight(0, 10, 0));
         assert_eq!((w.prompt_tokens, w.expected_output_tokens), (10, 0));
@@ -193,7 +153,7 @@ mod tests {
 
     #[test]
     fn readmit_replaces_the_sizes_and_keeps_the_progress() {
-        let mut load = LeaseLoad::new(RequestLoad::new(100, Some(10)));
+        let mut load = LeaseWeight::new(RequestLoad::new(100, Some(10)));
         load.advance(4);
         let (before, after) = load.readmit(RequestLoad::new(80, Some(20)).with_cached_tokens(80));
         assert_eq!(parts(before), weight(0, 104, 6));
@@ -213,10 +173,12 @@ mod property {
 
     use crate::ingress::{ApplyConfig, EventApplier};
     use crate::lease::{LeaseConfig, RequestLeaseManager};
-    use crate::scheduler::{Scheduler, SchedulerHandle, WorkerLoad};
+    use crate::load::RequestLoad;
+    use crate::load::WorkerLoad;
+    use crate::scheduler::{Scheduler, SchedulerHandle};
     use crate::stats::IngressStats;
     use crate::subject::{DeploymentName, Subjects};
-    use crate::types::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
+    use crate::types::{RequestId, SchedulerBookingDescriptor, WorkerWithDpRank};
     use crate::wire::{
         self, Admitted, Completed, Envelope, LeaseEvent, Outcome, ProgressStage, Progressed,
         WorkerReset,

@@ -12,13 +12,14 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tracing::warn;
 
-use crate::publisher::{EnvelopeSink, LeasePublisher, PublisherConfig};
+use super::task::EnvelopeSink;
+use super::{LeasePublisher, PublisherConfig};
 use crate::retry::{Attempt, RetryPolicy};
 use crate::subject::Subjects;
 
 impl LeasePublisher {
     /// A durable publisher: events go to the JetStream lease stream (which must exist, see
-    /// [`super::ensure_stream`]) with `Nats-Msg-Id` = publisher id and sequence, so
+    /// [`crate::ensure_stream`]) with `Nats-Msg-Id` = publisher id and sequence, so
     /// a retried publish is stored once; up to `max_in_flight` acknowledgements are awaited
     /// at a time, and [`flush`](LeasePublisher::flush) waits for all of them.
     pub fn start_durable(

@@ -1,0 +1,303 @@
+//! What the actor keeps: each worker's sums and membership, and the routing choice made
+//! over them.
+
+use std::mem;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hashbrown::HashMap;
+
+use super::{Inbox, Op, ReleaseReason, SchedulerStats, WorkerStatus, DEFAULT_WORKER_IDLE};
+use crate::load::{LoadSums, RequestLoad, WorkerLoad};
+use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
+use crate::routing::{
+    Candidate, Chooser, RouteDecision, RouteOutcome, RouteRequest, RouteRequestError, RoutingConfig,
+};
+use crate::types::{DpRank, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank};
+
+/// What the actor keeps of one worker.
+#[derive(Clone, Copy, Debug)]
+struct WorkerEntry {
+    sums: LoadSums,
+    /// Chosen by decisions and listed: it spoke, and has not left nor been forgotten since.
+    /// A non-member is kept only while releases still have to bring its sums to zero.
+    member: bool,
+    last_seen: Instant,
+}
+
+pub(super) struct SchedulerState {
+    workers: HashMap<WorkerWithDpRank, WorkerEntry>,
+    /// Read once per drain: when the operations applied were (about) made.
+    now: Instant,
+    worker_idle: Duration,
+    last_sweep: Instant,
+    chooser: Chooser,
+
+    inbox: Arc<Inbox>,
+    /// The actor's side of the inbox, swapped with it at each drain.
+    batch: Vec<Op>,
+    observer: Option<Arc<dyn ReplicaRequestLeaseObserver>>,
+    stats: Arc<SchedulerStats>,
+}
+
+impl SchedulerState {
+    pub(super) fn new(inbox: Arc<Inbox>, stats: Arc<SchedulerStats>) -> Self {
+        let now = Instant::now();
+        Self {
+            workers: HashMap::new(),
+            now,
+            worker_idle: DEFAULT_WORKER_IDLE,
+            last_sweep: now,
+            chooser: Chooser::new(),
+            inbox,
+            batch: Vec::new(),
+            observer: None,
+            stats,
+        }
+    }
+
+    pub(super) fn set_worker_idle(&mut self, idle: Duration) {
+        self.worker_idle = idle;
+    }
+
+    pub(super) fn set_observer(&mut self, observer: Option<Arc<dyn ReplicaRequestLeaseObserver>>) {
+        self.observer = observer;
+    }
+
+    pub(super) fn routing(&self) -> RoutingConfig {
+        self.chooser.config()
+    }
+
+    pub(super) fn set_routing(&mut self, routing: RoutingConfig) {
+        self.chooser.set_config(routing);
+    }
+
+    fn entry(&mut self, worker: WorkerWithDpRank) -> &mut WorkerEntry {
+        let now = self.now;
+        self.workers.entry(worker).or_insert_with(|| WorkerEntry {
+            sums: LoadSums::default(),
+            member: false,
+            last_seen: now,
+        })
+    }
+
+    /// `worker` spoke: a member, seen now.
+    fn seen(&mut self, worker: WorkerWithDpRank) {
+        let now = self.now;
+        let entry = self.entry(worker);
+        let joined = !mem::replace(&mut entry.member, true);
+        entry.last_seen = now;
+        if joined {
+            self.chooser.members_changed();
+        }
+    }
+
+    /// Drops a non-member whose sums are back to zero.
+    fn collect(&mut self, worker: WorkerWithDpRank) {
+        if let Some(entry) = self.workers.get(&worker) {
+            if !entry.member && entry.sums.is_zero() {
+                self.workers.remove(&worker);
+            }
+        }
+    }
+
+    fn apply(&mut self, op: Op) {
+        match op {
+            Op::Book(worker, weight) => {
+                let entry = self.entry(worker);
+                entry.sums.add(1, weight);
+                // Booked on by a decision, which chose a member.
+                if !mem::replace(&mut entry.member, true) {
+                    self.chooser.members_changed();
+                }
+                self.stats.booked.fetch_add(1, Ordering::Relaxed);
+            }
+            Op::Admitted(worker, weight) => {
+                self.entry(worker).sums.add(1, weight);
+                self.stats.booked.fetch_add(1, Ordering::Relaxed);
+                self.seen(worker);
+            }
+            Op::Release(worker, weight, reason) => {
+                self.entry(worker).sums.add(-1, weight);
+                self.stats.count_release(reason);
+                if reason == ReleaseReason::Completed {
+                    self.seen(worker);
+                } else {
+                    self.collect(worker);
+                }
+            }
+            Op::Shift(worker, from, to) => {
+                let entry = self.entry(worker);
+                entry.sums.shift(from, to);
+                self.seen(worker);
+            }
+            Op::Seen(worker) => self.seen(worker),
+            Op::Membership {
+                worker_id,
+                dp_rank,
+                leaving,
+            } => self.membership(worker_id, dp_rank, leaving),
+        }
+    }
+
+    fn membership(&mut self, worker_id: WorkerId, dp_rank: Option<DpRank>, leaving: bool) {
+        self.chooser.members_changed();
+        let now = self.now;
+        let mut matched = false;
+        let mut left = 0;
+        self.workers.retain(|w, entry| {
+            if w.worker_id != worker_id || dp_rank.is_some_and(|rank| w.dp_rank != rank) {
+                return true;
+            }
+            matched = true;
+            if leaving {
+                left += u64::from(entry.member);
+                entry.member = false;
+                !entry.sums.is_zero()
+            } else {
+                entry.member = true;
+                entry.last_seen = now;
+                true
+            }
+        });
+        self.stats.workers_left.fetch_add(left, Ordering::Relaxed);
+        if !leaving && !matched {
+            // A worker starting: a member from now on, with the rank it named (rank 0 when
+            // it named none; its other ranks join with their first event).
+            let worker = WorkerWithDpRank {
+                worker_id,
+                dp_rank: dp_rank.unwrap_or_default(),
+            };
+            self.entry(worker).member = true;
+        }
+    }
+
+    /// Forgets members with no live booking that have said nothing for the idle time;
+    /// looks at most four times per idle time.
+    pub(super) fn forget_idle(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_sweep) < self.worker_idle / 4 {
+            return;
+        }
+        self.last_sweep = now;
+        let idle = self.worker_idle;
+        let mut forgotten = 0;
+        self.workers.retain(|_, entry| {
+            if entry.member
+                && entry.sums.bookings <= 0
+                && now.saturating_duration_since(entry.last_seen) >= idle
+            {
+                entry.member = false;
+                forgotten += 1;
+            }
+            entry.member || !entry.sums.is_zero()
+        });
+        if forgotten > 0 {
+            self.chooser.members_changed();
+        }
+        self.stats
+            .workers_forgotten
+            .fetch_add(forgotten, Ordering::Relaxed);
+    }
+
+    /// The load of one worker, member or not (zero when it is unknown).
+    pub(super) fn load(&self, worker: &WorkerWithDpRank) -> WorkerLoad {
+        self.workers
+            .get(worker)
+            .map(|e| e.sums.load())
+            .unwrap_or_default()
+    }
+
+    /// Picks a member by the policy in force; `None` when there is none.
+    fn choose(&mut self, request: &RequestLoad) -> Option<(WorkerWithDpRank, Vec<Candidate>)> {
+        let workers = &self.workers;
+        let members = workers
+            .iter()
+            .filter(|(_, e)| e.member)
+            .map(|(w, e)| (w, &e.sums));
+        let sums_of =
+            |w: &WorkerWithDpRank| workers.get(w).map(|e| e.sums.load()).unwrap_or_default();
+        self.chooser.choose(members, sums_of, request)
+    }
+
+    pub(super) fn route(
+        &mut self,
+        request: RouteRequest,
+    ) -> Result<RouteDecision, RouteRequestError> {
+        let policy = self.chooser.config().policy;
+        let decided = self.route_inner(request);
+        let outcome = match &decided {
+            Ok(_) => RouteOutcome::Routed,
+            Err(err) => err.outcome(),
+        };
+        self.stats.count_decision(policy, outcome);
+        decided
+    }
+
+    fn route_inner(&mut self, request: RouteRequest) -> Result<RouteDecision, RouteRequestError> {
+        let load = request.load();
+        let (worker, candidates) = self.choose(&load).ok_or(RouteRequestError::NoWorkers)?;
+        let booking = SchedulerBookingDescriptor::new(request.request_id, worker);
+        match &self.observer {
+            None => self.apply(Op::Book(worker, load.into())),
+            Some(observer) => {
+                match observer.routed(booking.clone(), load) {
+                    Ok(AdmitOutcome::Full) => return Err(RouteRequestError::LeasesFull),
+                    Ok(_) => {}
+                    Err(DeliverEventError::ManagerGone) => {
+                        return Err(RouteRequestError::ManagerGone)
+                    }
+                }
+                // The manager queued the booking: applied now, so the next decision sees it.
+                self.drain();
+            }
+        }
+        Ok(RouteDecision {
+            booking,
+            policy: self.chooser.config().policy,
+            candidates,
+        })
+    }
+
+    /// Applies everything queued so far.
+    pub(super) fn drain(&mut self) {
+        mem::swap(&mut *self.inbox.ops.lock(), &mut self.batch);
+        if self.batch.is_empty() {
+            return;
+        }
+        self.stats.wakeups.fetch_add(1, Ordering::Relaxed);
+        self.now = Instant::now();
+        let mut batch = mem::take(&mut self.batch);
+        for op in batch.drain(..) {
+            self.apply(op);
+        }
+        self.batch = batch;
+    }
+
+    /// The members and their loads.
+    pub(super) fn loads(&self) -> impl Iterator<Item = (WorkerWithDpRank, WorkerLoad)> + '_ {
+        self.workers
+            .iter()
+            .filter(|(_, e)| e.member)
+            .map(|(w, e)| (*w, e.sums.load()))
+    }
+
+    /// The members as [`super::SchedulerHandle::workers`] shows them, unordered.
+    pub(super) fn statuses(&self, now: Instant) -> Vec<WorkerStatus> {
+        self.workers
+            .iter()
+            .filter(|(_, e)| e.member)
+            .map(|(worker, e)| WorkerStatus {
+                worker: *worker,
+                load: e.sums.load(),
+                last_seen: now.saturating_duration_since(e.last_seen),
+            })
+            .collect()
+    }
+
+    /// The least-loaded member: fewest bookings, then fewest tokens.
+    pub(super) fn least_loaded(&self) -> Option<(WorkerWithDpRank, WorkerLoad)> {
+        self.loads().min_by_key(|(w, l)| (l.rank(), *w))
+    }
+}

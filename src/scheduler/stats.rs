@@ -1,0 +1,85 @@
+//! The scheduler's counters.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+
+use super::ReleaseReason;
+use crate::routing::{RouteOutcome, RoutePolicy};
+
+/// Counters of the scheduler, for dashboards and tests.
+#[derive(Debug, Default)]
+pub(crate) struct SchedulerStats {
+    pub(super) wakeups: AtomicU64,
+    pub(super) booked: AtomicU64,
+    released_completed: AtomicU64,
+    released_expired: AtomicU64,
+    released_superseded: AtomicU64,
+    released_reset: AtomicU64,
+    released_unconfirmed: AtomicU64,
+    pub(super) workers_left: AtomicU64,
+    pub(super) workers_forgotten: AtomicU64,
+    /// Route decisions by policy and outcome.
+    decisions: [[AtomicU64; RouteOutcome::ALL.len()]; RoutePolicy::ALL.len()],
+}
+
+/// A point-in-time copy of the scheduler's counters.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize)]
+pub struct SchedulerStatsSnapshot {
+    /// Times the actor woke to apply queued bookings and releases.
+    pub wakeups: u64,
+    pub booked: u64,
+    pub released_completed: u64,
+    pub released_expired: u64,
+    pub released_superseded: u64,
+    pub released_reset: u64,
+    /// Provisional bookings released unconfirmed (deadline passed, or cancelled).
+    pub released_unconfirmed: u64,
+    /// Workers (ranks) that said they were leaving.
+    pub workers_left: u64,
+    /// Workers (ranks) forgotten after their idle time with no live booking.
+    pub workers_forgotten: u64,
+    /// Route decisions, by [`RoutePolicy::ALL`] then [`RouteOutcome::ALL`] order.
+    pub decisions: [[u64; RouteOutcome::ALL.len()]; RoutePolicy::ALL.len()],
+}
+
+impl SchedulerStatsSnapshot {
+    /// Route decisions of `policy` that ended as `outcome`.
+    pub fn decisions(&self, policy: RoutePolicy, outcome: RouteOutcome) -> u64 {
+        self.decisions[policy as usize][outcome as usize]
+    }
+}
+
+impl SchedulerStats {
+    pub(crate) fn snapshot(&self) -> SchedulerStatsSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        SchedulerStatsSnapshot {
+            wakeups: get(&self.wakeups),
+            booked: get(&self.booked),
+            released_completed: get(&self.released_completed),
+            released_expired: get(&self.released_expired),
+            released_superseded: get(&self.released_superseded),
+            released_reset: get(&self.released_reset),
+            released_unconfirmed: get(&self.released_unconfirmed),
+            workers_left: get(&self.workers_left),
+            workers_forgotten: get(&self.workers_forgotten),
+            decisions: self.decisions.each_ref().map(|row| row.each_ref().map(get)),
+        }
+    }
+
+    /// Counts one route decision.
+    pub(crate) fn count_decision(&self, policy: RoutePolicy, outcome: RouteOutcome) {
+        self.decisions[policy as usize][outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn count_release(&self, reason: ReleaseReason) {
+        let counter = match reason {
+            ReleaseReason::Completed => &self.released_completed,
+            ReleaseReason::Expired => &self.released_expired,
+            ReleaseReason::Superseded => &self.released_superseded,
+            ReleaseReason::WorkerReset => &self.released_reset,
+            ReleaseReason::Unconfirmed => &self.released_unconfirmed,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,637 @@
+use std::time::Duration;
+
+use tokio_util::task::TaskTracker;
+
+use super::*;
+use crate::load::RequestLoad;
+use crate::CostWeights;
+
+fn worker(id: u64) -> WorkerWithDpRank {
+    WorkerWithDpRank::new(id, 0)
+}
+
+fn weight(prompt: u32, output: Option<u32>) -> BookingWeight {
+    RequestLoad::new(prompt, output).into()
+}
+
+fn submit(cleanup: &SchedulerBookingCleanup, ops: &[Op]) {
+    cleanup.submit(&mut ops.to_vec());
+}
+
+#[tokio::test]
+async fn bookings_and_releases_move_worker_load() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    actor.spawn(None, &tracker);
+    let cleanup = handle.cleanup();
+    let a = weight(100, Some(10));
+    submit(
+        &cleanup,
+        &[Op::Book(worker(1), a), Op::Book(worker(2), weight(5, None))],
+    );
+    assert_eq!(
+        handle.load(worker(1)).await.unwrap(),
+        WorkerLoad {
+            active_bookings: 1,
+            prompt_tokens: 100,
+            expected_output_tokens: 10,
+            prefill_tokens: 100,
+            kv_tokens: 100,
+            remaining_output_tokens: 10,
+        }
+    );
+    assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(2));
+    submit(
+        &cleanup,
+        &[Op::Release(worker(1), a, ReleaseReason::Completed)],
+    );
+    assert_eq!(handle.load(worker(1)).await.unwrap(), WorkerLoad::default());
+    assert_eq!(handle.load(worker(2)).await.unwrap().active_bookings, 1);
+    let stats = handle.stats();
+    assert_eq!((stats.booked, stats.released_completed), (2, 1));
+}
+
+#[tokio::test]
+async fn a_release_that_overtakes_its_booking_still_adds_up() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    actor.spawn(None, &tracker);
+    let cleanup = handle.cleanup();
+    let w = weight(30, Some(7));
+    submit(
+        &cleanup,
+        &[Op::Release(worker(1), w, ReleaseReason::Expired)],
+    );
+    // Briefly below zero: shown as zero, not as a huge unsigned number.
+    assert_eq!(handle.load(worker(1)).await.unwrap(), WorkerLoad::default());
+    submit(
+        &cleanup,
+        &[Op::Book(worker(1), weight(5, None)), Op::Book(worker(1), w)],
+    );
+    assert_eq!(
+        handle.load(worker(1)).await.unwrap(),
+        WorkerLoad {
+            active_bookings: 1,
+            prompt_tokens: 5,
+            expected_output_tokens: 0,
+            prefill_tokens: 5,
+            kv_tokens: 5,
+            remaining_output_tokens: 0,
+        }
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn bursts_of_releases_merge_into_one_wakeup() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    actor.spawn(None, &tracker);
+    let cleanup = handle.cleanup();
+    let w = weight(1, None);
+    for i in 0..1000 {
+        submit(&cleanup, &[Op::Book(worker(i % 8), w)]);
+    }
+    handle.loads().await.unwrap();
+    let before = handle.stats().wakeups;
+    // On one thread the actor cannot run between these calls: one burst.
+    for i in 0..1000 {
+        submit(
+            &cleanup,
+            &[Op::Release(worker(i % 8), w, ReleaseReason::Completed)],
+        );
+    }
+    let loads = handle.loads().await.unwrap();
+    assert!(loads.iter().all(|(_, l)| l.active_bookings == 0));
+    assert_eq!(handle.stats().wakeups - before, 1);
+    assert_eq!(handle.stats().released_completed, 1000);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_few_operations_wait_for_a_query_and_many_wake_the_actor() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    actor.spawn(None, &tracker);
+    let cleanup = handle.cleanup();
+    let w = weight(1, None);
+    submit(&cleanup, &[Op::Book(worker(1), w); 10]);
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(handle.stats().wakeups, 0, "nothing woke the actor yet");
+    assert_eq!(handle.load(worker(1)).await.unwrap().active_bookings, 10);
+    assert_eq!(
+        handle.stats().wakeups,
+        1,
+        "the query applied the inbox first"
+    );
+
+    submit(&cleanup, &vec![Op::Book(worker(1), w); WAKE_AT]);
+    tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while handle.stats().booked < 10 + WAKE_AT as u64 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("a full inbox wakes the actor without a query");
+}
+
+#[tokio::test]
+async fn actor_ends_when_every_handle_is_gone() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    let task = actor.spawn(None, &tracker);
+    let cleanup = handle.cleanup();
+    drop(handle);
+    assert!(!task.is_finished());
+    drop(cleanup);
+    tokio::time::timeout(std::time::Duration::from_secs(5), task)
+        .await
+        .expect("scheduler ended")
+        .unwrap();
+}
+
+fn members(loads: &[(WorkerWithDpRank, WorkerLoad)]) -> Vec<WorkerWithDpRank> {
+    loads.iter().map(|(w, _)| *w).collect()
+}
+
+#[tokio::test]
+async fn a_worker_that_leaves_is_no_member_until_it_speaks_again() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    actor.spawn(None, &tracker);
+    let cleanup = handle.cleanup();
+    let w = weight(10, None);
+    let leave = |worker_id, dp_rank| Op::Membership {
+        worker_id: WorkerId(worker_id),
+        dp_rank,
+        leaving: true,
+    };
+    let a = WorkerWithDpRank::new(1, 0);
+    let b = WorkerWithDpRank::new(1, 1);
+    submit(
+        &cleanup,
+        &[
+            Op::Seen(a),
+            Op::Seen(b),
+            Op::Book(worker(2), w),
+            Op::Book(a, w),
+        ],
+    );
+    assert_eq!(
+        members(&handle.loads().await.unwrap()),
+        vec![a, b, worker(2)]
+    );
+    // Its release comes after the leave (the reaper's, say): the worker stays gone, and
+    // its sums come back to zero.
+    submit(&cleanup, &[leave(1, None)]);
+    assert_eq!(members(&handle.loads().await.unwrap()), vec![worker(2)]);
+    assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(2));
+    assert_eq!(handle.load(a).await.unwrap().active_bookings, 1);
+    submit(&cleanup, &[Op::Release(a, w, ReleaseReason::Expired)]);
+    assert_eq!(handle.load(a).await.unwrap(), WorkerLoad::default());
+    assert_eq!(members(&handle.loads().await.unwrap()), vec![worker(2)]);
+    assert_eq!(handle.stats().workers_left, 2);
+    // Speaking again makes it a member again; a restart of an unknown worker makes one.
+    submit(
+        &cleanup,
+        &[
+            Op::Seen(b),
+            Op::Membership {
+                worker_id: WorkerId(5),
+                dp_rank: None,
+                leaving: false,
+            },
+        ],
+    );
+    assert_eq!(
+        members(&handle.loads().await.unwrap()),
+        vec![b, worker(2), worker(5)]
+    );
+    // One rank leaving leaves the others.
+    submit(&cleanup, &[Op::Seen(a), leave(1, Some(DpRank(1)))]);
+    assert_eq!(
+        members(&handle.loads().await.unwrap()),
+        vec![a, worker(2), worker(5)]
+    );
+}
+
+#[tokio::test]
+async fn operations_of_a_worker_that_spoke_refresh_it_and_the_others_do_not() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    actor.spawn(None, &tracker);
+    let cleanup = handle.cleanup();
+    let w = weight(10, None);
+    let mut moved = w;
+    moved.prefill_tokens = 0;
+    let spoke = [
+        Op::Admitted(worker(1), w),
+        Op::Shift(worker(2), w, moved),
+        Op::Release(worker(3), w, ReleaseReason::Completed),
+        Op::Seen(worker(4)),
+    ];
+    let silent = [
+        Op::Release(worker(5), w, ReleaseReason::Expired),
+        Op::Release(worker(6), w, ReleaseReason::Superseded),
+    ];
+    submit(&cleanup, &spoke);
+    submit(&cleanup, &silent);
+    let members: Vec<_> = handle
+        .workers()
+        .await
+        .unwrap()
+        .iter()
+        .map(|s| s.worker)
+        .collect();
+    assert_eq!(members, [1, 2, 3, 4].map(worker));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    submit(
+        &cleanup,
+        &[Op::Release(worker(1), w, ReleaseReason::Expired)],
+    );
+    submit(&cleanup, &[Op::Shift(worker(2), moved, w)]);
+    let ages: Vec<_> = handle
+        .workers()
+        .await
+        .unwrap()
+        .iter()
+        .map(|s| s.last_seen)
+        .collect();
+    assert!(
+        ages[0] >= Duration::from_millis(50),
+        "an expiry is not the worker: {ages:?}"
+    );
+    assert!(ages[1] < Duration::from_millis(50), "a shift is: {ages:?}");
+}
+
+#[tokio::test]
+async fn an_idle_worker_is_forgotten_but_not_one_with_a_live_booking() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    let idle = Duration::from_millis(200);
+    actor.with_worker_idle(idle).spawn(None, &tracker);
+    let cleanup = handle.cleanup();
+    submit(
+        &cleanup,
+        &[
+            Op::Seen(worker(1)),
+            Op::Seen(worker(2)),
+            Op::Book(worker(3), weight(1, None)),
+        ],
+    );
+    let workers = handle.workers().await.unwrap();
+    assert_eq!(workers.len(), 3);
+    assert!(workers.iter().all(|w| w.last_seen < idle), "{workers:?}");
+    tokio::time::sleep(idle / 2).await;
+    submit(&cleanup, &[Op::Seen(worker(2))]);
+    let workers = handle.workers().await.unwrap();
+    assert!(workers[0].last_seen >= idle / 2, "{workers:?}");
+    assert!(workers[1].last_seen < idle / 2, "{workers:?}");
+    tokio::time::sleep(idle * 3 / 4).await;
+    handle.loads().await.unwrap();
+    tokio::time::sleep(idle / 2).await;
+    // Workers 1 and 2 have been silent longer than the idle time; worker 3 is booked.
+    let left: Vec<_> = handle
+        .workers()
+        .await
+        .unwrap()
+        .iter()
+        .map(|w| w.worker)
+        .collect();
+    assert_eq!(left, vec![worker(3)]);
+    assert_eq!(handle.stats().workers_forgotten, 2);
+}
+
+async fn routed(policy: RoutePolicy, members: &[WorkerWithDpRank]) -> SchedulerHandle {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    // Equal weights keep the expected costs below easy to follow.
+    actor
+        .with_routing(RoutingConfig {
+            policy,
+            weights: CostWeights {
+                prefill: 1.0,
+                kv: 1.0,
+            },
+            ..RoutingConfig::default()
+        })
+        .spawn(None, &tracker);
+    let seen: Vec<_> = members.iter().map(|w| Op::Seen(*w)).collect();
+    submit(&handle.cleanup(), &seen);
+    handle
+}
+
+fn request(id: &str, prompt: u32) -> RouteRequest {
+    RouteRequest::new(id, prompt)
+}
+
+#[tokio::test]
+async fn weighted_cost_takes_the_cheapest_and_sees_its_own_bookings_at_once() {
+    let handle = routed(
+        RoutePolicy::WeightedCost,
+        &[worker(1), worker(2), worker(3)],
+    )
+    .await;
+    let cleanup = handle.cleanup();
+    // Worker 1 holds much KV, worker 2 has prefill waiting, worker 3 a little of both.
+    submit(
+        &cleanup,
+        &[
+            Op::Book(worker(1), weight(1000, None)),
+            Op::Shift(worker(1), weight(1000, None), {
+                let mut w = weight(1000, None);
+                w.prefill_tokens = 0;
+                w.kv_tokens = 5000;
+                w
+            }),
+            Op::Book(worker(2), weight(3000, None)),
+            Op::Book(worker(3), weight(100, None)),
+        ],
+    );
+    let decision = handle.route(request("a", 1000)).await.unwrap();
+    assert_eq!(decision.worker(), worker(3));
+    assert_eq!(decision.policy, RoutePolicy::WeightedCost);
+    let costs: Vec<_> = decision
+        .candidates
+        .iter()
+        .map(|c| (c.worker, c.cost))
+        .collect();
+    // prefill + kv, the request's own 1000 + 1000 included.
+    assert_eq!(
+        costs,
+        vec![
+            (worker(3), 100.0 + 100.0 + 2000.0),
+            (worker(1), 0.0 + 5000.0 + 2000.0),
+            (worker(2), 3000.0 + 3000.0 + 2000.0)
+        ]
+    );
+    // Booked at once: worker 3 now costs 2200 + 2000 more, so the next goes elsewhere
+    // only when that makes it dearer than worker 1.
+    assert_eq!(handle.load(worker(3)).await.unwrap().active_bookings, 2);
+    let next = handle.route(request("b", 2000)).await.unwrap();
+    assert_eq!(next.worker(), worker(3), "1100 + 1100 + 4000 < 5000 + 4000");
+    let next = handle.route(request("c", 2000)).await.unwrap();
+    assert_eq!(next.worker(), worker(1), "3100 + 3100 + 4000 > 5000 + 4000");
+    let stats = handle.stats();
+    assert_eq!(
+        stats.decisions(RoutePolicy::WeightedCost, RouteOutcome::Routed),
+        3
+    );
+}
+
+#[tokio::test]
+async fn weighted_cost_reports_the_cheapest_few_in_order() {
+    let members: Vec<_> = (0..30).map(worker).collect();
+    let handle = routed(RoutePolicy::WeightedCost, &members).await;
+    // Loads in a scrambled order: worker i carries (i * 7 mod 30) * 10 prompt tokens.
+    let books: Vec<_> = (0..30)
+        .map(|i| Op::Book(worker(i), weight((i as u32 * 7 % 30) * 10, None)))
+        .collect();
+    submit(&handle.cleanup(), &books);
+    let decision = handle.route(request("a", 1)).await.unwrap();
+    let mut expected: Vec<_> = (0..30u64)
+        .map(|i| ((i * 7 % 30) * 20 + 2, worker(i)))
+        .collect();
+    expected.sort();
+    let got: Vec<_> = decision
+        .candidates
+        .iter()
+        .map(|c| (c.cost as u64, c.worker))
+        .collect();
+    assert_eq!(
+        got,
+        expected[..crate::routing::REPORTED_CANDIDATES].to_vec()
+    );
+    assert_eq!(decision.worker(), worker(0));
+}
+
+#[tokio::test]
+async fn power_of_two_never_takes_the_dearest_and_spreads_over_the_rest() {
+    let members: Vec<_> = (0..6).map(worker).collect();
+    let handle = routed(RoutePolicy::PowerOfTwo, &members).await;
+    submit(
+        &handle.cleanup(),
+        &[Op::Book(worker(5), weight(1_000_000, None))],
+    );
+    let mut chosen = std::collections::BTreeSet::new();
+    for i in 0..200 {
+        let decision = handle.route(request(&format!("r{i}"), 10)).await.unwrap();
+        assert_eq!(decision.candidates.len(), 2);
+        assert!(decision.candidates[0].cost <= decision.candidates[1].cost);
+        assert_eq!(decision.worker(), decision.candidates[0].worker);
+        chosen.insert(decision.worker());
+    }
+    assert!(
+        !chosen.contains(&worker(5)),
+        "the lower of two is never the dearest"
+    );
+    assert_eq!(chosen.len(), 5, "{chosen:?}");
+}
+
+#[tokio::test]
+async fn round_robin_takes_members_in_turn_and_random_only_members() {
+    let handle = routed(RoutePolicy::RoundRobin, &[worker(1), worker(2), worker(3)]).await;
+    let mut turns = Vec::new();
+    for i in 0..6 {
+        turns.push(
+            handle
+                .route(request(&format!("r{i}"), 1))
+                .await
+                .unwrap()
+                .worker(),
+        );
+    }
+    assert_eq!(turns, [1, 2, 3, 1, 2, 3].map(worker));
+
+    let leave = Op::Membership {
+        worker_id: WorkerId(2),
+        dp_rank: None,
+        leaving: true,
+    };
+    submit(&handle.cleanup(), &[leave]);
+    handle
+        .set_routing(RoutingConfig {
+            policy: RoutePolicy::Random,
+            ..RoutingConfig::default()
+        })
+        .await
+        .unwrap();
+    for i in 0..100 {
+        let decision = handle.route(request(&format!("x{i}"), 1)).await.unwrap();
+        assert_ne!(
+            decision.worker(),
+            worker(2),
+            "a worker that left is never chosen"
+        );
+        assert_eq!(decision.policy, RoutePolicy::Random);
+    }
+}
+
+/// The same seed and the same state make the same draws; a different seed, and setting
+/// the seed again mid-run, restart them.
+#[tokio::test]
+async fn a_seed_makes_the_random_policies_repeatable() {
+    let members: Vec<_> = (1..=16).map(worker).collect();
+    let draws = |policy, seed: Option<u64>, reseed_after: Option<usize>| {
+        let members = members.clone();
+        async move {
+            let handle = routed(policy, &members).await;
+            let set = |seed| RoutingConfig {
+                policy,
+                seed,
+                ..RoutingConfig::default()
+            };
+            handle.set_routing(set(seed)).await.unwrap();
+            let mut picks = Vec::new();
+            for i in 0..40 {
+                if reseed_after == Some(i) {
+                    // The same seed again: no restart.
+                    handle.set_routing(set(seed)).await.unwrap();
+                    handle.set_routing(set(seed.map(|s| s + 1))).await.unwrap();
+                    handle.set_routing(set(seed)).await.unwrap();
+                }
+                let decision = handle.route(request(&format!("r{i}"), 1)).await.unwrap();
+                // The workers drawn, not the one chosen: the choice also depends on the
+                // loads, which the bookings change.
+                let mut drawn: Vec<_> = decision.candidates.iter().map(|c| c.worker).collect();
+                drawn.sort_unstable();
+                picks.push(drawn);
+            }
+            picks
+        }
+    };
+    for policy in [RoutePolicy::Random, RoutePolicy::PowerOfTwo] {
+        let a = draws(policy, Some(7), None).await;
+        assert_eq!(a, draws(policy, Some(7), None).await, "{policy:?}");
+        assert_ne!(a, draws(policy, Some(8), None).await, "{policy:?}");
+        assert_ne!(a, draws(policy, None, None).await, "{policy:?}");
+        // Reseeded with 7 after 20 draws: the first 20 picks come again.
+        let restarted = draws(policy, Some(7), Some(20)).await;
+        assert_eq!(restarted[..20], a[..20], "{policy:?}");
+        assert_eq!(restarted[20..], a[..20], "{policy:?}");
+    }
+}
+
+#[tokio::test]
+async fn bad_requests_and_no_members_are_refused_and_counted() {
+    let handle = routed(RoutePolicy::PowerOfTwo, &[]).await;
+    assert_eq!(
+        handle.route(request("a", 10)).await,
+        Err(RouteRequestError::NoWorkers)
+    );
+    for bad in [
+        request("a", 0),
+        request("", 10),
+        request("a", 10).with_cached_tokens(11),
+    ] {
+        assert!(matches!(
+            handle.route(bad).await,
+            Err(RouteRequestError::InvalidRequest(_))
+        ));
+    }
+    let bad_weights = RoutingConfig {
+        weights: CostWeights {
+            prefill: f64::NAN,
+            kv: 1.0,
+        },
+        ..RoutingConfig::default()
+    };
+    assert!(handle.set_routing(bad_weights).await.is_err());
+    let stats = handle.stats();
+    assert_eq!(
+        stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::NoWorkers),
+        1
+    );
+    assert_eq!(
+        stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::Invalid),
+        3
+    );
+    assert_eq!(
+        stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::Routed),
+        0
+    );
+}
+
+#[tokio::test]
+async fn least_bookings_takes_the_fewest_bookings_then_the_fewest_tokens() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    actor
+        .with_routing(RoutingConfig {
+            policy: RoutePolicy::LeastBookings,
+            ..RoutingConfig::default()
+        })
+        .spawn(None, &tracker);
+    assert_eq!(
+        handle.route(RouteRequest::new("x", 1)).await,
+        Err(RouteRequestError::NoWorkers)
+    );
+    let w = weight(10, None);
+    submit(
+        &handle.cleanup(),
+        &[
+            Op::Admitted(worker(1), w),
+            Op::Admitted(worker(2), weight(1, None)),
+            Op::Admitted(worker(2), weight(1, None)),
+            Op::Admitted(worker(3), w),
+        ],
+    );
+    let first = handle.route(RouteRequest::new("x", 1)).await.unwrap();
+    assert_eq!(
+        first.worker(),
+        worker(1),
+        "one booking each: fewer tokens, then the lower"
+    );
+    assert_eq!(first.policy, RoutePolicy::LeastBookings);
+    assert_eq!(first.candidates.len(), 1);
+    assert_eq!(handle.load(worker(1)).await.unwrap().active_bookings, 2);
+    let second = handle.route(RouteRequest::new("y", 1)).await.unwrap();
+    assert_eq!(
+        second.worker(),
+        worker(3),
+        "its own booking counted at once"
+    );
+    let third = handle.route(RouteRequest::new("z", 1)).await.unwrap();
+    assert_eq!(
+        third.worker(),
+        worker(2),
+        "two bookings each: the fewest tokens"
+    );
+    assert_eq!(
+        handle
+            .stats()
+            .decisions(RoutePolicy::LeastBookings, RouteOutcome::Routed),
+        3
+    );
+}
+
+/// Fewest bookings first; between equal bookings, fewest tokens (prompt plus expected
+/// output), whatever the worker ids.
+#[tokio::test]
+async fn equal_bookings_are_ranked_by_their_tokens() {
+    for (a, b) in [
+        // Tokens: 30 against 10 (a product would rank them the other way).
+        (weight(30, None), weight(5, Some(5))),
+        // Tokens: 15 against 12 (a difference would rank them the other way).
+        (weight(10, Some(5)), weight(12, None)),
+    ] {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
+        submit(
+            &handle.cleanup(),
+            &[Op::Book(worker(1), a), Op::Book(worker(2), b)],
+        );
+        assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(2));
+        // One booking more outweighs any tokens.
+        submit(&handle.cleanup(), &[Op::Book(worker(2), weight(0, None))]);
+        assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(1));
+    }
+    let load = WorkerLoad {
+        active_bookings: 2,
+        prompt_tokens: 3,
+        expected_output_tokens: 4,
+        ..WorkerLoad::default()
+    };
+    assert_eq!(load.rank(), (2, 7));
+}
