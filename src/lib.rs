@@ -44,6 +44,8 @@
 //! `testkit/` (`lease-router-testkit`, which starts real `nats-server` processes for the
 //! tests, the benches and `demo`). An embedder compiles neither.
 
+#![warn(unreachable_pub, unnameable_types)]
+
 mod connection;
 mod durable;
 mod ingress;

@@ -59,7 +59,7 @@ impl RetryPolicy {
     }
 
     /// A fresh delay sequence following this policy.
-    pub fn backoff(&self) -> Backoff {
+    pub(crate) fn backoff(&self) -> Backoff {
         Backoff(
             backoff::ExponentialBackoffBuilder::new()
                 .with_initial_interval(self.initial)
@@ -91,24 +91,24 @@ impl RetryPolicy {
 /// A delay sequence, for loops that sleep on their own (a publisher, a consumer that
 /// recreates itself). It never runs out: those loops bound themselves.
 #[derive(Debug)]
-pub struct Backoff(backoff::ExponentialBackoff);
+pub(crate) struct Backoff(backoff::ExponentialBackoff);
 
 impl Backoff {
     /// The next delay, capped: the crate's jitter may draw above `max_interval`.
-    pub fn next_delay(&mut self) -> Duration {
+    pub(crate) fn next_delay(&mut self) -> Duration {
         let max = self.0.max_interval;
         self.0.next_backoff().unwrap_or(max).min(max)
     }
 
     /// Starts over from `initial` (after a success).
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.0.reset();
     }
 }
 
 /// A failed attempt, classified: worth retrying, or not.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Attempt<E> {
+pub(crate) enum Attempt<E> {
     /// Retry after a delay (connection refused, timeout).
     Transient(E),
     /// Give up at once (authorization failed, invalid configuration).
@@ -116,17 +116,17 @@ pub enum Attempt<E> {
 }
 
 impl<E> Attempt<E> {
-    pub fn is_permanent(&self) -> bool {
+    pub(crate) fn is_permanent(&self) -> bool {
         matches!(self, Attempt::Permanent(_))
     }
 
-    pub fn inner(&self) -> &E {
+    pub(crate) fn inner(&self) -> &E {
         match self {
             Attempt::Transient(e) | Attempt::Permanent(e) => e,
         }
     }
 
-    pub fn into_inner(self) -> E {
+    pub(crate) fn into_inner(self) -> E {
         match self {
             Attempt::Transient(e) | Attempt::Permanent(e) => e,
         }
@@ -137,7 +137,7 @@ impl<E> Attempt<E> {
 /// error as classified (`Transient`: the deadline passed). The delay before the last attempt
 /// is shortened so that it runs at the deadline, not after it. `on_retry(&error, delay)` is
 /// called before each sleep, to log.
-pub async fn retry<T, E, Fut>(
+pub(crate) async fn retry<T, E, Fut>(
     policy: &RetryPolicy,
     deadline: Instant,
     mut op: impl FnMut() -> Fut,

@@ -210,7 +210,7 @@ pub struct Candidate {
 }
 
 /// Candidates a weighted-cost decision reports: the cheapest few, not every member.
-pub const REPORTED_CANDIDATES: usize = 8;
+pub(crate) const REPORTED_CANDIDATES: usize = 8;
 
 /// A decision: where the request goes, booked there provisionally.
 #[derive(Clone, Debug, PartialEq)]

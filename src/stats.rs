@@ -90,7 +90,7 @@ impl DropReason {
     }
 }
 
-pub const EVENT_KINDS: [EventKind; 4] = [
+pub(crate) const EVENT_KINDS: [EventKind; 4] = [
     EventKind::Admitted,
     EventKind::Progressed,
     EventKind::Completed,
@@ -107,7 +107,7 @@ fn kind_index(kind: EventKind) -> usize {
 }
 
 /// Upper bounds, in seconds, of the publish-to-apply lag histogram buckets.
-pub const LAG_BUCKETS: [f64; 14] = [
+pub(crate) const LAG_BUCKETS: [f64; 14] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0,
 ];
 const LAG_BUCKETS_US: [u64; 14] = [
@@ -117,7 +117,7 @@ const LAG_BUCKETS_US: [u64; 14] = [
 
 /// A lock-free histogram of publish-to-apply lag.
 #[derive(Debug, Default)]
-pub struct LagHistogram {
+pub(crate) struct LagHistogram {
     /// Per bucket (not cumulative); the last one is +Inf.
     buckets: [AtomicU64; LAG_BUCKETS_US.len() + 1],
     sum_us: AtomicU64,
@@ -141,13 +141,14 @@ fn lag_bucket(lag_us: u64) -> usize {
 }
 
 impl LagHistogram {
-    pub fn observe_us(&self, lag_us: u64) {
+    #[cfg(test)]
+    pub(crate) fn observe_us(&self, lag_us: u64) {
         self.buckets[lag_bucket(lag_us)].fetch_add(1, Ordering::Relaxed);
         self.sum_us.fetch_add(lag_us, Ordering::Relaxed);
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn snapshot(&self) -> LagSnapshot {
+    pub(crate) fn snapshot(&self) -> LagSnapshot {
         let mut cumulative = 0;
         let buckets = LAG_BUCKETS
             .iter()
@@ -361,7 +362,8 @@ impl IngressStats {
         self.publishers_evicted.fetch_add(n, Ordering::Relaxed);
     }
 
-    pub fn lag(&self) -> &LagHistogram {
+    #[cfg(test)]
+    pub(crate) fn lag(&self) -> &LagHistogram {
         &self.lag
     }
 

@@ -330,7 +330,7 @@ async fn mixed_publishers_on_one_deployment_end_with_exact_leases_and_counts() {
         let s = settled(&stats, b_events).await;
         assert_eq!(s.received, b_events, "{s:?}");
         assert_eq!(s.applied_total(), b_events, "{s:?}");
-        let batching_stats = batching.stats().snapshot();
+        let batching_stats = batching.stats();
         assert_eq!(batching_stats.published, b_events);
         assert!(batching_stats.batches > 0, "{batching_stats:?}");
 
@@ -559,14 +559,14 @@ async fn a_batch_open_across_a_server_restart_is_applied_once() {
         // Only the flush sends the batches that did not fill up: once they are counted, the
         // flush was taken, and what follows opens new batches.
         let sent_while_down = eventually(BOUND, || async {
-            publisher.stats().snapshot().published == expected_events
+            publisher.stats().published == expected_events
         })
         .await;
         assert!(
             sent_while_down,
             "the full and the flushed batches went to the client while the server was down: \
              {:?}",
-            publisher.stats().snapshot()
+            publisher.stats()
         );
         for w in workers.clone() {
             for i in 0..10 {

@@ -327,7 +327,7 @@ impl Replicas {
         }
         for s in &stats {
             let snap = s.snapshot();
-            let lag = s.lag().snapshot();
+            let lag = snap.lag.clone();
             measured.bus_lag_sum += lag.sum_seconds;
             measured.bus_lag_count += lag.count;
             let upto = |bound: f64| {

@@ -803,14 +803,14 @@ impl Worker {
         }
         self.finish();
         let counters = self.counters.clone();
-        let live_stats = self.publisher.stats().clone();
+        let live_stats = self.publisher.clone();
         let worker_id = self.worker_id;
         let closed = tokio::time::timeout(close_timeout, self.publisher.close()).await;
         let stats = match closed {
             Ok(Ok(stats)) => stats,
             Ok(Err(error)) => {
                 tracing::warn!(worker_id, %error, "closing a simulated worker's publisher failed");
-                live_stats.snapshot()
+                live_stats.stats()
             }
             Err(_) => {
                 tracing::warn!(
@@ -818,7 +818,7 @@ impl Worker {
                     "a simulated worker's publisher could not deliver its events within {}",
                     format_duration(close_timeout)
                 );
-                live_stats.snapshot()
+                live_stats.stats()
             }
         };
         // Accepted events that the publisher failed to send, or could not send before the

@@ -16,7 +16,7 @@ use crate::types::{RequestId, WorkerWithDpRank};
 ///
 /// Insertion order is expiry order (one TTL for all), so expiring is popping the front.
 #[derive(Debug)]
-pub struct ExpiringMap {
+pub(super) struct ExpiringMap {
     entries: HashMap<RequestId, Entry>,
     /// One slot per insertion, in expiry order: the request, when it expires, and the
     /// insertion's number. Only the slot whose number its entry still has stands for it.
@@ -48,7 +48,7 @@ struct Entry {
 
 /// What [`ExpiringMap::insert`] had to do to stay within its bound.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum InsertOutcome {
+pub(super) enum InsertOutcome {
     Inserted,
     /// The oldest entry was evicted to make room; it stood for `events` events.
     EvictedOldest {
@@ -61,7 +61,7 @@ pub enum InsertOutcome {
 }
 
 impl ExpiringMap {
-    pub fn new(ttl: Duration, capacity: usize) -> Self {
+    pub(super) fn new(ttl: Duration, capacity: usize) -> Self {
         Self {
             entries: HashMap::new(),
             order: VecDeque::new(),
@@ -74,32 +74,36 @@ impl ExpiringMap {
     }
 
     /// Events held by all entries (expired ones not yet removed included).
-    pub fn events(&self) -> u64 {
+    pub(super) fn events(&self) -> u64 {
         self.events
     }
 
     /// Events of the entries that expired since the last call.
-    pub fn take_expired(&mut self) -> u64 {
+    pub(super) fn take_expired(&mut self) -> u64 {
         std::mem::take(&mut self.expired)
     }
 
-    pub fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.entries.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(super) fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
 
     /// Remembers one event of `request_id` on `worker` until the TTL passes (an entry of
     /// the same request and worker counts one event more and lives on from now).
-    pub fn insert(&mut self, request_id: RequestId, worker: WorkerWithDpRank) -> InsertOutcome {
+    pub(super) fn insert(
+        &mut self,
+        request_id: RequestId,
+        worker: WorkerWithDpRank,
+    ) -> InsertOutcome {
         self.insert_progress(request_id, worker, 0)
     }
 
     /// [`ExpiringMap::insert`] of a `progressed` with `output_tokens` so far: the entry keeps
     /// the highest count of the events it holds.
-    pub fn insert_progress(
+    pub(super) fn insert_progress(
         &mut self,
         request_id: RequestId,
         worker: WorkerWithDpRank,
@@ -153,12 +157,16 @@ impl ExpiringMap {
 
     /// Takes the live entry of `request_id` if it names `worker`: how many events it stood
     /// for (0: none).
-    pub fn take(&mut self, request_id: &str, worker: WorkerWithDpRank) -> u64 {
+    pub(super) fn take(&mut self, request_id: &str, worker: WorkerWithDpRank) -> u64 {
         self.take_progress(request_id, worker).0
     }
 
     /// [`ExpiringMap::take`], with the highest output token count the entry held.
-    pub fn take_progress(&mut self, request_id: &str, worker: WorkerWithDpRank) -> (u64, u32) {
+    pub(super) fn take_progress(
+        &mut self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> (u64, u32) {
         if self.entries.is_empty() {
             // The common case, on every admission: no clock read.
             return (0, 0);
@@ -176,7 +184,7 @@ impl ExpiringMap {
     }
 
     /// Whether a live entry for `request_id` on `worker` exists.
-    pub fn contains(&self, request_id: &str, worker: WorkerWithDpRank) -> bool {
+    pub(super) fn contains(&self, request_id: &str, worker: WorkerWithDpRank) -> bool {
         self.entries
             .get(request_id)
             .is_some_and(|e| e.worker == worker && e.expires > Instant::now())
@@ -184,7 +192,7 @@ impl ExpiringMap {
 
     /// Forgets every entry of the workers `reset` covers; returns how many events they
     /// stood for.
-    pub fn forget_worker(&mut self, reset: impl Fn(WorkerWithDpRank) -> bool) -> u64 {
+    pub(super) fn forget_worker(&mut self, reset: impl Fn(WorkerWithDpRank) -> bool) -> u64 {
         let mut forgotten = 0;
         self.entries.retain(|_, e| {
             let covered = reset(e.worker);
@@ -199,7 +207,7 @@ impl ExpiringMap {
 
     /// Drops expired entries (their events are collected by [`ExpiringMap::take_expired`]);
     /// returns how many entries.
-    pub fn expire(&mut self, now: Instant) -> usize {
+    pub(super) fn expire(&mut self, now: Instant) -> usize {
         let mut expired = 0;
         while let Some((_, expires, _)) = self.order.front() {
             if *expires > now {

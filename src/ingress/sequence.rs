@@ -25,7 +25,7 @@ const WORDS: usize = (WINDOW / 64) as usize;
 
 /// What one `(publisher, sequence)` means.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum SequenceVerdict {
+pub(super) enum SequenceVerdict {
     /// The next one, or ahead of it. `lost`: numbers of this publisher that this one pushed
     /// out of the window without their having arrived.
     Fresh { lost: u64 },
@@ -58,7 +58,7 @@ pub(crate) struct SequenceImage {
 
 /// The windows of every publisher heard from, bounded in number.
 #[derive(Debug)]
-pub struct SequenceTracker {
+pub(super) struct SequenceTracker {
     publishers: HashMap<u64, PublisherWindow>,
     max_publishers: usize,
     clock: u64,
@@ -71,7 +71,7 @@ pub struct SequenceTracker {
 }
 
 impl SequenceTracker {
-    pub fn new(max_publishers: usize) -> Self {
+    pub(super) fn new(max_publishers: usize) -> Self {
         Self {
             publishers: HashMap::new(),
             max_publishers: max_publishers.max(1),
@@ -83,19 +83,19 @@ impl SequenceTracker {
     }
 
     /// Publishers forgotten to stay within the bound.
-    pub fn evicted(&self) -> u64 {
+    pub(super) fn evicted(&self) -> u64 {
         self.evicted
     }
 
     /// Numbers that were missing from the windows of the publishers forgotten so far: lost.
-    pub fn lost_evicted(&self) -> u64 {
+    pub(super) fn lost_evicted(&self) -> u64 {
         self.lost_evicted
     }
 
     /// Records that `publisher`, heard for the first time, speaks for `worker`; true if the
     /// worker had another publisher before (a restart). Call it once per new publisher, not
     /// per event.
-    pub fn new_publisher_of(&mut self, worker: u64, publisher: u64) -> bool {
+    pub(super) fn new_publisher_of(&mut self, worker: u64, publisher: u64) -> bool {
         if self.worker_publishers.len() >= 2 * self.max_publishers {
             // Each new publisher adds at most one entry: keeping only those whose publisher
             // is still tracked halves the map at worst, so this runs once per
@@ -154,11 +154,11 @@ impl SequenceTracker {
     }
 
     /// Whether `publisher` has been heard from (and not forgotten).
-    pub fn knows(&self, publisher: u64) -> bool {
+    pub(super) fn knows(&self, publisher: u64) -> bool {
         self.publishers.contains_key(&publisher)
     }
 
-    pub fn observe(&mut self, publisher: u64, sequence: u64) -> SequenceVerdict {
+    pub(super) fn observe(&mut self, publisher: u64, sequence: u64) -> SequenceVerdict {
         self.clock += 1;
         let clock = self.clock;
         if let Some(window) = self.publishers.get_mut(&publisher) {

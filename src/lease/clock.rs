@@ -24,7 +24,7 @@ pub enum LeaseState {
 
 /// The result of [`LeaseClock::touch`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum TouchOutcome {
+pub(super) enum TouchOutcome {
     /// QUIET became TOUCHED.
     Renewed,
     /// Already TOUCHED: this touch collapsed into the earlier one.
@@ -35,7 +35,7 @@ pub enum TouchOutcome {
 
 /// The result of [`LeaseClock::reap`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum ReapOutcome {
+pub(super) enum ReapOutcome {
     /// TOUCHED became QUIET: the lease lives until the next scan.
     SecondChance,
     /// QUIET became CLAIMED by this scan: the caller owns the expiry.
@@ -46,7 +46,7 @@ pub enum ReapOutcome {
 
 /// QUIET / TOUCHED / CLAIMED in one atomic.
 #[derive(Debug)]
-pub struct LeaseClock(AtomicU8);
+pub(super) struct LeaseClock(AtomicU8);
 
 impl Default for LeaseClock {
     fn default() -> Self {
@@ -56,7 +56,7 @@ impl Default for LeaseClock {
 
 impl LeaseClock {
     /// A fresh lease starts TOUCHED so that it gets the full second chance.
-    pub fn touched() -> Self {
+    pub(super) fn touched() -> Self {
         Self(AtomicU8::new(TOUCHED))
     }
 
@@ -65,7 +65,7 @@ impl LeaseClock {
         Self(AtomicU8::new(QUIET))
     }
 
-    pub fn state(&self) -> LeaseState {
+    pub(super) fn state(&self) -> LeaseState {
         match self.0.load(Ordering::Acquire) {
             QUIET => LeaseState::Quiet,
             TOUCHED => LeaseState::Touched,
@@ -74,7 +74,7 @@ impl LeaseClock {
     }
 
     /// Renews the lease: QUIET to TOUCHED only.
-    pub fn touch(&self) -> TouchOutcome {
+    pub(super) fn touch(&self) -> TouchOutcome {
         // The plain load keeps repeated touches off the cache line's write path.
         match self.0.load(Ordering::Acquire) {
             TOUCHED => TouchOutcome::Coalesced,
@@ -91,12 +91,12 @@ impl LeaseClock {
     }
 
     /// Claims the lease; exactly one caller over the lease's life gets `true`.
-    pub fn claim(&self) -> bool {
+    pub(super) fn claim(&self) -> bool {
         self.0.swap(CLAIMED, Ordering::AcqRel) != CLAIMED
     }
 
     /// One reaper pass: TOUCHED to QUIET, QUIET to CLAIMED.
-    pub fn reap(&self) -> ReapOutcome {
+    pub(super) fn reap(&self) -> ReapOutcome {
         let mut current = self.0.load(Ordering::Acquire);
         loop {
             let (next, outcome) = match current {

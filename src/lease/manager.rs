@@ -141,7 +141,7 @@ const COUNTERS: usize = Counter::RoutesCancelled as usize + 1;
 
 /// Counters of a manager, for dashboards and tests.
 #[derive(Debug, Default)]
-pub struct LeaseStatsCounters([AtomicU64; COUNTERS]);
+pub(super) struct LeaseStatsCounters([AtomicU64; COUNTERS]);
 
 impl LeaseStatsCounters {
     fn add(&self, counter: Counter, n: u64) {

@@ -207,7 +207,7 @@ pub enum FlushPublisherError {
 
 /// Counters of one publisher, shared with its task. All monotonic.
 #[derive(Debug, Default)]
-pub struct PublisherStats {
+pub(crate) struct PublisherStats {
     queued: AtomicU64,
     published: AtomicU64,
     batches: AtomicU64,
@@ -219,7 +219,7 @@ pub struct PublisherStats {
 
 impl PublisherStats {
     /// A consistent-enough copy: `published + failed <= queued` always holds in it.
-    pub fn snapshot(&self) -> PublisherStatsSnapshot {
+    pub(crate) fn snapshot(&self) -> PublisherStatsSnapshot {
         // Read the task's counters before `queued`: every event the task counted was counted
         // as queued before it was sent into the queue, so `queued` read last covers it.
         let published = self.published.load(Ordering::Acquire);
@@ -356,9 +356,9 @@ impl LeasePublisher {
         &self.shared.subjects
     }
 
-    /// The live counters.
-    pub fn stats(&self) -> &Arc<PublisherStats> {
-        &self.shared.stats
+    /// Its counters, read now.
+    pub fn stats(&self) -> PublisherStatsSnapshot {
+        self.shared.stats.snapshot()
     }
 
     /// Queues one event. Never blocks, never awaits.

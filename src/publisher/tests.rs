@@ -372,7 +372,7 @@ async fn full_queue_drops_the_newest_and_counts() {
         }
     }
     assert!(full >= 1_000 - 4 - 256, "{full} dropped");
-    let before = publisher.stats().snapshot();
+    let before = publisher.stats();
     assert_eq!(before.dropped_queue_full, full);
     assert_eq!(before.queued + full, 1_000);
     gate.add_permits(10_000);
@@ -454,7 +454,7 @@ async fn dropped_publisher_drains_and_ends() {
     for i in 0..20 {
         publisher.admitted(format!("r{i}"), 1, 0, 1, None).unwrap();
     }
-    let stats = publisher.stats().clone();
+    let stats = publisher.shared.stats.clone();
     drop(publisher);
     assert!(!ended.load(Ordering::Acquire));
     gate.add_permits(20);

@@ -60,9 +60,9 @@ use crate::subject::DeploymentName;
 use crate::types::WorkerWithDpRank;
 
 /// Leases listed when no `limit` is given.
-pub const DEFAULT_LEASE_LIMIT: usize = 1000;
+pub(super) const DEFAULT_LEASE_LIMIT: usize = 1000;
 /// The largest `limit` honoured.
-pub const MAX_LEASE_LIMIT: usize = 100_000;
+pub(super) const MAX_LEASE_LIMIT: usize = 100_000;
 /// How long a scheduler may take to answer a worker listing.
 const SCHEDULER_QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 

@@ -29,11 +29,11 @@ use crate::stats::LagSnapshot;
 use crate::types::WorkerWithDpRank;
 
 /// The prefix of every metric name.
-pub const METRIC_PREFIX: &str = "lease_router";
+pub(super) const METRIC_PREFIX: &str = "lease_router";
 
 /// The content type of what [`Metrics::render`] returns (`prometheus-client` writes
 /// OpenMetrics text, which Prometheus scrapes natively).
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub(super) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// How long one scheduler may take to report its worker loads during a scrape.
 const WORKER_LOAD_TIMEOUT: Duration = Duration::from_secs(2);
@@ -364,7 +364,7 @@ fn histogram_buckets(lag: &LagSnapshot) -> Vec<(f64, u64)> {
 }
 
 /// Writes every metric of `snapshot`.
-pub fn encode_snapshot(
+pub(super) fn encode_snapshot(
     snapshot: &HostMetricsSnapshot,
     encoder: &mut DescriptorEncoder,
 ) -> fmt::Result {

@@ -50,4 +50,4 @@ pub use host::{
 pub use http::{
     router, serve, ApiAuth, ApiState, BearerToken, ParseBearerTokenError, ReadinessHook,
 };
-pub use metrics::Metrics;
+pub use metrics::{Metrics, MetricsSource};
