@@ -66,7 +66,9 @@
 //! Environment: `ROUTING_SEED` (1), `ROUTING_SECONDS` (measured, 40), `ROUTING_WARMUP` (10),
 //! `ROUTING_TAIL` (5), `ROUTING_SPEEDUP` (model seconds per wall second for the shared
 //! setting, 1), `ROUTING_PLOT` (the SVG's path), `ROUTING_QUICK=1` (80% load, 4 replicas,
-//! round robin and weighted cost, 15 s: about 25 s).
+//! round robin and weighted cost, 15 s: about 25 s), `ROUTING_LOST=share` (only the phantom
+//! booking comparison: that share of routed requests never reaches its worker, with the
+//! provisional deadline and without; see `lost_requests`).
 //!
 //! [`LeasePublisher`]: lease_router::LeasePublisher
 mod common;
@@ -83,6 +85,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::percentile;
+use lease_router::DEFAULT_PROVISIONAL_DEADLINE;
 use model::{Request, ENGINE, MIX};
 use sim::{Case, Measured, Plan, Policy, Setting};
 
@@ -209,6 +212,11 @@ async fn run() {
          tail_s={tail} speedup={speedup} engine={ENGINE:?} mix={MIX:?}"
     );
 
+    let phantom: f64 = env("ROUTING_LOST", 0.0);
+    if phantom > 0.0 {
+        return lost_requests(phantom, plan, speedup, seed, capacity).await;
+    }
+
     let loads: Vec<f64> = if quick {
         vec![PIN_LOAD]
     } else {
@@ -237,6 +245,8 @@ async fn run() {
                 policy,
                 replicas: 1,
                 load,
+                lost: 0.0,
+                provisional_deadline: Some(DEFAULT_PROVISIONAL_DEADLINE),
             });
             for &r in &replicas {
                 for setting in [Setting::Shared, Setting::Isolated] {
@@ -245,6 +255,8 @@ async fn run() {
                         policy,
                         replicas: r,
                         load,
+                        lost: 0.0,
+                        provisional_deadline: Some(DEFAULT_PROVISIONAL_DEADLINE),
                     });
                 }
             }
@@ -421,4 +433,62 @@ fn report(rows: &BTreeMap<Key, Row>, loads: &[f64], policies: &[Policy], plot_pa
         Ok(()) => println!("routing_plot={}", plot_path.display()),
         Err(e) => println!("routing_plot_error={e}"),
     }
+}
+
+/// `ROUTING_LOST=share`: phantom bookings. Shared setting, 4 replicas, 80% load, weighted
+/// cost; each `1 / share`-th request is routed and booked but never reaches its worker.
+/// With the provisional deadline (the default, 5 s) the routers release those bookings
+/// soon; without it (a deadline of an hour, as a lease lifetime would be) each stays as
+/// phantom load on its worker for the whole run.
+async fn lost_requests(share: f64, plan: Plan, speedup: f64, seed: u64, capacity: f64) {
+    let server = common::bench_server().await;
+    let url = server.server.url();
+    let shared_plan = Plan {
+        speedup: Some(speedup),
+        ..plan
+    };
+    let arrivals = Arc::new(model::arrivals(
+        seed,
+        PIN_LOAD * capacity,
+        plan.end + sim::MAX_DRAIN,
+        MIX,
+    ));
+    let mut p99 = Vec::new();
+    for (name, deadline) in [("5s", Some(DEFAULT_PROVISIONAL_DEADLINE)), ("none", None)] {
+        let case = Case {
+            setting: Setting::Shared,
+            policy: Policy::WeightedCost,
+            replicas: PIN_REPLICAS,
+            load: PIN_LOAD,
+            lost: share,
+            provisional_deadline: deadline,
+        };
+        let m = sim::run(
+            case,
+            shared_plan,
+            arrivals.clone(),
+            format!("lost-{name}"),
+            Some(url.clone()),
+        )
+        .await;
+        let row = Row::of(&m);
+        println!(
+            "routing_lost share={share} deadline={name} lost={} provisional_expired={} \
+             requests={} ttft_p50_ms={:.0} ttft_p99_ms={:.0} latency_p99_ms={:.0} \
+             util_min={:.2} util_max={:.2}",
+            m.lost,
+            m.provisional_expired,
+            row.requests,
+            row.ttft_p50,
+            row.ttft_p99,
+            row.latency_p99,
+            row.util_min,
+            row.util_max,
+        );
+        p99.push(row.ttft_p99);
+    }
+    println!(
+        "routing_lost_ttft_p99_without_vs_with_deadline={:.2}",
+        p99[1] / p99[0]
+    );
 }

@@ -78,6 +78,11 @@ pub struct Case {
     pub replicas: usize,
     /// Share of the deployment's capacity.
     pub load: f64,
+    /// Share of the routed requests lost between router and worker: booked by the decision,
+    /// never admitted (each `1 / lost`-th request, so every case loses the same ones).
+    pub lost: f64,
+    /// The routers' provisional deadline; `None`: a lease lifetime (an hour here).
+    pub provisional_deadline: Option<Duration>,
 }
 
 /// The model's time line, in model seconds, and how it maps to wall time.
@@ -120,6 +125,10 @@ pub struct Measured {
     pub bus_lag_5ms: u64,
     /// Events the ingresses dropped (any reason).
     pub bus_dropped: u64,
+    /// Measured requests lost between router and worker (not in the figures above).
+    pub lost: usize,
+    /// Provisional bookings the routers released at their deadline, summed over replicas.
+    pub provisional_expired: u64,
 }
 
 /// Where the workers' lease events go.
@@ -203,11 +212,15 @@ struct Replicas {
     feed: Feed,
 }
 
-fn router_config(deployment: &str, policy: Policy) -> RouterConfig {
+fn router_config(deployment: &str, case: &Case) -> RouterConfig {
     // Nothing expires and no member is forgotten within a run: every request completes,
     // and a replica that hears little (isolated) must not lose its workers.
-    let mut config = RouterConfig::new(deployment).with_scan_interval(Duration::from_secs(3600));
-    config.routing.policy = policy.route_policy();
+    let mut config = RouterConfig::new(deployment);
+    config.lease.scan_interval = Duration::from_secs(3600);
+    config.lease.provisional_deadline = case
+        .provisional_deadline
+        .unwrap_or(Duration::from_secs(3600));
+    config.routing.policy = case.policy.route_policy();
     config.routing.worker_idle = Some(Duration::from_secs(3600));
     config
 }
@@ -231,7 +244,7 @@ impl Replicas {
                         ApplyConfig::default(),
                         s.clone(),
                     );
-                    let router = Router::start(router_config(deployment, case.policy), ingress)
+                    let router = Router::start(router_config(deployment, case), ingress)
                         .await
                         .expect("router starts");
                     routers.push(router);
@@ -268,7 +281,7 @@ impl Replicas {
             Setting::Isolated | Setting::Single => {
                 let mut routers = Vec::new();
                 for _ in 0..case.replicas {
-                    let router = Router::start(router_config(deployment, case.policy), NoIngress)
+                    let router = Router::start(router_config(deployment, case), NoIngress)
                         .await
                         .expect("router starts");
                     for w in 0..workers {
@@ -316,6 +329,10 @@ impl Replicas {
             stats,
             feed,
         } = self;
+        measured.provisional_expired = routers
+            .iter()
+            .map(|r| r.manager().stats().provisional_expired)
+            .sum();
         // The direct feed holds the managers: dropped first, so the routers can end.
         match feed {
             Feed::Bus(publishers) => {
@@ -368,6 +385,7 @@ pub async fn run(
     let mut happened = Vec::new();
     let mut driver_lag = Vec::new();
     let mut next = 0usize;
+    let mut measured = Measured::default();
     let start = Instant::now();
     let in_window = |t: f64| t >= plan.warmup && t < plan.measure_end;
     let mut measured_left = requests.iter().filter(|r| in_window(r.arrival)).count();
@@ -404,6 +422,14 @@ pub async fn run(
             next += 1;
             let r = &requests[index];
             let replica = index % case.replicas;
+            let lost = case.lost > 0.0 && index % (1.0 / case.lost).round() as usize == 0;
+            if lost && !draining {
+                // Routed and booked, then lost on the way: the worker never hears of it.
+                replicas.route(replica, index, r).await;
+                measured.lost += usize::from(in_window(r.arrival));
+                placed[index] = (usize::MAX, replica);
+                continue;
+            }
             let w = if draining {
                 index % plan.workers
             } else {
@@ -437,9 +463,8 @@ pub async fn run(
         }
     }
 
-    let mut measured = Measured::default();
     for (i, r) in requests.iter().enumerate() {
-        if !in_window(r.arrival) {
+        if !in_window(r.arrival) || placed[i].0 == usize::MAX {
             continue;
         }
         // A request cut off by the end counts with its time so far: a lower bound.
