@@ -112,7 +112,7 @@ fn log_says_port_in_use(log: &str) -> bool {
 /// `nats-server` on PATH, else the newest release in the project's `.tools/`
 /// ([`project_tools_dir`]).
 pub fn nats_server_binary() -> Option<PathBuf> {
-    if let Some(bin) = std::env::var_os(NATS_SERVER_BIN_ENV) {
+    if let Some(bin) = std::env::var_os(NATS_SERVER_BIN_ENV).filter(|bin| !bin.is_empty()) {
         let bin = PathBuf::from(bin);
         return is_executable(&bin).then_some(bin);
     }
