@@ -850,7 +850,11 @@ mod tests {
                 let bytes = map(&order);
                 match decode_message(&bytes, limits()) {
                     Message::Refused { events, error } => {
-                        assert_eq!((events, error.reason()), (3, "decode"), "{repeated} at {at}");
+                        assert_eq!(
+                            (events, error.reason()),
+                            (3, "decode"),
+                            "{repeated} at {at}"
+                        );
                     }
                     other => panic!("{repeated} at {at}: {other:?}"),
                 }

@@ -295,7 +295,9 @@ impl<'de> Visitor<'de> for RawSeed<'_> {
                 _ if skip_fields => {
                     map.next_value::<IgnoredAny>()?;
                 }
-                Key::PublisherId => fill(&mut map, &mut raw.publisher_id, keys::PUBLISHER_ID, &U64)?,
+                Key::PublisherId => {
+                    fill(&mut map, &mut raw.publisher_id, keys::PUBLISHER_ID, &U64)?
+                }
                 Key::Sequence => fill(&mut map, &mut raw.sequence, keys::SEQUENCE, &U64)?,
                 Key::PublishedAtUs => fill(
                     &mut map,

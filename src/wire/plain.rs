@@ -96,9 +96,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::super::full::decode_full;
-    use super::super::{
-        encode, Admitted, Envelope, LeaseEvent, DEFAULT_MAX_EVENT_BYTES,
-    };
+    use super::super::{encode, Admitted, Envelope, LeaseEvent, DEFAULT_MAX_EVENT_BYTES};
     use super::super::{Completed, Outcome, ProgressStage, Progressed, WorkerReset};
     use super::*;
 

@@ -357,7 +357,16 @@ mod tests {
             assert_eq!(Reader::new(&b).uint(), Some(n));
             assert_eq!(whole_uint(&b), Some(n));
         }
-        for n in [0i64, 1, 0x7f, 0x80, 0x7fff, 0x8000, i64::from(i32::MAX), i64::MAX] {
+        for n in [
+            0i64,
+            1,
+            0x7f,
+            0x80,
+            0x7fff,
+            0x8000,
+            i64::from(i32::MAX),
+            i64::MAX,
+        ] {
             for b in [
                 vec![0xd0, n as u8],
                 [&[0xd1][..], &(n as u16).to_be_bytes()].concat(),
@@ -412,7 +421,10 @@ mod tests {
             assert_eq!(whole_str(&longer), None);
         }
         assert_eq!(whole_str(&[0xa2, 0xff, 0xfe]), None, "not UTF-8");
-        assert_eq!(Reader::new(&[0xa2, 0xff, 0xfe]).str(), Some(&[0xff, 0xfe][..]));
+        assert_eq!(
+            Reader::new(&[0xa2, 0xff, 0xfe]).str(),
+            Some(&[0xff, 0xfe][..])
+        );
         assert_eq!(whole_str(&[0xc4, 0x00]), None, "bin is not a string");
         assert_eq!(Reader::new(&[0xd9, 0x01, b'x']).fixstr(), None);
         let mut r = Reader::new(&[0xa1, b'k', 0x01]);

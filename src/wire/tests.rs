@@ -566,8 +566,7 @@ fn malformed_fields_are_named() {
 #[test]
 fn nesting_limit_of_the_last_field() {
     let nested_last = |levels: usize| {
-        let mut bytes =
-            reset_with(|m| m.ks("kind", "worker_reset").kv("wid", 7).str("deep"), 7);
+        let mut bytes = reset_with(|m| m.ks("kind", "worker_reset").kv("wid", 7).str("deep"), 7);
         bytes.extend(std::iter::repeat_n(0x91, levels));
         bytes.push(0x01);
         bytes
