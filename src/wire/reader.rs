@@ -344,7 +344,7 @@ mod tests {
         assert_eq!(r.pos(), 10, "the marker is read");
         assert_eq!(r.array_len(), Some(256));
         assert_eq!(r.array_len(), None, "cut");
-        assert!(!r.is_at_end());
+        assert!(r.is_at_end(), "the marker of the cut header is read");
         assert_eq!(Reader::new(&[0x9f]).array_len(), Some(15));
         assert_eq!(Reader::new(&[0x8f]).map_len(), Some(15));
         assert_eq!(Reader::new(&[0x80]).array_len(), None);
