@@ -427,12 +427,14 @@ macro_rules! wire_strings {
             }
 
             /// The value a wire string names, if this version knows it.
+            #[inline]
             pub fn from_wire(name: &str) -> Option<Self> {
                 Self::from_wire_bytes(name.as_bytes())
             }
 
             /// The value whose wire string has the bytes `name` (not yet checked to be UTF-8:
             /// every wire string is ASCII).
+            #[inline]
             fn from_wire_bytes(name: &[u8]) -> Option<Self> {
                 Self::ALL
                     .into_iter()
