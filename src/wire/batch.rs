@@ -14,12 +14,12 @@
 use std::marker::PhantomData;
 
 use bytes::Bytes;
-use rmp::Marker;
 
+use super::reader::{value_len, whole_str, whole_uint, Reader};
 use super::{
-    decode, plain, value_len, DecodeEventError, EncodeEventError, Envelope, MAX_NESTING_DEPTH,
+    decode, keys, plain, DecodeEventError, EncodeEventError, Envelope, Message, MessageLimits,
+    MAX_NESTING_DEPTH, WIRE_VERSION,
 };
-use super::{keys, WIRE_VERSION};
 
 /// The `kind` of a batch.
 pub const BATCH_KIND: &str = "batch";
@@ -43,71 +43,6 @@ const CANONICAL_PREFIX: [u8; 22] = [
 
 /// The longest array header (`array32`).
 const MAX_ARRAY_HEADER: usize = 5;
-
-/// The limits a router reads messages with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MessageLimits {
-    /// A single event, and each event inside a batch, at most this long.
-    pub max_event_bytes: usize,
-    /// A batch message at most this long.
-    pub max_batch_bytes: usize,
-}
-
-impl Default for MessageLimits {
-    fn default() -> Self {
-        Self {
-            max_event_bytes: super::DEFAULT_MAX_EVENT_BYTES,
-            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
-        }
-    }
-}
-
-/// What one received message holds.
-#[derive(Debug)]
-pub enum Message<'a> {
-    /// A message of one event, or the reason it is not one.
-    Event(Result<Envelope, DecodeEventError>),
-    /// A batch whose structure was read to its end: its events, each decoded on its own.
-    Batch(BatchEvents<'a>),
-    /// A batch that cannot be read as a whole: each of the `events` it declares (at least
-    /// one, at most one per byte of the message) is dropped for `error`.
-    Refused {
-        events: usize,
-        error: DecodeEventError,
-    },
-}
-
-/// Reads one received message: a single event or a batch.
-///
-/// Never panics. A single event costs what [`decode`] costs: a batch is recognised by its
-/// canonical first bytes, or, in another key order, only once the message failed to decode
-/// as one event.
-pub fn decode_message(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
-    let max = limits.max_event_bytes.max(limits.max_batch_bytes);
-    if bytes.len() > max {
-        return Message::Event(Err(DecodeEventError::Oversized {
-            len: bytes.len(),
-            max,
-        }));
-    }
-    if bytes.starts_with(&CANONICAL_PREFIX) {
-        return read_batch(bytes, limits);
-    }
-    if bytes.len() > limits.max_event_bytes {
-        if is_batch(bytes) {
-            return read_batch(bytes, limits);
-        }
-        return Message::Event(Err(DecodeEventError::Oversized {
-            len: bytes.len(),
-            max: limits.max_event_bytes,
-        }));
-    }
-    match decode(bytes, limits.max_event_bytes) {
-        Ok(envelope) => Message::Event(Ok(envelope)),
-        Err(_) if is_batch(bytes) => read_batch(bytes, limits),
-        Err(error) => Message::Event(Err(error)),
-    }
-}
 
 /// The events of a batch, each decoded on its own, in order.
 #[derive(Debug, Clone)]
@@ -177,154 +112,104 @@ fn batch_of(events: Vec<Result<Envelope, DecodeEventError>>) -> Message<'static>
     })
 }
 
+/// Whether `bytes` starts as the encoder starts every batch.
+pub(super) fn starts_canonically(bytes: &[u8]) -> bool {
+    bytes.starts_with(&CANONICAL_PREFIX)
+}
+
 /// A batch written as the encoder writes it (the canonical prefix, then one array of at least
 /// one event, and nothing after it), read in one pass; `None` for anything else, which the
 /// general reader then answers.
 fn read_canonical(bytes: &[u8], max_event_bytes: usize) -> Option<Message<'static>> {
-    let mut pos = CANONICAL_PREFIX.len();
-    if !bytes.starts_with(&CANONICAL_PREFIX) {
-        return None;
-    }
-    let count = read_len(bytes, &mut pos, Container::Array).filter(|&n| n > 0)?;
-    let body = &bytes[pos..];
+    let mut reader = Reader::new(bytes.strip_prefix(&CANONICAL_PREFIX[..])?);
+    let count = reader.array_len().filter(|&n| n > 0)?;
+    let body = reader.rest();
     let (events, end) = decode_events(body, count, max_event_bytes)?;
     (end == body.len()).then(|| batch_of(events))
 }
 
 /// Whether `bytes` is a map whose `kind` is `"batch"`, looking no deeper than its top level.
-fn is_batch(bytes: &[u8]) -> bool {
-    let mut reader = TopLevel::new(bytes);
-    while let Some(Ok((key, value))) = reader.next() {
+pub(super) fn is_batch(bytes: &[u8]) -> bool {
+    let mut pairs = TopLevel::new(bytes);
+    while let Some(Ok((key, value))) = pairs.next() {
         if key == keys::KIND {
-            return read_str(value) == Some(BATCH_KIND);
+            return whole_str(value) == Some(BATCH_KIND);
         }
     }
     false
 }
 
-/// The key/value pairs of the map that starts a message, each value as its raw bytes.
+/// The key/value pairs of the map that starts a message, each value as its raw bytes; an
+/// `Err` says why the map cannot be read on, and ends it.
 struct TopLevel<'a> {
-    bytes: &'a [u8],
-    pos: usize,
+    reader: Reader<'a>,
     pairs: Option<usize>,
 }
 
 impl<'a> TopLevel<'a> {
     fn new(bytes: &'a [u8]) -> Self {
-        let mut pos = 0;
-        let pairs = read_len(bytes, &mut pos, Container::Map);
-        Self { bytes, pos, pairs }
+        let mut reader = Reader::new(bytes);
+        let pairs = reader.map_len();
+        Self { reader, pairs }
     }
 
     /// Where the map ended, once every pair was taken.
     fn end(&self) -> usize {
-        self.pos
+        self.reader.pos()
     }
 }
 
-/// Why the top-level map cannot be read on, and the key whose value broke, if it got that
-/// far (with the bytes from that value on).
-struct Broken<'a> {
-    why: &'static str,
-    at: Option<(&'a str, &'a [u8])>,
-}
-
 impl<'a> Iterator for TopLevel<'a> {
-    type Item = Result<(&'a str, &'a [u8]), Broken<'a>>;
+    type Item = Result<(&'a str, &'a [u8]), &'static str>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let broken = |why| Some(Err(Broken { why, at: None }));
         let Some(pairs) = self.pairs.as_mut() else {
             self.pairs = Some(0);
-            return broken("a message must be a MessagePack map");
+            return Some(Err("a message must be a MessagePack map"));
         };
         if *pairs == 0 {
             return None;
         }
         *pairs -= 1;
-        let rest = &self.bytes[self.pos..];
-        let Some(key_len) = value_len(rest, 1) else {
-            *pairs = 0;
-            return broken("the batch is cut short or malformed");
+        let key = self.reader.pos();
+        let broken = if self.reader.skip(1).is_none() {
+            "the batch is cut short or malformed"
+        } else if let Some(key) = whole_str(self.reader.since(key)) {
+            let value = self.reader.pos();
+            if self.reader.skip(MAX_NESTING_DEPTH + 1).is_some() {
+                return Some(Ok((key, self.reader.since(value))));
+            }
+            "the batch is cut short or malformed"
+        } else {
+            "a batch's keys must be strings"
         };
-        let Some(key) = read_str(&rest[..key_len]) else {
-            *pairs = 0;
-            return broken("a batch's keys must be strings");
-        };
-        let Some(value_len) = value_len(&rest[key_len..], MAX_NESTING_DEPTH + 1) else {
-            *pairs = 0;
-            return Some(Err(Broken {
-                why: "the batch is cut short or malformed",
-                at: Some((key, &rest[key_len..])),
-            }));
-        };
-        let value = &rest[key_len..key_len + value_len];
-        self.pos += key_len + value_len;
-        Some(Ok((key, value)))
+        *pairs = 0;
+        Some(Err(broken))
     }
 }
 
-#[derive(Clone, Copy)]
-enum Container {
-    Map,
-    Array,
-}
-
-/// The length of the map or array whose header starts at `bytes[*pos..]`; moves past it.
-fn read_len(bytes: &[u8], pos: &mut usize, container: Container) -> Option<usize> {
-    let rest = bytes.get(*pos..)?;
-    let big_endian = |n: usize| -> Option<usize> {
-        let field = rest.get(1..1 + n)?;
-        Some(field.iter().fold(0, |acc, b| (acc << 8) | usize::from(*b)))
-    };
-    let (header, len) = match (container, Marker::from_u8(*rest.first()?)) {
-        (Container::Map, Marker::FixMap(n)) | (Container::Array, Marker::FixArray(n)) => {
-            (1, usize::from(n))
+/// How many events a batch declares: the length of the array under its first `events` key,
+/// wherever that key is, as long as the pairs before it can be measured; 1 when that array's
+/// header cannot be read (no `events`, not an array, the map broken before it).
+fn declared_events(bytes: &[u8]) -> usize {
+    let mut reader = Reader::new(bytes);
+    for _ in 0..reader.map_len().unwrap_or(0) {
+        let key = reader.pos();
+        if reader.skip(1).is_none() {
+            break;
         }
-        (Container::Map, Marker::Map16) | (Container::Array, Marker::Array16) => {
-            (3, big_endian(2)?)
+        if whole_str(reader.since(key)) == Some(EVENTS_KEY) {
+            return reader.array_len().unwrap_or(1);
         }
-        (Container::Map, Marker::Map32) | (Container::Array, Marker::Array32) => {
-            (5, big_endian(4)?)
+        if reader.skip(MAX_NESTING_DEPTH + 1).is_none() {
+            break;
         }
-        _ => return None,
-    };
-    *pos += header;
-    Some(len)
-}
-
-/// The string that is the whole of `value`, if it is one.
-fn read_str(value: &[u8]) -> Option<&str> {
-    let (header, len) = match Marker::from_u8(*value.first()?) {
-        Marker::FixStr(n) => (1, usize::from(n)),
-        Marker::Str8 => (2, usize::from(*value.get(1)?)),
-        Marker::Str16 => (
-            3,
-            usize::from(u16::from_be_bytes([*value.get(1)?, *value.get(2)?])),
-        ),
-        Marker::Str32 => {
-            let field: [u8; 4] = value.get(1..5)?.try_into().ok()?;
-            (5, usize::try_from(u32::from_be_bytes(field)).ok()?)
-        }
-        _ => return None,
-    };
-    let text = value.get(header..header + len)?;
-    if header + len != value.len() {
-        return None;
     }
-    std::str::from_utf8(text).ok()
-}
-
-/// The unsigned integer that is the whole of `value`, if it is one (any width, signed or
-/// not, as long as it is not negative).
-fn read_uint(value: &[u8]) -> Option<u64> {
-    let mut reader = value;
-    let n: u64 = rmp::decode::read_int(&mut reader).ok()?;
-    reader.is_empty().then_some(n)
+    1
 }
 
 /// Reads a message known to be a batch (its `kind` is `"batch"`, or it starts like one).
-fn read_batch(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
+pub(super) fn read_batch(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
     if bytes.len() > limits.max_batch_bytes {
         // Not read: counted once, as any message over its limit.
         return Message::Event(Err(DecodeEventError::Oversized {
@@ -340,12 +225,13 @@ fn read_batch(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
 
 /// Reads a batch in any key order, and answers every batch [`read_canonical`] leaves.
 fn read_general(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
-    let refused = |events: usize, error: DecodeEventError| Message::Refused {
-        events: events.clamp(1, bytes.len().max(1)),
+    // Whatever the reason and wherever it is found, a refused batch drops every event it
+    // declares, at least one and at most one per byte.
+    let refused = |error: DecodeEventError| Message::Refused {
+        events: declared_events(bytes).clamp(1, bytes.len().max(1)),
         error,
     };
-    let malformed =
-        |events: usize, why: &str| refused(events, DecodeEventError::Malformed(why.into()));
+    let malformed = |why: &str| refused(DecodeEventError::Malformed(why.into()));
 
     let mut version = None;
     let mut events = None;
@@ -353,63 +239,49 @@ fn read_general(bytes: &[u8], limits: MessageLimits) -> Message<'_> {
     let mut keys_seen = hashbrown::HashSet::new();
     let mut pairs = TopLevel::new(bytes);
     for pair in pairs.by_ref() {
-        let declared = events.map_or(1, |(count, _)| count);
         let (key, value) = match pair {
             Ok(pair) => pair,
-            Err(Broken { why, at }) => {
-                // Cut inside the events: their count is still known.
-                let declared = match at {
-                    Some((EVENTS_KEY, value)) => {
-                        read_len(value, &mut 0, Container::Array).unwrap_or(declared)
-                    }
-                    _ => declared,
-                };
-                return malformed(declared, why);
-            }
+            Err(why) => return malformed(why),
         };
         if !keys_seen.insert(key) {
-            return malformed(declared, "duplicate key in a batch");
+            return malformed("duplicate key in a batch");
         }
         match key {
-            keys::VERSION => version = Some(read_uint(value)),
+            keys::VERSION => version = Some(whole_uint(value)),
             EVENTS_KEY => {
-                let mut pos = 0;
-                let Some(count) = read_len(value, &mut pos, Container::Array) else {
-                    return malformed(1, "a batch's `events` must be an array");
+                let mut reader = Reader::new(value);
+                let Some(count) = reader.array_len() else {
+                    return malformed("a batch's `events` must be an array");
                 };
-                events = Some((count, &value[pos..]));
+                events = Some((count, reader.rest()));
             }
             _ => {}
         }
     }
-    let declared = events.map_or(1, |(count, _)| count);
     match version {
         Some(Some(v)) if v == u64::from(WIRE_VERSION) => {}
         Some(Some(found)) => {
-            return refused(
-                declared,
-                DecodeEventError::UnsupportedVersion {
-                    found: u16::try_from(found).unwrap_or(u16::MAX),
-                    supported: WIRE_VERSION,
-                },
-            )
+            return refused(DecodeEventError::UnsupportedVersion {
+                found: u16::try_from(found).unwrap_or(u16::MAX),
+                supported: WIRE_VERSION,
+            })
         }
-        Some(None) => return malformed(declared, "a batch's `v` must be an unsigned integer"),
-        None => return malformed(declared, "missing field `v`"),
+        Some(None) => return malformed("a batch's `v` must be an unsigned integer"),
+        None => return malformed("missing field `v`"),
     }
     if pairs.end() != bytes.len() {
-        return malformed(declared, "bytes after the batch");
+        return malformed("bytes after the batch");
     }
     let Some((count, body)) = events else {
-        return malformed(1, "missing field `events`");
+        return malformed("missing field `events`");
     };
     if count == 0 {
-        return malformed(1, "a batch holds at least one event");
+        return malformed("a batch holds at least one event");
     }
     // Every event must be measurable before any is applied: a batch is read whole or not.
     match decode_events(body, count, limits.max_event_bytes) {
         Some((events, _)) => batch_of(events),
-        None => malformed(count, "the batch is cut short or malformed"),
+        None => malformed("the batch is cut short or malformed"),
     }
 }
 
@@ -433,6 +305,7 @@ impl Default for BatchWriter {
 }
 
 impl BatchWriter {
+    /// A writer with room for about 1 KiB of events before it grows.
     pub fn new() -> Self {
         Self::with_capacity(1024)
     }
@@ -533,7 +406,7 @@ pub fn encode_batch(envelopes: &[Envelope]) -> Result<Vec<u8>, EncodeEventError>
 mod tests {
     use super::super::{Admitted, Completed, ProgressStage, Progressed, WorkerReset};
     use super::*;
-    use crate::wire::{encode, Outcome};
+    use crate::wire::{decode_message, encode, Outcome};
 
     fn events(n: u64) -> Vec<Envelope> {
         (1..=n)
@@ -846,6 +719,14 @@ mod tests {
         let encoded: Vec<_> = events(2).iter().map(|e| encode(e).unwrap()).collect();
         let v1 = |out: &mut Vec<u8>| rmp::encode::write_u8(out, 1).unwrap();
         let kind = |out: &mut Vec<u8>| rmp::encode::write_str(out, "batch").unwrap();
+        // `{"v": 1, "kind": "batch", <pair>, "events": [..]}`, the pair written as is.
+        let with_raw_pair = |pair: &[u8], events: &[Vec<u8>]| {
+            let mut bytes = map(&[("v", &v1), ("kind", &kind)]);
+            bytes[0] = 0x84;
+            bytes.extend_from_slice(pair);
+            bytes.extend_from_slice(&map(&[("events", &array_of(events))])[1..]);
+            bytes
+        };
         let cases: Vec<(&str, Vec<u8>, usize)> = vec![
             ("no events", map(&[("v", &v1), ("kind", &kind)]), 1),
             (
@@ -893,6 +774,7 @@ mod tests {
                 ]),
                 2,
             ),
+            // A repeated key before `events` as after it: the count is readable either way.
             (
                 "a duplicate unknown key",
                 map(&[
@@ -902,7 +784,7 @@ mod tests {
                     ("kind", &kind),
                     ("events", &array_of(&encoded)),
                 ]),
-                1,
+                2,
             ),
             (
                 "duplicate kind",
@@ -912,12 +794,71 @@ mod tests {
                     ("kind", &kind),
                     ("events", &array_of(&encoded)),
                 ]),
+                2,
+            ),
+            (
+                "duplicate kind after the events",
+                map(&[
+                    ("v", &v1),
+                    ("kind", &kind),
+                    ("events", &array_of(&encoded)),
+                    ("kind", &kind),
+                ]),
+                2,
+            ),
+            (
+                "duplicate version before the events",
+                map(&[
+                    ("kind", &kind),
+                    ("v", &v1),
+                    ("v", &v1),
+                    ("events", &array_of(&encoded)),
+                ]),
+                2,
+            ),
+            (
+                "a key that is not a string, before the events",
+                with_raw_pair(&[0x01, 0x01], &encoded),
+                2,
+            ),
+            (
+                "a value that is not MessagePack, before the events: no count",
+                with_raw_pair(&[0xa1, b'x', 0xc1], &encoded),
                 1,
             ),
         ];
         for (what, bytes, declared) in cases {
             let (n, error) = refused(&bytes);
             assert_eq!((n, error.reason()), (declared, "decode"), "{what}");
+        }
+    }
+
+    /// A repeated key anywhere (before `events`, after it, repeating it): every declared
+    /// event is counted, whatever the order of the keys.
+    #[test]
+    fn a_repeated_key_counts_every_declared_event_in_any_key_order() {
+        let encoded: Vec<_> = events(3).iter().map(|e| encode(e).unwrap()).collect();
+        let v1 = |out: &mut Vec<u8>| rmp::encode::write_u8(out, 1).unwrap();
+        let kind = |out: &mut Vec<u8>| rmp::encode::write_str(out, "batch").unwrap();
+        let events = array_of(&encoded);
+        let pairs: [(&str, Write<'_>); 4] =
+            [("v", &v1), ("kind", &kind), ("events", &events), ("x", &v1)];
+        for repeated in 0..pairs.len() {
+            for at in 0..=pairs.len() {
+                let mut order = pairs.to_vec();
+                order.insert(at, pairs[repeated]);
+                let bytes = map(&order);
+                match decode_message(&bytes, limits()) {
+                    Message::Refused { events, error } => {
+                        assert_eq!(
+                            (events, error.reason()),
+                            (3, "decode"),
+                            "{repeated} at {at}"
+                        );
+                    }
+                    other => panic!("{repeated} at {at}: {other:?}"),
+                }
+            }
         }
     }
 

@@ -9,15 +9,18 @@
 //! reader accepts is only a question of speed: on every input, [`super::decode`] answers as
 //! the full decoder alone would (the differential property test below holds it to that).
 
-use super::{EventKind, Outcome, ProgressStage, RawEnvelope, WireKind, WIRE_VERSION};
+use super::raw::{RawEnvelope, WireKind};
+use super::reader::Reader;
+use super::{EventKind, Outcome, ProgressStage, WIRE_VERSION};
 
 /// The event map at the start of `bytes`, and where it ends; `None` if it is not plain.
 pub(super) fn read(bytes: &[u8]) -> Option<(RawEnvelope, usize)> {
-    let mut r = Reader { bytes, pos: 0 };
+    let mut r = Reader::new(bytes);
     let pairs = r.map_len()?;
     let mut raw = RawEnvelope::default();
     for _ in 0..pairs {
-        match r.key()? {
+        // Every key of this version is a short string.
+        match r.fixstr()? {
             b"v" => {
                 if r.uint()? != u64::from(WIRE_VERSION) {
                     return None;
@@ -28,39 +31,32 @@ pub(super) fn read(bytes: &[u8]) -> Option<(RawEnvelope, usize)> {
             b"seq" => put(&mut raw.sequence, r.uint()?)?,
             b"ts" => put(&mut raw.published_at_us, r.uint()?)?,
             b"kind" => {
-                let kind = named(&EventKind::ALL, |k| k.as_str(), r.raw_str()?)?;
+                let kind = EventKind::from_wire_bytes(r.str()?)?;
                 put(&mut raw.kind, WireKind::Known(kind))?;
             }
             b"rid" => {
-                let rid = std::str::from_utf8(r.raw_str()?).ok()?;
+                let rid = std::str::from_utf8(r.str()?).ok()?;
                 put(&mut raw.request_id, rid.to_owned())?;
             }
             b"wid" => put(&mut raw.worker_id, r.uint()?)?,
-            b"dp" => put(&mut raw.dp_rank, r.u32_or_nil()?)?,
-            b"ptok" => put(&mut raw.prompt_tokens, r.u32()?)?,
-            b"etok" => put(&mut raw.expected_output_tokens, r.u32_or_nil()?)?,
-            b"ctok" => put(&mut raw.cached_tokens, r.u32_or_nil()?)?,
+            b"dp" => put(&mut raw.dp_rank, u32_or_nil(&mut r)?)?,
+            b"ptok" => put(&mut raw.prompt_tokens, u32(&mut r)?)?,
+            b"etok" => put(&mut raw.expected_output_tokens, u32_or_nil(&mut r)?)?,
+            b"ctok" => put(&mut raw.cached_tokens, u32_or_nil(&mut r)?)?,
             b"stage" => {
-                let stage = named(&ProgressStage::ALL, |s| s.as_str(), r.raw_str()?)?;
+                let stage = ProgressStage::from_wire_bytes(r.str()?)?;
                 put(&mut raw.stage, stage)?;
             }
-            b"otok" => put(&mut raw.output_tokens, r.u32()?)?,
+            b"otok" => put(&mut raw.output_tokens, u32(&mut r)?)?,
             b"outcome" => {
-                let outcome = named(&Outcome::ALL, |o| o.as_str(), r.raw_str()?)?;
+                let outcome = Outcome::from_wire_bytes(r.str()?)?;
                 put(&mut raw.outcome, outcome)?;
             }
-            b"leaving" => put(&mut raw.leaving, r.bool_or_nil()?)?,
+            b"leaving" => put(&mut raw.leaving, bool_or_nil(&mut r)?)?,
             _ => return None,
         }
     }
-    Some((raw, r.pos))
-}
-
-/// The one of `all` whose wire name is `name`: compared as bytes, as the names are ASCII.
-fn named<T: Copy>(all: &[T], wire_name: impl Fn(T) -> &'static str, name: &[u8]) -> Option<T> {
-    all.iter()
-        .copied()
-        .find(|&v| wire_name(v).as_bytes() == name)
+    Some((raw, r.pos()))
 }
 
 /// Fills an empty slot; a full one means a repeated key, which is not plain.
@@ -74,103 +70,33 @@ fn put<T>(slot: &mut Option<T>, value: T) -> Option<()> {
     }
 }
 
-struct Reader<'a> {
-    bytes: &'a [u8],
-    pos: usize,
+/// An integer below 2^32, in any unsigned width.
+fn u32(r: &mut Reader<'_>) -> Option<u32> {
+    u32::try_from(r.uint()?).ok()
 }
 
-impl<'a> Reader<'a> {
-    fn byte(&mut self) -> Option<u8> {
-        let b = *self.bytes.get(self.pos)?;
-        self.pos += 1;
-        Some(b)
+/// `Some(None)` for nil.
+fn u32_or_nil(r: &mut Reader<'_>) -> Option<Option<u32>> {
+    if r.nil() {
+        return Some(None);
     }
+    u32(r).map(Some)
+}
 
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        let end = self.pos.checked_add(n)?;
-        let taken = self.bytes.get(self.pos..end)?;
-        self.pos = end;
-        Some(taken)
+/// `Some(None)` for nil.
+fn bool_or_nil(r: &mut Reader<'_>) -> Option<Option<bool>> {
+    if r.nil() {
+        return Some(None);
     }
-
-    fn big_endian(&mut self, n: usize) -> Option<u64> {
-        Some(
-            self.take(n)?
-                .iter()
-                .fold(0, |acc, b| (acc << 8) | u64::from(*b)),
-        )
-    }
-
-    fn map_len(&mut self) -> Option<u64> {
-        match self.byte()? {
-            b @ 0x80..=0x8f => Some(u64::from(b & 0x0f)),
-            0xde => self.big_endian(2),
-            0xdf => self.big_endian(4),
-            _ => None,
-        }
-    }
-
-    /// A key: a short string, as every key of this version is.
-    fn key(&mut self) -> Option<&'a [u8]> {
-        match self.byte()? {
-            b @ 0xa0..=0xbf => self.take(usize::from(b & 0x1f)),
-            _ => None,
-        }
-    }
-
-    /// An unsigned integer in any unsigned width.
-    fn uint(&mut self) -> Option<u64> {
-        match self.byte()? {
-            b @ 0x00..=0x7f => Some(u64::from(b)),
-            0xcc => self.big_endian(1),
-            0xcd => self.big_endian(2),
-            0xce => self.big_endian(4),
-            0xcf => self.big_endian(8),
-            _ => None,
-        }
-    }
-
-    fn u32(&mut self) -> Option<u32> {
-        u32::try_from(self.uint()?).ok()
-    }
-
-    /// `Some(None)` for nil.
-    fn u32_or_nil(&mut self) -> Option<Option<u32>> {
-        if self.bytes.get(self.pos) == Some(&0xc0) {
-            self.pos += 1;
-            return Some(None);
-        }
-        self.u32().map(Some)
-    }
-
-    fn bool_or_nil(&mut self) -> Option<Option<bool>> {
-        match self.byte()? {
-            0xc0 => Some(None),
-            0xc2 => Some(Some(false)),
-            0xc3 => Some(Some(true)),
-            _ => None,
-        }
-    }
-
-    /// A string's bytes, not yet checked to be UTF-8.
-    fn raw_str(&mut self) -> Option<&'a [u8]> {
-        let len = match self.byte()? {
-            b @ 0xa0..=0xbf => usize::from(b & 0x1f),
-            0xd9 => usize::try_from(self.big_endian(1)?).ok()?,
-            0xda => usize::try_from(self.big_endian(2)?).ok()?,
-            _ => return None,
-        };
-        self.take(len)
-    }
+    r.bool().map(Some)
 }
 
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
 
-    use super::super::{
-        decode_full, encode, Admitted, Envelope, LeaseEvent, DEFAULT_MAX_EVENT_BYTES,
-    };
+    use super::super::full::decode_full;
+    use super::super::{encode, Admitted, Envelope, LeaseEvent, DEFAULT_MAX_EVENT_BYTES};
     use super::super::{Completed, Outcome, ProgressStage, Progressed, WorkerReset};
     use super::*;
 
