@@ -150,5 +150,3 @@ impl SchedulerBookingDescriptor {
     }
 }
 
-// Until wire/ moves with it: the wire module still names the load here.
-pub(crate) use crate::load::RequestLoad;
