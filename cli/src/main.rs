@@ -11,6 +11,7 @@
 mod allocator;
 mod commands;
 mod config;
+mod nats_args;
 mod sim_workers;
 
 use std::process::ExitCode;

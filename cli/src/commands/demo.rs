@@ -21,7 +21,8 @@ use super::simulate::TrafficArgs;
 use super::{
     bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, CliError, Signals, Stream,
 };
-use crate::config::{NatsArgs, Sourced};
+use crate::config::Sourced;
+use crate::nats_args::NatsArgs;
 use crate::sim_workers::{
     format_duration, run_simulation, SimulationConfig, SimulationProgress, SimulationSummary,
 };

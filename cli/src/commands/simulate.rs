@@ -3,7 +3,8 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use crate::config::{NatsArgs, Sourced};
+use crate::config::Sourced;
+use crate::nats_args::NatsArgs;
 use crate::sim_workers::{format_duration, run_simulation, SimulationConfig, SimulationProgress};
 use clap::Args;
 use lease_router::Batching;
