@@ -269,3 +269,127 @@ fn parse_nats_urls(value: &str) -> Result<NatsUrls, Refusal> {
         None => Ok(NatsUrls(urls)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, FromArgMatches, Parser};
+
+    use super::*;
+    use crate::config::resolve;
+    use crate::config::tests::{args, assert_no_secret, file, message, path, refused, settings};
+    use crate::config::tests::{Cli, SECRETS};
+
+    #[test]
+    fn ping_interval_and_the_other_subcommands() {
+        for bad in ["0s", "10ms", "2h", "often"] {
+            refused(
+                &["--nats-ping-interval", bad],
+                &format!(
+                    "invalid setting nats_ping_interval = \"{bad}\" from --nats-ping-interval: \
+                     expected a duration from 100ms to 1h"
+                ),
+            );
+        }
+        let s = settings("--nats-ping-interval 1500ms").unwrap();
+        assert_eq!(s.nats.ping_interval, Some(Duration::from_millis(1500)));
+
+        // publish, simulate and demo connect with the same arguments.
+        #[derive(Parser)]
+        struct Publish {
+            #[command(flatten)]
+            nats: Sourced<NatsArgs>,
+        }
+        let argv = [
+            "publish",
+            "--nats-url",
+            "nats://h:1",
+            "--nats-ping-interval",
+            "2s",
+        ];
+        let publish = Publish::command().mut_args(|arg| arg.env(None::<&str>));
+        let publish = Publish::from_arg_matches(&publish.get_matches_from(argv)).unwrap();
+        let (nats, prefix) = publish.nats.resolve().unwrap();
+        assert_eq!(nats.urls, ["nats://h:1"]);
+        assert_eq!(nats.ping_interval, Some(Duration::from_secs(2)));
+        assert_eq!(prefix.as_str(), "leases");
+    }
+
+    #[test]
+    fn credentials_from_flags_and_file() {
+        let given = args(&["--nats-user", "router", "--nats-password", SECRETS[0]]).unwrap();
+        assert_no_secret(&format!("{given:?}"));
+        let s = resolve(&given).unwrap();
+        let (user, password) = ("router".into(), SECRETS[0].into());
+        assert_eq!(s.nats.auth, NatsAuth::UserPassword { user, password });
+        assert_eq!(s.nats.tls, None);
+        assert_no_secret(&format!("{s:?}"));
+        assert!(format!("{s:?}").contains("router"));
+
+        let seed = file("SUAEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLE\n");
+        let ca = file("-----BEGIN CERTIFICATE-----\n");
+        let cert = file("-----BEGIN CERTIFICATE-----\n");
+        let key = file("-----BEGIN PRIVATE KEY-----\n");
+        let conf = file(&format!(
+            "nats_nkey = {:?}\nnats_tls_ca = {:?}\nnats_tls_cert = {:?}\nnats_tls_key = {:?}\n",
+            seed.path(),
+            ca.path(),
+            cert.path(),
+            key.path()
+        ));
+        let s = settings(&format!("--config {}", path(&conf))).unwrap();
+        assert_eq!(s.nats.auth, NatsAuth::NKeySeedFile(seed.path().to_owned()));
+        let tls = NatsTls {
+            ca_file: Some(ca.path().to_owned()),
+            cert_file: Some(cert.path().to_owned()),
+            key_file: Some(key.path().to_owned()),
+        };
+        assert_eq!(s.nats.tls, Some(tls));
+
+        // A flag beats the file: the token replaces nothing, it conflicts with the nkey.
+        let m = message(&format!(
+            "--config {} --nats-token {}",
+            path(&conf),
+            SECRETS[1]
+        ));
+        assert!(m.contains("give only one way to authenticate"), "{m}");
+        assert_no_secret(&m);
+    }
+
+    #[test]
+    fn credential_errors_name_the_setting_never_the_secret() {
+        let (password, token) = (SECRETS[0], SECRETS[1]);
+        let cases: [(&[&str], &str); 6] = [
+            (&["--nats-password", password], "invalid setting nats_password = \"<redacted>\" from --nats-password: a password needs a user"),
+            (&["--nats-user", "router"], "invalid setting nats_user = \"router\" from --nats-user: a user needs a password"),
+            (&["--nats-user", "router", "--nats-password", password, "--nats-token", token], "invalid setting nats_token = \"<redacted>\" from --nats-token: give only one way"),
+            (&["--nats-token", ""], "invalid setting nats_token = \"\" from --nats-token: expected a non-empty value"),
+            (&["--nats-creds", "/nonexistent/router.creds"], "invalid setting nats_creds = \"/nonexistent/router.creds\" from --nats-creds: expected a readable file"),
+            (&["--nats-tls-cert", "/nonexistent/cert.pem"], "invalid setting nats_tls_cert = \"/nonexistent/cert.pem\" from --nats-tls-cert: expected a readable"),
+        ];
+        for (argv, start) in cases {
+            refused(argv, start);
+        }
+        let cert = file("x");
+        let m = message(&format!("--nats-tls-cert {}", path(&cert)));
+        assert!(m.contains("a client certificate needs its key"), "{m}");
+
+        // A secret of the wrong type in the file: not echoed either.
+        let f = file("nats_password = 123456789\n");
+        let m = message(&format!("--config {}", path(&f)));
+        assert!(
+            m.starts_with("invalid setting nats_password = \"<redacted>\""),
+            "{m}"
+        );
+        assert!(!m.contains("123456789"), "{m}");
+    }
+
+    #[test]
+    fn secret_env_values_are_hidden_from_help() {
+        let cmd = Cli::command();
+        let serve = cmd.find_subcommand("serve").unwrap();
+        for id in ["nats_password", "nats_token", "http_token"] {
+            let arg = serve.get_arguments().find(|a| a.get_id() == id).unwrap();
+            assert!(arg.is_hide_env_values_set(), "{id}");
+        }
+    }
+}
