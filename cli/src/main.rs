@@ -1,9 +1,10 @@
 //! The `lease-router` command. The router lives in the library (`lease_router::service`,
 //! `lease_router::publisher`); this package holds what only the command needs: the
 //! subcommands and what connects them to the terminal, the signals and the exit codes
-//! (`commands`), the `serve` settings from flags, environment and TOML (`config`), the
-//! simulated workers of `simulate` and `demo` (`sim_workers`) and the allocator setting
-//! (`allocator`, which the benches include too).
+//! (`commands`), the `serve` settings from flags, environment and TOML (`config`), the NATS
+//! arguments every subcommand shares (`nats_args`), the simulated workers of `simulate` and
+//! `demo` (`sim_workers`) and the allocator setting (`allocator`, which the benches include
+//! too).
 //!
 //! Exit codes: 0 success (also after a first SIGINT/SIGTERM), 1 failure at run time, 2
 //! invalid arguments or configuration, 130 a second signal (exit at once).

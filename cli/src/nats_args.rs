@@ -12,7 +12,7 @@ use lease_router::{NatsAuth, NatsConnectConfig, NatsTls, SubjectPrefix};
 use lease_router::{DEFAULT_NATS_URL, DEFAULT_SUBJECT_PREFIX};
 
 use crate::config::{duration, get, secret, setting, ConfigError, Origins, Parsed, Refusal};
-use crate::config::{Sourced, REDACTED};
+use crate::config::{Sourced, DEFAULT_SUBSCRIPTION_CAPACITY, REDACTED};
 
 /// Below this, PINGs would be most of an idle connection's traffic.
 const MIN_PING_INTERVAL: Duration = Duration::from_millis(100);
@@ -20,8 +20,8 @@ const MIN_PING_INTERVAL: Duration = Duration::from_millis(100);
 const MAX_PING_INTERVAL: Duration = Duration::from_secs(3600);
 
 /// How every subcommand reaches NATS: the servers, the subject prefix, authentication, TLS
-/// and the ping interval (flatten `Sourced<NatsArgs>` into a subcommand; [`ServeArgs`]
-/// holds it). `Debug` shows whether a password or token was given, never which.
+/// and the ping interval (flatten `Sourced<NatsArgs>` into a subcommand;
+/// [`ServeArgs`](crate::config::ServeArgs) holds it). `Debug` shows whether a password or token was given, never which.
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct NatsArgs {
     /// NATS server URL, or several separated by commas [default: nats://127.0.0.1:4222].
@@ -142,7 +142,9 @@ impl NatsArgs {
             nats_ping_interval,
         } = self;
         let urls = get!(o, nats_url).map_or_else(|| vec![DEFAULT_NATS_URL.to_owned()], |u| u.0);
-        let mut nats = NatsConnectConfig::new(urls);
+        // Every subcommand's buffer: `serve --subscription-capacity` sets its own.
+        let mut nats =
+            NatsConnectConfig::new(urls).with_subscription_capacity(DEFAULT_SUBSCRIPTION_CAPACITY);
         let prefix = get!(o, subject_prefix).unwrap_or_default();
 
         let mut methods: Vec<(&str, NatsAuth, String)> = Vec::new();
@@ -312,6 +314,8 @@ mod tests {
         assert_eq!(nats.urls, ["nats://h:1"]);
         assert_eq!(nats.ping_interval, Some(Duration::from_secs(2)));
         assert_eq!(prefix.as_str(), "leases");
+        let capacity = Some(crate::config::DEFAULT_SUBSCRIPTION_CAPACITY);
+        assert_eq!(nats.subscription_capacity, capacity, "as serve's default");
     }
 
     #[test]
