@@ -1,10 +1,12 @@
-//! The settings of `lease-router serve`, and where they come from.
+//! The settings of `lease-router serve`, the NATS arguments every subcommand shares
+//! ([`NatsArgs`]), and where each value comes from.
 //!
-//! Each setting is declared once, as a field of [`ServeArgs`] (or of [`NatsCredentialArgs`]):
-//! the field's name is its TOML key, its `long` the flag, its `env` the environment variable,
-//! its doc comment the help. The keys a config file accepts, and the `--config` help that
-//! lists them ([`document_file_keys`]), are read from that declaration; a test checks that
-//! README's settings table names the same keys, flags and variables.
+//! Each setting is declared once, as a field of [`ServeArgs`] (or of [`NatsArgs`]): the
+//! field's name is its TOML key, its `long` the flag, its `env` the environment variable, its
+//! doc comment the help, its `value_parser` what it accepts. The keys a config file accepts,
+//! and the `--config` help that lists them ([`document_file_keys`]), are read from that
+//! declaration; a test checks that README's settings table names the same keys, flags and
+//! variables.
 //!
 //! A setting can be given in four places; the first one that has it wins:
 //!
@@ -14,9 +16,13 @@
 //! 3. the TOML file named by `--config FILE` (or `LEASE_ROUTER_CONFIG`),
 //! 4. the default (the library's, for what the library runs).
 //!
-//! [`resolve`] merges the layers in one place (`Layers`), then turns each value into its
-//! typed setting, so that every mistake reads the same way, naming the setting, the value,
-//! where it came from and what is accepted:
+//! clap does the layering: [`parse_layered`] reads the command line once to learn the file,
+//! then again with the file's values as the flags' defaults, so that clap takes a flag, else
+//! its variable, else the file, and its `ArgMatches::value_source` tells which ([`Sourced`]).
+//! Each value is parsed once, by its setting's `value_parser`, into the setting's type; a
+//! value it refuses is kept ([`Refused`]) until [`resolve`] knows where it came from, so that
+//! every mistake reads the same way, naming the setting, the value, its origin and what is
+//! accepted:
 //!
 //! ```text
 //! invalid setting http_addr = "abc" from --http-addr: expected HOST:PORT such as 127.0.0.1:9464
@@ -24,10 +30,16 @@
 //!
 //! A key of the file that is not a setting is an error naming the key.
 //!
+//! Why not figment: figment 0.10 (its last release in May 2024) records which provider gave
+//! each value, but it would read the environment a second time beside clap's `env` (which the
+//! flags need anyway for `--help` and precedence), could still not tell a flag from its
+//! variable without clap, and words its errors in serde's terms. clap's own default layer
+//! gives the same precedence and every value's origin with no crate added.
+//!
 //! # Credentials
 //! At most one authentication method: user and password (both), a token, an NKey seed file
 //! or a credentials file. Any TLS setting makes TLS required; the client certificate and key
-//! go together. Files are checked to be readable when the settings are resolved, and read
+//! go together. Files are checked to be readable when the settings are parsed, and read
 //! when connecting. Secrets never appear in `Debug` output, in logs or in errors: a bad
 //! password or token is shown as `<redacted>`, a file by its path only. Prefer files or the
 //! environment over flags for secrets (flags show in the process list), and keep the default
@@ -35,21 +47,28 @@
 //! an oversized event is dropped and counted by the router.
 //!
 //! Durations are a number of seconds (`300`) or a number with a unit, `ms`, `s`, `m` or `h`,
-//! possibly several (`5m`, `1m30s`, `250ms`). A flag or variable given replaces the list of
-//! the file, it does not add to it (that holds for `--deployment` too).
+//! possibly several (`5m`, `1m30s`, `250ms`): [`parse_duration`], for every subcommand. A
+//! flag or variable given replaces the list of the file, it does not add to it (that holds
+//! for `--deployment` too).
 
 use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
+use clap::parser::ValueSource;
+use clap::{ArgMatches, FromArgMatches};
 use lease_router::service::{ApiAuth, BearerToken, HostSettings};
 use lease_router::wire::{DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_EVENT_BYTES};
-use lease_router::LeaseStreamConfig;
-use lease_router::{DeploymentName, SubjectPrefix, DEFAULT_SUBJECT_PREFIX};
-use lease_router::{NatsAuth, NatsConnectConfig, NatsTls, DEFAULT_NATS_URL};
+use lease_router::DeploymentName;
+use lease_router::NatsConnectConfig;
+use lease_router::{ApplyConfig, LeaseStreamConfig, RoutePolicy, DEFAULT_MAX_ACTIVE_LEASES};
+
+use crate::nats_args::NatsArgs;
 
 /// The default HTTP listen address.
 pub const DEFAULT_HTTP_ADDR: SocketAddr =
@@ -66,11 +85,6 @@ pub const MAX_LIMIT: usize = 100_000_000;
 /// Four times async-nats' default: a router takes bursts from many workers at once.
 pub const DEFAULT_SUBSCRIPTION_CAPACITY: usize = 262_144;
 
-/// Below this, PINGs would be most of an idle connection's traffic.
-const MIN_PING_INTERVAL: Duration = Duration::from_millis(100);
-/// Above this, a silent partition goes unseen for hours.
-const MAX_PING_INTERVAL: Duration = Duration::from_secs(3600);
-
 /// The largest accepted `stream_replicas`: JetStream's limit.
 const MAX_STREAM_REPLICAS: usize = 5;
 
@@ -78,379 +92,335 @@ const MAX_STREAM_REPLICAS: usize = 5;
 const MIN_STREAM_MAX_BYTES: i64 = 1 << 20;
 
 /// What error messages show instead of a secret value.
-const REDACTED: &str = "<redacted>";
+pub(crate) const REDACTED: &str = "<redacted>";
 
-/// The flags of `lease-router serve` (flatten it into the subcommand).
+/// What a deployment name may be (the file's lists are held to it too).
+const DEPLOYMENT_NAMES: &str = "a deployment name may hold only ASCII letters, digits, '-' \
+                                and '_' (1 to 128 characters), such as llama-70b_prod";
+
+/// The flags of `lease-router serve` (flatten `Sourced<ServeArgs>` into the subcommand).
 ///
-/// Every field is optional: what is not given on the command line or in the environment is
-/// taken from the config file, else from the defaults, by [`resolve`].
-/// `Debug` is written by hand: it shows whether a password or token was given, never which.
-#[derive(Clone, Default, PartialEq, Eq, clap::Args, serde::Serialize)]
+/// Every field is optional: what is not given on the command line, in the environment or in
+/// the config file is taken from the defaults by [`resolve`]. `Debug` shows whether a
+/// password or token was given, never which.
+#[derive(Clone, Debug, clap::Args)]
 pub struct ServeArgs {
     /// TOML file with settings (`document_file_keys` lists its keys here).
     #[arg(long = "config", value_name = "FILE", env = "LEASE_ROUTER_CONFIG")]
-    #[serde(skip)]
     pub config: Option<PathBuf>,
-
-    /// NATS server URL, or several separated by commas [default: nats://127.0.0.1:4222].
-    #[arg(long = "nats-url", value_name = "URLS", env = "NATS_URL")]
-    pub nats_url: Option<String>,
 
     /// A deployment to host from the start; repeat the flag for several (comma-separated in
     /// the environment). More can be added over HTTP.
-    #[arg(
-        long = "deployment",
-        value_name = "NAME",
-        env = "LEASE_ROUTER_DEPLOYMENTS",
-        value_delimiter = ','
-    )]
-    pub deployments: Option<Vec<String>>,
+    #[arg(long = "deployment", value_name = "NAME", env = "LEASE_ROUTER_DEPLOYMENTS",
+          value_delimiter = ',', value_parser = setting(parse_deployment))]
+    pub deployments: Option<Vec<Parsed<Option<DeploymentName>>>>,
 
     /// Address of the HTTP API and /metrics, HOST:PORT (port 0: any free port)
     /// [default: 127.0.0.1:9464].
-    #[arg(
-        long = "http-addr",
-        value_name = "HOST:PORT",
-        env = "LEASE_ROUTER_HTTP_ADDR"
-    )]
-    pub http_addr: Option<String>,
+    #[arg(long = "http-addr", value_name = "HOST:PORT", env = "LEASE_ROUTER_HTTP_ADDR",
+          value_parser = setting(parse_http_addr))]
+    pub http_addr: Option<Parsed<SocketAddr>>,
 
     /// Bearer token the HTTP API asks of PUT and DELETE (and, with --http-protect-reads, of
     /// the reads); prefer --http-token-file or the environment: flags show in the process
     /// list [default: none, the API is open].
-    #[arg(
-        long = "http-token",
-        value_name = "TOKEN",
-        env = "LEASE_ROUTER_HTTP_TOKEN",
-        hide_env_values = true
-    )]
-    pub http_token: Option<String>,
+    #[arg(long = "http-token", value_name = "TOKEN", env = "LEASE_ROUTER_HTTP_TOKEN",
+          hide_env_values = true, value_parser = secret(parse_token))]
+    pub http_token: Option<Parsed<BearerToken>>,
 
     /// File holding the HTTP API's bearer token (whitespace around it is trimmed); instead of
     /// --http-token.
-    #[arg(
-        long = "http-token-file",
-        value_name = "FILE",
-        env = "LEASE_ROUTER_HTTP_TOKEN_FILE"
-    )]
-    pub http_token_file: Option<String>,
+    #[arg(long = "http-token-file", value_name = "FILE", env = "LEASE_ROUTER_HTTP_TOKEN_FILE",
+          value_parser = setting(|s: &str| Ok::<_, String>(PathBuf::from(s.trim()))))]
+    pub http_token_file: Option<Parsed<PathBuf>>,
 
     /// The reads need the token too: /metrics, the GETs of /v1 and POST .../route (not the
     /// probes /healthz and /readyz, nor the status page's HTML) [default: off;
     /// `--http-protect-reads` alone means true].
-    #[arg(
-        long = "http-protect-reads",
-        value_name = "BOOL",
-        env = "LEASE_ROUTER_HTTP_PROTECT_READS",
-        num_args = 0..=1,
-        default_missing_value = "true"
-    )]
-    pub http_protect_reads: Option<String>,
-
-    /// First token(s) of every lease subject: {prefix}.{deployment}.{worker_id}
-    /// [default: leases].
-    #[arg(
-        long = "subject-prefix",
-        value_name = "PREFIX",
-        env = "LEASE_ROUTER_SUBJECT_PREFIX"
-    )]
-    pub subject_prefix: Option<String>,
+    #[arg(long = "http-protect-reads", value_name = "BOOL",
+          env = "LEASE_ROUTER_HTTP_PROTECT_READS", num_args = 0..=1,
+          default_missing_value = "true", value_parser = setting(parse_bool))]
+    pub http_protect_reads: Option<Parsed<bool>>,
 
     /// How often leases are scanned; a silent lease expires after one to two intervals.
     /// Seconds, or with a unit: 300s, 5m, 1h [default: 300s].
-    #[arg(
-        long = "lease-scan-interval",
-        value_name = "DURATION",
-        env = "LEASE_ROUTER_LEASE_SCAN_INTERVAL"
-    )]
-    pub lease_scan_interval: Option<String>,
+    #[arg(long = "lease-scan-interval", value_name = "DURATION",
+          env = "LEASE_ROUTER_LEASE_SCAN_INTERVAL", value_parser = setting(duration(
+              Duration::from_nanos(1)..=Duration::MAX,
+              "expected a positive duration: seconds (300) or a number with a unit ms, s, m \
+               or h (300s, 5m, 1m30s)")))]
+    pub lease_scan_interval: Option<Parsed<Duration>>,
 
     /// Log line format: text or json [default: text].
-    #[arg(
-        long = "log-format",
-        value_name = "FORMAT",
-        env = "LEASE_ROUTER_LOG_FORMAT"
-    )]
-    pub log_format: Option<String>,
+    #[arg(long = "log-format", value_name = "FORMAT", env = "LEASE_ROUTER_LOG_FORMAT",
+          value_parser = setting(|s: &str| s.parse::<LogFormat>()
+              .map_err(|()| "expected text or json".to_owned())))]
+    pub log_format: Option<Parsed<LogFormat>>,
 
     /// How long to keep trying to reach NATS at startup [default: 30s].
-    #[arg(
-        long = "connect-deadline",
-        value_name = "DURATION",
-        env = "LEASE_ROUTER_CONNECT_DEADLINE"
-    )]
-    pub connect_deadline: Option<String>,
+    #[arg(long = "connect-deadline", value_name = "DURATION",
+          env = "LEASE_ROUTER_CONNECT_DEADLINE", value_parser = setting(duration(
+              Duration::ZERO..=Duration::MAX,
+              "expected a duration: seconds (30) or a number with a unit ms, s, m or h (30s, \
+               2m)")))]
+    pub connect_deadline: Option<Parsed<Duration>>,
 
     /// Events larger than this many bytes are dropped as oversized [default: 4096].
-    #[arg(
-        long = "max-event-bytes",
-        value_name = "BYTES",
-        env = "LEASE_ROUTER_MAX_EVENT_BYTES"
-    )]
-    pub max_event_bytes: Option<String>,
+    #[arg(long = "max-event-bytes", value_name = "BYTES", env = "LEASE_ROUTER_MAX_EVENT_BYTES",
+          value_parser = setting(whole(MIN_MAX_EVENT_BYTES..=MAX_MAX_EVENT_BYTES, false, format!(
+              "expected a whole number of bytes from {MIN_MAX_EVENT_BYTES} to \
+               {MAX_MAX_EVENT_BYTES} (default {DEFAULT_MAX_EVENT_BYTES}); keep it below the \
+               NATS server's max_payload"))))]
+    pub max_event_bytes: Option<Parsed<usize>>,
 
     /// Batch messages (several events in one, wire 1.2) larger than this many bytes are
     /// dropped as oversized; each event inside is held to --max-event-bytes [default: 1048576].
-    #[arg(
-        long = "max-batch-bytes",
-        value_name = "BYTES",
-        env = "LEASE_ROUTER_MAX_BATCH_BYTES"
-    )]
-    pub max_batch_bytes: Option<String>,
+    #[arg(long = "max-batch-bytes", value_name = "BYTES", env = "LEASE_ROUTER_MAX_BATCH_BYTES",
+          value_parser = setting(whole(MIN_MAX_EVENT_BYTES..=MAX_MAX_EVENT_BYTES, false, format!(
+              "expected a whole number of bytes from {MIN_MAX_EVENT_BYTES} to \
+               {MAX_MAX_EVENT_BYTES} (default {DEFAULT_MAX_BATCH_BYTES}); keep it at or below \
+               the NATS server's max_payload"))))]
+    pub max_batch_bytes: Option<Parsed<usize>>,
 
     /// Live leases per deployment; past it new admissions are refused and counted
     /// [default: 1000000].
-    #[arg(
-        long = "max-active-leases",
-        value_name = "N",
-        env = "LEASE_ROUTER_MAX_ACTIVE_LEASES"
-    )]
-    pub max_active_leases: Option<String>,
+    #[arg(long = "max-active-leases", value_name = "N", env = "LEASE_ROUTER_MAX_ACTIVE_LEASES",
+          value_parser = setting(limit(DEFAULT_MAX_ACTIVE_LEASES)))]
+    pub max_active_leases: Option<Parsed<usize>>,
 
     /// Completions kept for late admissions, per deployment; the oldest is evicted and
     /// counted past it [default: 100000].
-    #[arg(
-        long = "max-tombstones",
-        value_name = "N",
-        env = "LEASE_ROUTER_MAX_TOMBSTONES"
-    )]
-    pub max_tombstones: Option<String>,
+    #[arg(long = "max-tombstones", value_name = "N", env = "LEASE_ROUTER_MAX_TOMBSTONES",
+          value_parser = setting(limit(ApplyConfig::default().max_tombstones)))]
+    pub max_tombstones: Option<Parsed<usize>>,
 
     /// Progress events held for their admission, per deployment; the oldest is evicted and
     /// counted past it [default: 100000].
-    #[arg(
-        long = "max-held-progress",
-        value_name = "N",
-        env = "LEASE_ROUTER_MAX_HELD_PROGRESS"
-    )]
-    pub max_held_progress: Option<String>,
+    #[arg(long = "max-held-progress", value_name = "N", env = "LEASE_ROUTER_MAX_HELD_PROGRESS",
+          value_parser = setting(limit(ApplyConfig::default().max_held_progress)))]
+    pub max_held_progress: Option<Parsed<usize>>,
 
     /// Publishers whose sequence windows are tracked, per deployment; the least recent is
     /// forgotten past it [default: 10000].
-    #[arg(
-        long = "max-publishers",
-        value_name = "N",
-        env = "LEASE_ROUTER_MAX_PUBLISHERS"
-    )]
-    pub max_publishers: Option<String>,
+    #[arg(long = "max-publishers", value_name = "N", env = "LEASE_ROUTER_MAX_PUBLISHERS",
+          value_parser = setting(limit(ApplyConfig::default().max_publishers)))]
+    pub max_publishers: Option<Parsed<usize>>,
 
     /// Messages a deployment's subscription buffers before the client drops them and counts a
     /// slow-consumer event; bursts beyond what the ingress applies at once wait here
     /// [default: 262144].
-    #[arg(
-        long = "subscription-capacity",
-        value_name = "N",
-        env = "LEASE_ROUTER_SUBSCRIPTION_CAPACITY"
-    )]
-    pub subscription_capacity: Option<String>,
+    #[arg(long = "subscription-capacity", value_name = "N",
+          env = "LEASE_ROUTER_SUBSCRIPTION_CAPACITY",
+          value_parser = setting(limit(DEFAULT_SUBSCRIPTION_CAPACITY)))]
+    pub subscription_capacity: Option<Parsed<usize>>,
 
     /// Durable mode: each deployment replays the JetStream lease stream (created or updated
     /// by the router) before following live events; `/readyz` is 503 until then
     /// [default: off; `--durable` alone means true].
-    #[arg(
-        long = "durable",
-        value_name = "BOOL",
-        env = "LEASE_ROUTER_DURABLE",
-        num_args = 0..=1,
-        default_missing_value = "true"
-    )]
-    pub durable: Option<String>,
+    #[arg(long = "durable", value_name = "BOOL", env = "LEASE_ROUTER_DURABLE", num_args = 0..=1,
+          default_missing_value = "true", value_parser = setting(parse_bool))]
+    pub durable: Option<Parsed<bool>>,
 
     /// Copies of the lease stream kept by a NATS cluster in durable mode (1 to 5; 3 on a
     /// three-node cluster) [default: 1].
-    #[arg(
-        long = "stream-replicas",
-        value_name = "N",
-        env = "LEASE_ROUTER_STREAM_REPLICAS"
-    )]
-    pub stream_replicas: Option<String>,
+    #[arg(long = "stream-replicas", value_name = "N", env = "LEASE_ROUTER_STREAM_REPLICAS",
+          value_parser = setting(whole(1..=MAX_STREAM_REPLICAS, false, format!(
+              "expected a whole number from 1 to {MAX_STREAM_REPLICAS} (JetStream's limit), at \
+               most the number of NATS servers in the cluster"))))]
+    pub stream_replicas: Option<Parsed<usize>>,
 
     /// Bytes each deployment's lease stream keeps in durable mode; past it the oldest events
     /// are discarded (and a replica that needed them says so). Size it with README's
     /// arithmetic: events/s x ~170 bytes x the stream's age limit [default: 1073741824].
-    #[arg(
-        long = "stream-max-bytes",
-        value_name = "BYTES",
-        env = "LEASE_ROUTER_STREAM_MAX_BYTES"
-    )]
-    pub stream_max_bytes: Option<String>,
+    #[arg(long = "stream-max-bytes", value_name = "BYTES", env = "LEASE_ROUTER_STREAM_MAX_BYTES",
+          value_parser = setting(whole(MIN_STREAM_MAX_BYTES..=i64::MAX, true, format!(
+              "expected a whole number of bytes, at least {MIN_STREAM_MAX_BYTES} (default {}): \
+               events/s x ~170 bytes x the stream's age limit",
+              lease_router::DEFAULT_STREAM_MAX_BYTES))))]
+    pub stream_max_bytes: Option<Parsed<i64>>,
 
     /// How often one replica per deployment (the holder of the writer entry) snapshots the
     /// deployment's state to JetStream in durable mode; a late replica loads the newest and
     /// replays only what follows. Seconds, or with a unit: 60s, 1m [default: 60s].
-    #[arg(
-        long = "snapshot-interval",
-        value_name = "DURATION",
-        env = "LEASE_ROUTER_SNAPSHOT_INTERVAL"
-    )]
-    pub snapshot_interval: Option<String>,
+    #[arg(long = "snapshot-interval", value_name = "DURATION",
+          env = "LEASE_ROUTER_SNAPSHOT_INTERVAL", value_parser = setting(duration(
+              Duration::from_secs(1)..=Duration::MAX,
+              "expected a duration of at least 1s: seconds (60) or a number with a unit s, m \
+               or h (60s, 5m)")))]
+    pub snapshot_interval: Option<Parsed<Duration>>,
 
     /// Snapshot intervals each deployment's stream keeps in durable mode (its age limit is
     /// this many intervals, at least 60 s) [default: 4].
-    #[arg(
-        long = "snapshot-keep",
-        value_name = "N",
-        env = "LEASE_ROUTER_SNAPSHOT_KEEP"
-    )]
-    pub snapshot_keep: Option<String>,
+    #[arg(long = "snapshot-keep", value_name = "N", env = "LEASE_ROUTER_SNAPSHOT_KEEP",
+          value_parser = setting(whole(2..=1000u32, false, format!(
+              "expected a whole number from 2 to 1000 (default {}): snapshot intervals the \
+               stream keeps", lease_router::DEFAULT_SNAPSHOT_KEEP))))]
+    pub snapshot_keep: Option<Parsed<u32>>,
 
     /// How new deployments choose a worker for `POST .../route`: weighted_cost,
     /// power_of_two, round_robin or random (a PUT body may set one per deployment)
     /// [default: weighted_cost].
-    #[arg(
-        long = "route-policy",
-        value_name = "POLICY",
-        env = "LEASE_ROUTER_ROUTE_POLICY"
-    )]
-    pub route_policy: Option<String>,
+    #[arg(long = "route-policy", value_name = "POLICY", env = "LEASE_ROUTER_ROUTE_POLICY",
+          value_parser = setting(|s: &str| s.trim().parse::<RoutePolicy>().map_err(|_| {
+              "expected weighted_cost, power_of_two, round_robin or random".to_owned()
+          })))]
+    pub route_policy: Option<Parsed<RoutePolicy>>,
 
     /// A worker with no live lease that says nothing this long is forgotten. Seconds, or with
     /// a unit: 600s, 10m [default: twice the lease scan interval].
-    #[arg(
-        long = "worker-idle",
-        value_name = "DURATION",
-        env = "LEASE_ROUTER_WORKER_IDLE"
-    )]
-    pub worker_idle: Option<String>,
+    #[arg(long = "worker-idle", value_name = "DURATION", env = "LEASE_ROUTER_WORKER_IDLE",
+          value_parser = setting(duration(
+              Duration::from_nanos(1)..=Duration::MAX,
+              "expected a positive duration: seconds (600) or a number with a unit ms, s, m \
+               or h (600s, 10m)")))]
+    pub worker_idle: Option<Parsed<Duration>>,
 
-    /// Authentication and TLS to NATS (boxed: they make the struct large).
+    /// The NATS servers, subject prefix, authentication and TLS, as for every subcommand.
     #[command(flatten)]
-    #[serde(flatten)]
-    pub nats_credentials: Box<NatsCredentialArgs>,
+    pub nats: NatsArgs,
 }
 
-impl fmt::Debug for ServeArgs {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ServeArgs")
-            .field("config", &self.config)
-            .field("nats_url", &self.nats_url.as_deref().map(redact_url_list))
-            .field("deployments", &self.deployments)
-            .field("http_addr", &self.http_addr)
-            .field("http_token", &self.http_token.as_ref().map(|_| REDACTED))
-            .field("http_token_file", &self.http_token_file)
-            .field("http_protect_reads", &self.http_protect_reads)
-            .field("subject_prefix", &self.subject_prefix)
-            .field("lease_scan_interval", &self.lease_scan_interval)
-            .field("log_format", &self.log_format)
-            .field("connect_deadline", &self.connect_deadline)
-            .field("max_event_bytes", &self.max_event_bytes)
-            .field("max_batch_bytes", &self.max_batch_bytes)
-            .field("max_active_leases", &self.max_active_leases)
-            .field("max_tombstones", &self.max_tombstones)
-            .field("max_held_progress", &self.max_held_progress)
-            .field("max_publishers", &self.max_publishers)
-            .field("subscription_capacity", &self.subscription_capacity)
-            .field("durable", &self.durable)
-            .field("stream_replicas", &self.stream_replicas)
-            .field("stream_max_bytes", &self.stream_max_bytes)
-            .field("snapshot_interval", &self.snapshot_interval)
-            .field("snapshot_keep", &self.snapshot_keep)
-            .field("route_policy", &self.route_policy)
-            .field("worker_idle", &self.worker_idle)
-            .field("nats_credentials", &self.nats_credentials)
-            .finish()
+/// A setting's value as clap read it: of the setting's type, or refused.
+pub type Parsed<T> = Result<T, Refused>;
+
+/// A value a setting does not take (`<redacted>` for a secret), and what it does take.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refused {
+    value: String,
+    expected: String,
+}
+
+/// Why a parser refused a value: what is accepted, and the part of the value to show when it
+/// is not all of it (one URL of a list, without its password).
+pub struct Refusal {
+    pub shown: Option<String>,
+    pub expected: String,
+}
+
+impl From<String> for Refusal {
+    fn from(expected: String) -> Self {
+        Self {
+            shown: None,
+            expected,
+        }
     }
 }
 
-impl NatsCredentialArgs {
-    /// Connection settings for `urls` (comma-separated) with these credentials: how
-    /// `publish` and `simulate` connect exactly as `serve` does.
-    ///
-    /// # Errors
-    /// [`ConfigError`] naming the URL or credential setting that is wrong.
-    pub fn connect_config(&self, urls: &str) -> Result<NatsConnectConfig, ConfigError> {
-        let args = ServeArgs {
-            nats_url: Some(urls.to_owned()),
-            nats_credentials: Box::new(self.clone()),
-            ..ServeArgs::default()
-        };
-        Ok(resolve(&args)?.nats)
+/// clap's value parser for a setting: `parse` gives the setting's type; what it refuses does
+/// not fail clap's parse, it waits in the value until [`resolve`] can name its origin.
+pub(crate) fn setting<T, E: Into<Refusal>>(
+    parse: impl Fn(&str) -> Result<T, E> + Clone + Send + Sync + 'static,
+) -> impl Fn(&str) -> Result<Parsed<T>, std::convert::Infallible> + Clone + Send + Sync + 'static {
+    move |raw| {
+        Ok(parse(raw).map_err(|refusal| {
+            let Refusal { shown, expected } = refusal.into();
+            let value = shown.unwrap_or_else(|| raw.to_owned());
+            Refused { value, expected }
+        }))
     }
 }
 
-/// How every command connects to NATS: authentication, TLS, the ping interval (flattened
-/// into `serve`, `publish` and `simulate`). `Debug` shows whether a password or token was
-/// given, never which.
-#[derive(Clone, Default, PartialEq, Eq, clap::Args, serde::Serialize)]
-pub struct NatsCredentialArgs {
-    /// NATS user name; needs --nats-password.
-    #[arg(long = "nats-user", value_name = "USER", env = "NATS_USER")]
-    pub nats_user: Option<String>,
-
-    /// NATS password (prefer the environment or the config file: flags show in the process
-    /// list).
-    #[arg(
-        long = "nats-password",
-        value_name = "PASSWORD",
-        env = "NATS_PASSWORD",
-        hide_env_values = true
-    )]
-    pub nats_password: Option<String>,
-
-    /// NATS authentication token (prefer the environment or the config file).
-    #[arg(
-        long = "nats-token",
-        value_name = "TOKEN",
-        env = "NATS_TOKEN",
-        hide_env_values = true
-    )]
-    pub nats_token: Option<String>,
-
-    /// File holding the NKey seed to authenticate with.
-    #[arg(long = "nats-nkey", value_name = "FILE", env = "NATS_NKEY")]
-    pub nats_nkey: Option<String>,
-
-    /// NATS credentials file (user JWT and NKey seed, .creds).
-    #[arg(long = "nats-creds", value_name = "FILE", env = "NATS_CREDS")]
-    pub nats_creds: Option<String>,
-
-    /// PEM file of the CAs that sign the NATS server's certificate; makes TLS required.
-    #[arg(long = "nats-tls-ca", value_name = "FILE", env = "NATS_TLS_CA")]
-    pub nats_tls_ca: Option<String>,
-
-    /// PEM file of a TLS client certificate (with --nats-tls-key); makes TLS required.
-    #[arg(long = "nats-tls-cert", value_name = "FILE", env = "NATS_TLS_CERT")]
-    pub nats_tls_cert: Option<String>,
-
-    /// PEM file of the TLS client certificate's key (with --nats-tls-cert).
-    #[arg(long = "nats-tls-key", value_name = "FILE", env = "NATS_TLS_KEY")]
-    pub nats_tls_key: Option<String>,
-
-    /// How often the client PINGs a silent server; a dead connection (a silent partition) is
-    /// given up after three intervals without a word, and `/healthz` turns 503
-    /// [default: 4s, so within 12s].
-    #[arg(
-        long = "nats-ping-interval",
-        value_name = "DURATION",
-        env = "LEASE_ROUTER_NATS_PING_INTERVAL"
-    )]
-    pub nats_ping_interval: Option<String>,
+/// [`setting`] for a secret: a refused value shows as `<redacted>` (unless it is empty).
+pub(crate) fn secret<T>(
+    parse: impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static,
+) -> impl Fn(&str) -> Result<Parsed<T>, std::convert::Infallible> + Clone + Send + Sync + 'static {
+    setting(move |raw: &str| {
+        parse(raw).map_err(|expected| Refusal {
+            shown: Some(if raw.is_empty() { "" } else { REDACTED }.to_owned()),
+            expected,
+        })
+    })
 }
 
-impl fmt::Debug for NatsCredentialArgs {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let secret = |v: &Option<String>| v.as_ref().map(|_| REDACTED);
-        f.debug_struct("NatsCredentialArgs")
-            .field("nats_user", &self.nats_user)
-            .field("nats_password", &secret(&self.nats_password))
-            .field("nats_token", &secret(&self.nats_token))
-            .field("nats_nkey", &self.nats_nkey)
-            .field("nats_creds", &self.nats_creds)
-            .field("nats_tls_ca", &self.nats_tls_ca)
-            .field("nats_tls_cert", &self.nats_tls_cert)
-            .field("nats_tls_key", &self.nats_tls_key)
-            .field("nats_ping_interval", &self.nats_ping_interval)
-            .finish()
+/// Arguments and where each of their values came from: a flag, a variable, or the config
+/// file that [`parse_layered`] laid beneath them as clap's defaults.
+#[derive(Clone, Debug)]
+pub struct Sourced<T> {
+    pub args: T,
+    pub origins: Origins,
+}
+
+/// Where each given setting's value came from, by setting.
+#[derive(Clone, Debug, Default)]
+pub struct Origins(BTreeMap<String, ValueOrigin>);
+
+impl<T: clap::Args> clap::Args for Sourced<T> {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        T::augment_args(cmd)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        T::augment_args_for_update(cmd)
     }
 }
 
-/// A comma-separated URL list with any `user:password@` replaced.
-fn redact_url_list(list: &str) -> String {
-    list.split(',')
-        .map(lease_router::redact_url)
-        .collect::<Vec<_>>()
-        .join(",")
+impl<T: clap::Args> FromArgMatches for Sourced<T> {
+    fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
+        let file = matches.try_get_one::<PathBuf>("config").ok().flatten();
+        let declared = T::augment_args(clap::Command::new("settings"));
+        let origins = declared.get_arguments().filter_map(|arg| {
+            let origin = match matches.value_source(arg.get_id().as_str())? {
+                ValueSource::CommandLine => ValueOrigin::Flag(format!("--{}", arg.get_long()?)),
+                ValueSource::EnvVariable => {
+                    ValueOrigin::Environment(arg.get_env()?.to_string_lossy().into_owned())
+                }
+                _ => ValueOrigin::File(file?.clone()),
+            };
+            Some((arg.get_id().to_string(), origin))
+        });
+        Ok(Self {
+            origins: Origins(origins.collect()),
+            args: T::from_arg_matches(matches)?,
+        })
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
 }
+
+impl Origins {
+    /// An error about the value of `setting`, which was given.
+    pub(crate) fn invalid(
+        &self,
+        setting: &str,
+        value: impl Into<String>,
+        expected: impl Into<String>,
+    ) -> ConfigError {
+        ConfigError::Invalid {
+            setting: setting.to_owned(),
+            value: value.into(),
+            origin: self
+                .0
+                .get(setting)
+                .cloned()
+                .expect("a given setting has an origin"),
+            expected: expected.into(),
+        }
+    }
+
+    /// The value of `setting`, if given; a refused one is the error naming it.
+    pub(crate) fn get<T: Clone>(
+        &self,
+        setting: &str,
+        value: &Option<Parsed<T>>,
+    ) -> Result<Option<T>, ConfigError> {
+        match value {
+            None => Ok(None),
+            Some(Ok(value)) => Ok(Some(value.clone())),
+            Some(Err(Refused { value, expected })) => Err(self.invalid(setting, value, expected)),
+        }
+    }
+}
+
+/// `origins.get("field", field)?`: a setting is named as its field.
+macro_rules! get {
+    ($origins:ident, $field:ident) => {
+        $origins.get(stringify!($field), $field)?
+    };
+}
+pub(crate) use get;
 
 /// How log lines are written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -460,21 +430,6 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line.
     Json,
-}
-
-impl LogFormat {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LogFormat::Text => "text",
-            LogFormat::Json => "json",
-        }
-    }
-}
-
-impl fmt::Display for LogFormat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 impl FromStr for LogFormat {
@@ -538,22 +493,6 @@ pub struct ServeSettings {
     pub log_format: LogFormat,
 }
 
-impl ServeSettings {
-    /// The defaults: the library's, and the binary's own for the rest.
-    fn defaults() -> Self {
-        Self {
-            nats: NatsConnectConfig::new([DEFAULT_NATS_URL])
-                .with_name("lease-router serve")
-                .with_subscription_capacity(DEFAULT_SUBSCRIPTION_CAPACITY),
-            host: HostSettings::default(),
-            deployments: Vec::new(),
-            http_addr: DEFAULT_HTTP_ADDR,
-            http_auth: None,
-            log_format: LogFormat::default(),
-        }
-    }
-}
-
 /// Where a rejected value came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ValueOrigin {
@@ -602,665 +541,220 @@ pub enum ConfigError {
     UnknownKey { path: PathBuf, key: String },
 }
 
-impl ConfigError {
-    /// The setting (or file key) at fault, if it is one (the tests check it).
-    #[cfg(test)]
-    pub fn setting(&self) -> Option<&str> {
-        match self {
-            ConfigError::Invalid { setting, .. } => Some(setting),
-            ConfigError::UnknownKey { key, .. } => Some(key),
-            ConfigError::ReadFile { .. } | ConfigError::ParseFile { .. } => None,
-        }
-    }
-}
-
-/// A raw value: one string, or a list (a setting with a value delimiter, `deployments`).
-enum Raw {
-    One(String),
-    List(Vec<String>),
-}
-
-/// The given values of every layer, merged: key -> (value, origin). No `Debug`: it holds
-/// secrets.
-struct Layers {
-    values: BTreeMap<String, (Raw, ValueOrigin)>,
-}
-
-impl Layers {
-    /// The file's values, then the flags' and the environment's over them.
-    fn merge(args: &ServeArgs) -> Result<Self, ConfigError> {
-        let settings = declared_settings();
-        let mut values = BTreeMap::new();
-        if let Some(path) = &args.config {
-            for (key, raw) in read_file(path, &settings)? {
-                values.insert(key, (raw, ValueOrigin::File(path.clone())));
-            }
-        }
-        // clap has put each flag, or else its environment variable, into `args`.
-        let given = match serde_json::to_value(args) {
-            Ok(serde_json::Value::Object(map)) => map,
-            _ => unreachable!("ServeArgs serializes as a map of strings"),
-        };
-        for (key, value) in given {
-            let raw = match value {
-                serde_json::Value::Null => continue,
-                serde_json::Value::String(s) => Raw::One(s),
-                serde_json::Value::Array(items) => Raw::List(
-                    items
-                        .into_iter()
-                        .filter_map(|item| item.as_str().map(str::to_owned))
-                        .collect(),
-                ),
-                other => unreachable!("a setting is a string or a list, not {other}"),
-            };
-            let arg = settings
-                .iter()
-                .find(|arg| arg.get_id() == key.as_str())
-                .expect("every field is a declared setting");
-            let origin = command_line_origin(arg, &raw);
-            values.insert(key, (raw, origin));
-        }
-        Ok(Self { values })
-    }
-
-    /// The value of one setting, as one string, and where it came from.
-    fn one(&mut self, key: &str) -> Option<(String, ValueOrigin)> {
-        debug_assert!(
-            file_keys().iter().any(|k| k == key),
-            "{key} is not declared"
-        );
-        self.values.remove(key).map(|(raw, origin)| match raw {
-            Raw::One(value) => (value, origin),
-            Raw::List(items) => (items.join(","), origin),
-        })
-    }
-
-    /// The value of a list setting, and where it came from.
-    fn list(&mut self, key: &str) -> Option<(Vec<String>, ValueOrigin)> {
-        debug_assert!(
-            file_keys().iter().any(|k| k == key),
-            "{key} is not declared"
-        );
-        self.values.remove(key).map(|(raw, origin)| match raw {
-            Raw::One(value) => (value.split(',').map(str::to_owned).collect(), origin),
-            Raw::List(items) => (items, origin),
-        })
-    }
-}
-
-/// A value clap took: from the environment if it is the variable's value, else from the
-/// flag. (A flag that repeats the variable's value is named as the variable: the same value.)
-fn command_line_origin(arg: &clap::Arg, raw: &Raw) -> ValueOrigin {
-    let from_env = arg
-        .get_env()
-        .and_then(|name| Some((name.to_str()?, std::env::var(name).ok()?)))
-        .filter(|(_, env)| match raw {
-            Raw::One(value) => env == value,
-            Raw::List(items) => env.split(',').eq(items.iter().map(String::as_str)),
-        });
-    match from_env {
-        Some((name, _)) => ValueOrigin::Environment(name.to_owned()),
-        None => ValueOrigin::Flag(format!("--{}", arg.get_long().unwrap_or_default())),
-    }
-}
-
-/// Resolves the settings: flags, then environment, then the config file, then the defaults.
+/// Resolves the settings that flags, environment and file gave into the library's settings,
+/// the defaults for the rest, and checks the settings that go together.
 ///
 /// # Errors
 /// [`ConfigError`] naming the first setting that is invalid, the bad value, its origin and
-/// the accepted values; or the config file that cannot be read or parsed, or holds an unknown
-/// key.
-pub fn resolve(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
-    let mut given = Layers::merge(args)?;
-    let mut settings = ServeSettings::defaults();
+/// the accepted values.
+pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError> {
+    let o = &given.origins;
+    // Every field, so that a setting declared but not resolved does not compile.
+    let ServeArgs {
+        config: _,
+        deployments,
+        http_addr,
+        http_token,
+        http_token_file,
+        http_protect_reads,
+        lease_scan_interval,
+        log_format,
+        connect_deadline,
+        max_event_bytes,
+        max_batch_bytes,
+        max_active_leases,
+        max_tombstones,
+        max_held_progress,
+        max_publishers,
+        subscription_capacity,
+        durable,
+        stream_replicas,
+        stream_max_bytes,
+        snapshot_interval,
+        snapshot_keep,
+        route_policy,
+        worker_idle,
+        nats,
+    } = &given.args;
+    let (nats, subject_prefix) = nats.resolve(o)?;
+    let mut names = Vec::new();
+    for name in deployments.iter().flatten() {
+        match o.get("deployments", &Some(name.clone()))? {
+            Some(Some(name)) if !names.contains(&name) => names.push(name),
+            _ => {}
+        }
+    }
+    let http_addr = get!(o, http_addr).unwrap_or(DEFAULT_HTTP_ADDR);
 
-    if let Some((value, origin)) = given.one("nats_url") {
-        settings.nats.urls = parse_nats_urls(&value, origin)?;
+    // The HTTP API's token, inline or from a file (one of them), and whether it guards the
+    // reads. The token never enters an error.
+    let protect_reads = get!(o, http_protect_reads);
+    if let (Some(_), Some(path)) = (http_token, get!(o, http_token_file)) {
+        let give_once = "give the token once: http_token or http_token_file, not both";
+        return Err(o.invalid("http_token_file", path.display().to_string(), give_once));
     }
-    if let Some((list, origin)) = given.list("deployments") {
-        settings.deployments = parse_deployments(&list, &origin)?;
-    }
-    if let Some((value, origin)) = given.one("http_addr") {
-        settings.http_addr = parse_http_addr(&value, origin)?;
-    }
-    settings.http_auth = resolve_http_auth(&mut given)?;
-    if let Some((value, origin)) = given.one("subject_prefix") {
-        settings.host.subject_prefix =
-            SubjectPrefix::new(value.trim()).map_err(|err| ConfigError::Invalid {
-                setting: "subject_prefix".into(),
-                value,
-                origin,
-                expected: format!(
-                    "one or more tokens separated by '.', each of ASCII letters, digits, '-' \
-                     and '_' (1 to 128 characters), such as {DEFAULT_SUBJECT_PREFIX} or \
-                     acme.leases ({})",
-                    err.setting()
-                ),
-            })?;
-    }
-    if let Some((value, origin)) = given.one("lease_scan_interval") {
-        settings.host.lease_scan_interval = match parse_duration(&value) {
-            Some(d) if !d.is_zero() => d,
-            _ => {
-                return Err(ConfigError::Invalid {
-                    setting: "lease_scan_interval".into(),
-                    value,
-                    origin,
-                    expected: "expected a positive duration: seconds (300) or a number with a \
-                               unit ms, s, m or h (300s, 5m, 1m30s)"
-                        .into(),
-                })
-            }
-        };
-    }
-    if let Some((value, origin)) = given.one("log_format") {
-        settings.log_format = value.parse().map_err(|()| ConfigError::Invalid {
-            setting: "log_format".into(),
-            value,
-            origin,
-            expected: "expected text or json".into(),
-        })?;
-    }
-    if let Some((value, origin)) = given.one("connect_deadline") {
-        settings.nats.connect_deadline =
-            parse_duration(&value).ok_or_else(|| ConfigError::Invalid {
-                setting: "connect_deadline".into(),
-                value,
-                origin,
-                expected: "expected a duration: seconds (30) or a number with a unit ms, s, m \
-                           or h (30s, 2m)"
-                    .into(),
-            })?;
-    }
-    if let Some((value, origin)) = given.one("max_event_bytes") {
-        settings.host.apply.max_event_bytes = match value.trim().parse::<usize>() {
-            Ok(n) if (MIN_MAX_EVENT_BYTES..=MAX_MAX_EVENT_BYTES).contains(&n) => n,
-            _ => {
-                return Err(ConfigError::Invalid {
-                    setting: "max_event_bytes".into(),
-                    value,
-                    origin,
-                    expected: format!(
-                        "expected a whole number of bytes from {MIN_MAX_EVENT_BYTES} to \
-                         {MAX_MAX_EVENT_BYTES} (default {DEFAULT_MAX_EVENT_BYTES}); keep it \
-                         below the NATS server's max_payload"
-                    ),
-                })
-            }
-        };
-    }
-    if let Some((value, origin)) = given.one("max_batch_bytes") {
-        settings.host.apply.max_batch_bytes = match value.trim().parse::<usize>() {
-            Ok(n) if (MIN_MAX_EVENT_BYTES..=MAX_MAX_EVENT_BYTES).contains(&n) => n,
-            _ => {
-                return Err(ConfigError::Invalid {
-                    setting: "max_batch_bytes".into(),
-                    value,
-                    origin,
-                    expected: format!(
-                        "expected a whole number of bytes from {MIN_MAX_EVENT_BYTES} to \
-                         {MAX_MAX_EVENT_BYTES} (default {DEFAULT_MAX_BATCH_BYTES}); keep it \
-                         at or below the NATS server's max_payload"
-                    ),
-                })
-            }
-        };
-    }
-    let mut capacity = DEFAULT_SUBSCRIPTION_CAPACITY;
-    let host = &mut settings.host;
-    for (setting, slot) in [
-        ("max_active_leases", &mut host.max_active_leases),
-        ("max_tombstones", &mut host.apply.max_tombstones),
-        ("max_held_progress", &mut host.apply.max_held_progress),
-        ("max_publishers", &mut host.apply.max_publishers),
-        ("subscription_capacity", &mut capacity),
-    ] {
-        if let Some((value, origin)) = given.one(setting) {
-            *slot = parse_limit(setting, value, origin, *slot)?;
-        }
-    }
-    settings.nats = settings.nats.with_subscription_capacity(capacity);
-    let mut durable = false;
-    if let Some((value, origin)) = given.one("durable") {
-        durable = match value.trim().to_ascii_lowercase().as_str() {
-            "true" | "yes" | "on" | "1" => true,
-            "false" | "no" | "off" | "0" => false,
-            _ => {
-                return Err(ConfigError::Invalid {
-                    setting: "durable".into(),
-                    value,
-                    origin,
-                    expected: "expected true or false".into(),
-                })
-            }
-        };
-    }
-    let mut replicas = 1;
-    if let Some((value, origin)) = given.one("stream_replicas") {
-        replicas = match value.trim().parse::<usize>() {
-            Ok(n) if (1..=MAX_STREAM_REPLICAS).contains(&n) => n,
-            _ => {
-                return Err(ConfigError::Invalid {
-                    setting: "stream_replicas".into(),
-                    value,
-                    origin,
-                    expected: format!(
-                        "expected a whole number from 1 to {MAX_STREAM_REPLICAS} (JetStream's \
-                         limit), at most the number of NATS servers in the cluster"
-                    ),
-                })
-            }
-        };
-    }
-    let mut stream_max_bytes = lease_router::DEFAULT_STREAM_MAX_BYTES;
-    if let Some((value, origin)) = given.one("stream_max_bytes") {
-        stream_max_bytes = match value.trim().replace('_', "").parse::<i64>() {
-            Ok(n) if n >= MIN_STREAM_MAX_BYTES => n,
-            _ => {
-                return Err(ConfigError::Invalid {
-                    setting: "stream_max_bytes".into(),
-                    value,
-                    origin,
-                    expected: format!(
-                        "expected a whole number of bytes, at least {MIN_STREAM_MAX_BYTES} \
-                         (default {}): events/s x ~170 bytes x the stream's age limit",
-                        lease_router::DEFAULT_STREAM_MAX_BYTES
-                    ),
-                })
-            }
-        };
-    }
-    let mut snapshot_interval = lease_router::DEFAULT_SNAPSHOT_INTERVAL;
-    if let Some((value, origin)) = given.one("snapshot_interval") {
-        snapshot_interval = match parse_duration(&value) {
-            Some(d) if d >= Duration::from_secs(1) => d,
-            _ => {
-                return Err(ConfigError::Invalid {
-                    setting: "snapshot_interval".into(),
-                    value,
-                    origin,
-                    expected: "expected a duration of at least 1s: seconds (60) or a number \
-                               with a unit s, m or h (60s, 5m)"
-                        .into(),
-                })
-            }
-        };
-    }
-    let mut snapshot_keep = lease_router::DEFAULT_SNAPSHOT_KEEP;
-    if let Some((value, origin)) = given.one("snapshot_keep") {
-        snapshot_keep = match value.trim().parse::<u32>() {
-            Ok(n) if (2..=1000).contains(&n) => n,
-            _ => {
-                return Err(ConfigError::Invalid {
-                    setting: "snapshot_keep".into(),
-                    value,
-                    origin,
-                    expected: format!(
-                        "expected a whole number from 2 to 1000 (default {}): snapshot \
-                         intervals the stream keeps",
-                        lease_router::DEFAULT_SNAPSHOT_KEEP
-                    ),
-                })
-            }
-        };
-    }
-    if let Some((value, origin)) = given.one("route_policy") {
-        settings.host.route_policy = value.trim().parse().map_err(|_| ConfigError::Invalid {
-            setting: "route_policy".into(),
-            value,
-            origin,
-            expected: "expected weighted_cost, power_of_two, round_robin or random".into(),
-        })?;
-    }
-    if let Some((value, origin)) = given.one("worker_idle") {
-        settings.host.worker_idle = match parse_duration(&value) {
-            Some(d) if !d.is_zero() => Some(d),
-            _ => {
-                return Err(ConfigError::Invalid {
-                    setting: "worker_idle".into(),
-                    value,
-                    origin,
-                    expected: "expected a positive duration: seconds (600) or a number with a \
-                               unit ms, s, m or h (600s, 10m)"
-                        .into(),
-                })
-            }
-        };
-    }
-    settings.host.durable = durable.then(|| {
-        LeaseStreamConfig::new()
-            .with_snapshots(snapshot_interval, snapshot_keep)
-            .with_replicas(replicas)
-            .with_max_bytes(stream_max_bytes)
-    });
-    resolve_credentials(&mut given, &mut settings.nats)?;
-    debug_assert!(
-        given.values.is_empty(),
-        "declared but not resolved: {:?}",
-        given.values.keys().collect::<Vec<_>>()
-    );
-    Ok(settings)
-}
-
-/// The HTTP API's token, from `http_token` or the file `http_token_file` (one of them), and
-/// whether it guards the reads. The token never enters an error.
-fn resolve_http_auth(given: &mut Layers) -> Result<Option<ApiAuth>, ConfigError> {
-    let inline = given.one("http_token");
-    let file = given.one("http_token_file");
-    let protect_reads = match given.one("http_protect_reads") {
-        None => None,
-        Some((value, origin)) => Some(match value.trim().to_ascii_lowercase().as_str() {
-            "true" | "yes" | "on" | "1" => (true, value, origin),
-            "false" | "no" | "off" | "0" => (false, value, origin),
-            _ => {
-                return Err(ConfigError::Invalid {
-                    setting: "http_protect_reads".into(),
-                    value,
-                    origin,
-                    expected: "expected true or false".into(),
-                })
-            }
-        }),
-    };
-    let token = match (inline, file) {
-        (Some(_), Some((path, origin))) => {
-            return Err(ConfigError::Invalid {
-                setting: "http_token_file".into(),
-                value: path,
-                origin,
-                expected: "give the token once: http_token or http_token_file, not both".into(),
-            })
-        }
-        (Some((value, origin)), None) => {
-            Some(
-                BearerToken::new(&value).map_err(|err| ConfigError::Invalid {
-                    setting: "http_token".into(),
-                    value: if value.is_empty() {
-                        value
-                    } else {
-                        REDACTED.into()
-                    },
-                    origin,
-                    expected: format!("{err}; an empty token would leave the API open"),
-                })?,
-            )
-        }
-        (None, Some((value, origin))) => {
-            let path = PathBuf::from(value.trim());
-            let text = std::fs::read_to_string(&path).map_err(|err| ConfigError::Invalid {
-                setting: "http_token_file".into(),
-                value: value.clone(),
-                origin: origin.clone(),
-                expected: format!(
-                    "expected a readable file holding the token ({})",
-                    err.kind()
-                ),
-            })?;
-            Some(BearerToken::new(&text).map_err(|err| ConfigError::Invalid {
-                setting: "http_token_file".into(),
-                value,
-                origin,
-                expected: format!(
-                    "the file holds no usable token: {err}; an empty token would leave the API \
-                     open"
-                ),
-            })?)
-        }
+    let token = match (get!(o, http_token), get!(o, http_token_file)) {
+        (Some(token), _) => Some(token),
+        (None, Some(path)) => Some(read_token(&path).map_err(|expected| {
+            o.invalid("http_token_file", path.display().to_string(), expected)
+        })?),
         (None, None) => None,
     };
-    match (token, protect_reads) {
-        (Some(token), protect) => Ok(Some(
-            ApiAuth::new(token).protect_reads(protect.is_some_and(|(on, _, _)| on)),
-        )),
-        (None, Some((true, value, origin))) => Err(ConfigError::Invalid {
-            setting: "http_protect_reads".into(),
-            value,
-            origin,
-            expected: "protecting the reads needs a token: give http_token or http_token_file"
-                .into(),
-        }),
-        (None, _) => Ok(None),
+    let http_auth = match (token, protect_reads) {
+        (Some(token), protect) => Some(ApiAuth::new(token).protect_reads(protect == Some(true))),
+        (None, Some(true)) => {
+            return Err(o.invalid(
+                "http_protect_reads",
+                "true",
+                "protecting the reads needs a token: give http_token or http_token_file",
+            ))
+        }
+        (None, _) => None,
+    };
+
+    fn set<T>(slot: &mut T, given: Option<T>) {
+        if let Some(value) = given {
+            *slot = value;
+        }
+    }
+    let mut host = HostSettings {
+        subject_prefix,
+        ..HostSettings::default()
+    };
+    set(&mut host.route_policy, get!(o, route_policy));
+    set(&mut host.worker_idle, get!(o, worker_idle).map(Some));
+    set(&mut host.lease_scan_interval, get!(o, lease_scan_interval));
+    set(&mut host.apply.max_event_bytes, get!(o, max_event_bytes));
+    set(&mut host.apply.max_batch_bytes, get!(o, max_batch_bytes));
+    set(&mut host.max_active_leases, get!(o, max_active_leases));
+    set(&mut host.apply.max_tombstones, get!(o, max_tombstones));
+    set(
+        &mut host.apply.max_held_progress,
+        get!(o, max_held_progress),
+    );
+    set(&mut host.apply.max_publishers, get!(o, max_publishers));
+    let stream = LeaseStreamConfig::new()
+        .with_snapshots(
+            get!(o, snapshot_interval).unwrap_or(lease_router::DEFAULT_SNAPSHOT_INTERVAL),
+            get!(o, snapshot_keep).unwrap_or(lease_router::DEFAULT_SNAPSHOT_KEEP),
+        )
+        .with_replicas(get!(o, stream_replicas).unwrap_or(1))
+        .with_max_bytes(
+            get!(o, stream_max_bytes).unwrap_or(lease_router::DEFAULT_STREAM_MAX_BYTES),
+        );
+    host.durable = get!(o, durable).unwrap_or(false).then_some(stream);
+
+    let capacity = get!(o, subscription_capacity).unwrap_or(DEFAULT_SUBSCRIPTION_CAPACITY);
+    let mut nats = nats
+        .with_name("lease-router serve")
+        .with_subscription_capacity(capacity);
+    set(&mut nats.connect_deadline, get!(o, connect_deadline));
+    Ok(ServeSettings {
+        nats,
+        host,
+        deployments: names,
+        http_addr,
+        http_auth,
+        log_format: get!(o, log_format).unwrap_or_default(),
+    })
+}
+
+/// The token in the file at `path`, or what is wrong with the file.
+fn read_token(path: &Path) -> Result<BearerToken, String> {
+    let text = std::fs::read_to_string(path).map_err(|err| {
+        format!(
+            "expected a readable file holding the token ({})",
+            err.kind()
+        )
+    })?;
+    BearerToken::new(&text).map_err(|err| {
+        format!("the file holds no usable token: {err}; an empty token would leave the API open")
+    })
+}
+
+fn parse_token(value: &str) -> Result<BearerToken, String> {
+    BearerToken::new(value).map_err(|err| format!("{err}; an empty token would leave the API open"))
+}
+
+fn parse_bool(value: &str) -> Result<bool, String> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "true" | "yes" | "on" | "1" => Ok(true),
+        "false" | "no" | "off" | "0" => Ok(false),
+        _ => Err("expected true or false".to_owned()),
     }
 }
 
-/// The authentication and TLS settings. Secret values never enter an error.
-fn resolve_credentials(
-    given: &mut Layers,
-    nats: &mut NatsConnectConfig,
-) -> Result<(), ConfigError> {
-    let secret = |setting: &'static str, value: Option<(String, ValueOrigin)>| match value {
-        Some((v, origin)) if v.is_empty() => Err(ConfigError::Invalid {
-            setting: setting.into(),
-            value: String::new(),
-            origin,
-            expected: "expected a non-empty value".into(),
-        }),
-        Some((v, origin)) => Ok(Some((v, origin))),
-        None => Ok(None),
-    };
-    let user = secret("nats_user", given.one("nats_user"))?;
-    let password = secret("nats_password", given.one("nats_password"))?;
-    let token = secret("nats_token", given.one("nats_token"))?;
-    let nkey = readable_file("nats_nkey", given.one("nats_nkey"))?;
-    let creds = readable_file("nats_creds", given.one("nats_creds"))?;
+/// A duration in `range`, else `expected`.
+pub(crate) fn duration(
+    range: RangeInclusive<Duration>,
+    expected: &'static str,
+) -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync + 'static {
+    move |value| {
+        parse_duration(value)
+            .filter(|d| range.contains(d))
+            .ok_or_else(|| expected.to_owned())
+    }
+}
 
-    let mut methods: Vec<(&'static str, NatsAuth, ValueOrigin)> = Vec::new();
-    match (user, password) {
-        (Some((user, origin)), Some((password, _))) => methods.push((
-            "nats_user",
-            NatsAuth::UserPassword { user, password },
-            origin,
-        )),
-        (Some((user, origin)), None) => {
-            return Err(ConfigError::Invalid {
-                setting: "nats_user".into(),
-                value: user,
-                origin,
-                expected: "a user needs a password: give nats_password too".into(),
-            })
-        }
-        (None, Some((_, origin))) => {
-            return Err(ConfigError::Invalid {
-                setting: "nats_password".into(),
-                value: REDACTED.into(),
-                origin,
-                expected: "a password needs a user: give nats_user too".into(),
-            })
-        }
-        (None, None) => {}
-    }
-    if let Some((token, origin)) = token {
-        methods.push(("nats_token", NatsAuth::Token(token), origin));
-    }
-    if let Some((path, origin)) = nkey {
-        methods.push(("nats_nkey", NatsAuth::NKeySeedFile(path), origin));
-    }
-    if let Some((path, origin)) = creds {
-        methods.push(("nats_creds", NatsAuth::CredentialsFile(path), origin));
-    }
-    if methods.len() > 1 {
-        let (setting, auth, origin) = methods.swap_remove(1);
-        let value = match auth {
-            NatsAuth::NKeySeedFile(p) | NatsAuth::CredentialsFile(p) => p.display().to_string(),
-            _ => REDACTED.into(),
+/// A whole number in `range` (with `_` between digits if `underscores`), else `expected`.
+fn whole<T: FromStr + PartialOrd + Clone + Send + Sync + 'static>(
+    range: RangeInclusive<T>,
+    underscores: bool,
+    expected: String,
+) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
+    move |value| {
+        let digits = if underscores {
+            value.trim().replace('_', "")
+        } else {
+            value.trim().to_owned()
         };
-        return Err(ConfigError::Invalid {
-            setting: setting.into(),
-            value,
-            origin,
-            expected: format!(
-                "give only one way to authenticate (user and password, token, nkey or \
-                 creds); {} is given too",
-                methods[0].0
-            ),
-        });
+        digits
+            .parse::<T>()
+            .ok()
+            .filter(|n| range.contains(n))
+            .ok_or_else(|| expected.clone())
     }
-    if let Some((_, auth, _)) = methods.pop() {
-        nats.auth = auth;
-    }
-
-    let ca = readable_file("nats_tls_ca", given.one("nats_tls_ca"))?;
-    let cert = readable_file("nats_tls_cert", given.one("nats_tls_cert"))?;
-    let key = readable_file("nats_tls_key", given.one("nats_tls_key"))?;
-    let (cert_file, key_file) = match (cert, key) {
-        (Some((cert, _)), Some((key, _))) => (Some(cert), Some(key)),
-        (None, None) => (None, None),
-        (Some((path, origin)), None) => {
-            return Err(ConfigError::Invalid {
-                setting: "nats_tls_cert".into(),
-                value: path.display().to_string(),
-                origin,
-                expected: "a client certificate needs its key: give nats_tls_key too".into(),
-            })
-        }
-        (None, Some((path, origin))) => {
-            return Err(ConfigError::Invalid {
-                setting: "nats_tls_key".into(),
-                value: path.display().to_string(),
-                origin,
-                expected: "a client key needs its certificate: give nats_tls_cert too".into(),
-            })
-        }
-    };
-    let ca_file = ca.map(|(path, _)| path);
-    if ca_file.is_some() || cert_file.is_some() {
-        nats.tls = Some(NatsTls {
-            ca_file,
-            cert_file,
-            key_file,
-        });
-    }
-    if let Some((value, origin)) = given.one("nats_ping_interval") {
-        let interval = parse_duration(&value)
-            .filter(|d| (MIN_PING_INTERVAL..=MAX_PING_INTERVAL).contains(d))
-            .ok_or_else(|| ConfigError::Invalid {
-                setting: "nats_ping_interval".into(),
-                value,
-                origin,
-                expected: "expected a duration from 100ms to 1h, such as 4s (a silent \
-                           partition is seen within three intervals)"
-                    .into(),
-            })?;
-        nats.ping_interval = Some(interval);
-    }
-    Ok(())
 }
 
 /// A memory limit: a whole number from 1 to [`MAX_LIMIT`].
-fn parse_limit(
-    setting: &'static str,
-    value: String,
-    origin: ValueOrigin,
-    default: usize,
-) -> Result<usize, ConfigError> {
-    match value.trim().replace('_', "").parse::<usize>() {
-        Ok(n) if (1..=MAX_LIMIT).contains(&n) => Ok(n),
-        _ => Err(ConfigError::Invalid {
-            setting: setting.into(),
-            value,
-            origin,
-            expected: format!(
-                "expected a whole number from 1 to {MAX_LIMIT} (default {default}); past it \
-                 new entries are refused or the oldest evicted, and counted"
-            ),
+fn limit(default: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
+    whole(
+        1..=MAX_LIMIT,
+        true,
+        format!(
+        "expected a whole number from 1 to {MAX_LIMIT} (default {default}); past it new entries \
+         are refused or the oldest evicted, and counted"
+    ),
+    )
+}
+
+/// One deployment name; nothing for an empty item (`LEASE_ROUTER_DEPLOYMENTS=`, a trailing
+/// comma).
+fn parse_deployment(value: &str) -> Result<Option<DeploymentName>, Refusal> {
+    match value.trim() {
+        "" => Ok(None),
+        name => DeploymentName::new(name).map(Some).map_err(|_| Refusal {
+            shown: Some(name.to_owned()),
+            expected: DEPLOYMENT_NAMES.to_owned(),
         }),
     }
 }
 
-/// A path setting naming a file that can be opened (not read: it may hold a secret).
-fn readable_file(
-    setting: &'static str,
-    value: Option<(String, ValueOrigin)>,
-) -> Result<Option<(PathBuf, ValueOrigin)>, ConfigError> {
-    let Some((value, origin)) = value else {
-        return Ok(None);
-    };
-    let path = PathBuf::from(value.trim());
-    match std::fs::File::open(&path) {
-        Ok(_) if path.is_file() => Ok(Some((path, origin))),
-        Ok(_) => Err(ConfigError::Invalid {
-            setting: setting.into(),
-            value,
-            origin,
-            expected: "expected a file, not a directory".into(),
-        }),
-        Err(err) => Err(ConfigError::Invalid {
-            setting: setting.into(),
-            value,
-            origin,
-            expected: format!("expected a readable file ({})", err.kind()),
-        }),
-    }
-}
-
-fn parse_nats_urls(value: &str, origin: ValueOrigin) -> Result<Vec<String>, ConfigError> {
-    let invalid = |value: &str, origin: ValueOrigin| ConfigError::Invalid {
-        setting: "nats_url".into(),
-        value: lease_router::redact_url(value),
-        origin,
-        expected: "expected nats://HOST:PORT, or several separated by commas, such as \
-                   nats://10.0.0.1:4222,nats://10.0.0.2:4222"
-            .into(),
-    };
-    let urls: Vec<String> = value
-        .split(|c: char| c == ',' || c.is_whitespace())
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned)
-        .collect();
-    if urls.is_empty() {
-        return Err(invalid(value, origin));
-    }
-    for url in &urls {
-        if url.parse::<async_nats::ServerAddr>().is_err() {
-            return Err(invalid(url, origin));
-        }
-    }
-    Ok(urls)
-}
-
-fn parse_deployments(
-    list: &[String],
-    origin: &ValueOrigin,
-) -> Result<Vec<DeploymentName>, ConfigError> {
-    let mut out: Vec<DeploymentName> = Vec::with_capacity(list.len());
-    for raw in list {
-        let raw = raw.trim();
-        if raw.is_empty() {
-            // `LEASE_ROUTER_DEPLOYMENTS=` or a trailing comma: nothing.
-            continue;
-        }
-        let name = DeploymentName::new(raw).map_err(|_| ConfigError::Invalid {
-            setting: "deployments".into(),
-            value: raw.to_owned(),
-            origin: origin.clone(),
-            expected: "a deployment name may hold only ASCII letters, digits, '-' and '_' \
-                       (1 to 128 characters), such as llama-70b_prod"
-                .into(),
-        })?;
-        if !out.contains(&name) {
-            out.push(name);
-        }
-    }
-    Ok(out)
-}
-
-fn parse_http_addr(value: &str, origin: ValueOrigin) -> Result<SocketAddr, ConfigError> {
+fn parse_http_addr(value: &str) -> Result<SocketAddr, String> {
     let trimmed = value.trim();
     let parsed = trimmed.parse::<SocketAddr>().ok().or_else(|| {
         let port = trimmed.strip_prefix("localhost:")?.parse::<u16>().ok()?;
         Some(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port))
     });
-    parsed.ok_or_else(|| ConfigError::Invalid {
-        setting: "http_addr".into(),
-        value: value.to_owned(),
-        origin,
-        expected: "expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; port \
-                   0 picks a free port)"
-            .into(),
+    parsed.ok_or_else(|| {
+        "expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; port 0 picks a \
+         free port)"
+            .to_owned()
     })
 }
 
-/// Parses `300` (seconds), `300s`, `5m`, `1h`, `250ms`, `1m30s`, `1.5s`.
+/// Parses `300` (seconds), `300s`, `5m`, `1h`, `250ms`, `1m30s`, `1.5s`: the one duration
+/// parser of every subcommand (humantime takes neither `300` nor `1.5s`).
 pub fn parse_duration(value: &str) -> Option<Duration> {
     let s = value.trim();
     if s.is_empty() {
@@ -1297,27 +791,43 @@ pub fn parse_duration(value: &str) -> Option<Duration> {
     Some(total)
 }
 
-/// Reads the config file: a TOML table whose keys are declared settings.
-fn read_file(path: &Path, settings: &[clap::Arg]) -> Result<Vec<(String, Raw)>, ConfigError> {
+/// Parses `argv` with `command`; if its subcommand `serve` names a config file, parses again
+/// with the file's values as the defaults of `serve`'s flags, beneath the flags and the
+/// environment. clap's own errors (and `--help`) exit as with `get_matches`.
+///
+/// # Errors
+/// [`ConfigError`] for a file that cannot be read or parsed, holds an unknown key or a value
+/// of a type its setting cannot take.
+pub fn parse_layered(command: clap::Command, argv: &[OsString]) -> Result<ArgMatches, ConfigError> {
+    let matches = command.clone().get_matches_from(argv);
+    let Some(("serve", serve)) = matches.subcommand() else {
+        return Ok(matches);
+    };
+    let Some(path) = serve.get_one::<PathBuf>("config") else {
+        return Ok(matches);
+    };
+    let file = read_file(path)?;
+    let command = command.mut_subcommand("serve", |mut serve| {
+        for (key, values) in file {
+            serve = serve.mut_arg(key, |arg| arg.default_values(values));
+        }
+        serve
+    });
+    Ok(command.get_matches_from(argv))
+}
+
+/// Reads the config file: a TOML table whose keys are declared settings, each value as the
+/// strings a flag would give (one, or the items of a list setting).
+fn read_file(path: &Path) -> Result<Vec<(String, Vec<String>)>, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
         path: path.to_owned(),
         source,
     })?;
-    parse_file(path, &text, settings)
-}
-
-/// Each value as the string a flag would give (a list for a list setting). A key that is not
-/// declared is an error; so is a value of a type the setting cannot take, and a secret of the
-/// wrong type is reported without its value.
-fn parse_file(
-    path: &Path,
-    text: &str,
-    settings: &[clap::Arg],
-) -> Result<Vec<(String, Raw)>, ConfigError> {
-    let table: toml::Table = toml::from_str(text).map_err(|err| ConfigError::ParseFile {
+    let table: toml::Table = toml::from_str(&text).map_err(|err| ConfigError::ParseFile {
         path: path.to_owned(),
-        message: err.message().to_owned() + &location(text, err.span()),
+        message: err.message().to_owned() + &location(&text, err.span()),
     })?;
+    let settings = declared_settings();
     let mut values = Vec::with_capacity(table.len());
     for (key, value) in table {
         let Some(arg) = settings.iter().find(|arg| arg.get_id() == key.as_str()) else {
@@ -1327,11 +837,12 @@ fn parse_file(
             });
         };
         // The declaration says what the setting takes: a list (a value delimiter), a switch
-        // (a flag that may stand alone), a secret (its value hidden from the help).
+        // (a flag that may stand alone), a secret (its value hidden from the help). A secret
+        // of the wrong type is reported without its value.
         let is_list = arg.get_value_delimiter().is_some();
         let is_switch = arg.get_num_args().is_some_and(|n| n.min_values() == 0);
         let is_secret = arg.is_hide_env_values_set();
-        let invalid = |value: &toml::Value, expected: String| ConfigError::Invalid {
+        let invalid = |value: &dyn fmt::Display, expected: String| ConfigError::Invalid {
             setting: key.clone(),
             value: if is_secret {
                 REDACTED.into()
@@ -1341,22 +852,31 @@ fn parse_file(
             origin: ValueOrigin::File(path.to_owned()),
             expected,
         };
-        let raw = match value {
-            toml::Value::String(s) => Raw::One(s),
-            toml::Value::Integer(n) if !is_secret => Raw::One(n.to_string()),
-            toml::Value::Boolean(b) if is_switch => Raw::One(b.to_string()),
-            toml::Value::Array(items) if !is_secret => Raw::List(
-                items
+        let strings = match value {
+            toml::Value::String(s) => vec![s],
+            toml::Value::Integer(n) if !is_secret => vec![n.to_string()],
+            toml::Value::Boolean(b) if is_switch => vec![b.to_string()],
+            toml::Value::Array(items) if !is_secret => {
+                let items = items
                     .into_iter()
                     .map(|item| match item {
+                        // clap splits a list's items at commas: a name holds none.
+                        toml::Value::String(s) if is_list && s.contains(',') => {
+                            Err(invalid(&s.trim(), DEPLOYMENT_NAMES.to_owned()))
+                        }
                         toml::Value::String(s) => Ok(s),
                         other => Err(invalid(
                             &other,
                             format!("expected a list of strings, not of {}", other.type_str()),
                         )),
                     })
-                    .collect::<Result<_, _>>()?,
-            ),
+                    .collect::<Result<Vec<_>, _>>()?;
+                if is_list {
+                    items
+                } else {
+                    vec![items.join(",")]
+                }
+            }
             other => {
                 let expected = if is_secret {
                     format!("expected a string, not {}", other.type_str())
@@ -1371,7 +891,7 @@ fn parse_file(
                 return Err(invalid(&other, expected));
             }
         };
-        values.push((key, raw));
+        values.push((key, strings));
     }
     Ok(values)
 }
@@ -1388,96 +908,108 @@ fn location(text: &str, span: Option<std::ops::Range<usize>>) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::io::Write;
 
-    use clap::Parser;
-
-    use lease_router::ApplyConfig;
-    use lease_router::DEFAULT_MAX_ACTIVE_LEASES;
+    use clap::{CommandFactory, Parser};
 
     use super::*;
 
     #[derive(Parser, Debug)]
-    struct Cli {
-        #[command(flatten)]
-        serve: ServeArgs,
+    pub(crate) enum Cli {
+        Serve(Sourced<ServeArgs>),
     }
 
-    fn file(text: &str) -> tempfile::NamedTempFile {
+    pub(crate) fn file(text: &str) -> tempfile::NamedTempFile {
         let mut f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
         f.write_all(text.as_bytes()).unwrap();
         f
     }
 
-    fn message(args: &ServeArgs) -> String {
-        resolve(args).unwrap_err().to_string()
+    pub(crate) fn path(f: &tempfile::NamedTempFile) -> &str {
+        f.path().to_str().unwrap()
+    }
+
+    /// `serve ARGV` as `command` parses it, with the file `--config` names beneath.
+    fn args_of(command: clap::Command, argv: &[&str]) -> Result<Sourced<ServeArgs>, ConfigError> {
+        let argv = ["lease-router", "serve"]
+            .iter()
+            .chain(argv)
+            .map(OsString::from);
+        let matches = parse_layered(command, &argv.collect::<Vec<_>>())?;
+        Ok(Sourced::from_arg_matches(matches.subcommand().unwrap().1).unwrap())
+    }
+
+    /// `serve ARGV` without the environment: only `flags_beat_environment_beat_file` reads it.
+    pub(crate) fn args(argv: &[&str]) -> Result<Sourced<ServeArgs>, ConfigError> {
+        let no_env = |serve: clap::Command| serve.mut_args(|arg| arg.env(None::<&str>));
+        args_of(Cli::command().mut_subcommand("serve", no_env), argv)
+    }
+
+    /// The settings of `serve LINE`, its arguments split at whitespace.
+    pub(crate) fn settings(line: &str) -> Result<ServeSettings, ConfigError> {
+        resolve(&args(&line.split_whitespace().collect::<Vec<_>>())?)
+    }
+
+    pub(crate) fn message(line: &str) -> String {
+        settings(line).unwrap_err().to_string()
+    }
+
+    /// `serve ARGV` is refused with a message that starts with `start`, and no secret shows in
+    /// the message, the error's `Debug` or the arguments' `Debug`.
+    pub(crate) fn refused(argv: &[&str], start: &str) {
+        let given = args(argv).unwrap();
+        let err = resolve(&given).unwrap_err();
+        assert!(err.to_string().starts_with(start), "{err}\nwanted: {start}");
+        assert_no_secret(&format!("{err} {err:?} {given:?}"));
+    }
+
+    pub(crate) const SECRETS: [&str; 2] = ["hunter2-pass", "tok-3f9a-secret"];
+
+    pub(crate) fn assert_no_secret(text: &str) {
+        for secret in SECRETS {
+            assert!(!text.contains(secret), "a secret leaked: {text}");
+        }
     }
 
     #[test]
     fn durable_mode_settings() {
         let f = file("durable = true\nstream_replicas = 3\nsnapshot_interval = \"2m\"\n");
-        let args = ServeArgs {
-            config: Some(f.path().to_owned()),
-            ..ServeArgs::default()
-        };
-        let host = resolve(&args).unwrap().host;
-        let stream = host.durable.expect("durable from the file");
-        assert_eq!(stream.replicas, 3);
-        assert_eq!(
-            stream.max_age,
-            Duration::from_secs(480),
-            "four snapshot intervals by default"
-        );
-
-        // The flag wins over the file.
-        let off = ServeArgs {
-            durable: Some("false".into()),
-            ..args
-        };
-        assert!(resolve(&off).unwrap().host.durable.is_none());
-        assert!(resolve(&ServeArgs::default())
+        let stream = settings(&format!("--config {}", path(&f)))
             .unwrap()
             .host
-            .durable
-            .is_none());
+            .durable;
+        let stream = stream.expect("durable from the file");
+        assert_eq!(stream.replicas, 3);
+        let four = Duration::from_secs(480);
+        assert_eq!(stream.max_age, four, "four snapshot intervals by default");
 
-        let m = message(&ServeArgs {
-            durable: Some("maybe".into()),
-            ..ServeArgs::default()
-        });
-        assert!(
-            m.contains("durable = \"maybe\"") && m.contains("true or false"),
-            "{m}"
+        // The flag wins over the file.
+        let off = settings(&format!("--config {} --durable false", path(&f)));
+        assert!(off.unwrap().host.durable.is_none());
+        assert!(settings("").unwrap().host.durable.is_none());
+
+        refused(
+            &["--durable", "maybe"],
+            "invalid setting durable = \"maybe\" from --durable: expected true or false",
         );
-        let m = message(&ServeArgs {
-            stream_replicas: Some("9".into()),
-            ..ServeArgs::default()
-        });
+        let m = message("--stream-replicas 9");
         assert!(
             m.contains("stream_replicas = \"9\"") && m.contains("1 to 5"),
             "{m}"
         );
-        let m = message(&ServeArgs {
-            stream_max_bytes: Some("1000".into()),
-            ..ServeArgs::default()
-        });
+        let m = message("--stream-max-bytes 1000");
         assert!(
             m.contains("stream_max_bytes = \"1000\"") && m.contains("at least 1048576"),
             "{m}"
         );
-        let host = resolve(&ServeArgs {
-            durable: Some("true".into()),
-            ..ServeArgs::default()
-        })
-        .unwrap()
-        .host;
+        let host = settings("--durable true").unwrap().host;
         assert_eq!(host.durable.unwrap().max_bytes, 1 << 30, "1 GiB by default");
     }
 
     #[test]
     fn defaults() {
-        let s = resolve(&ServeArgs::default()).unwrap();
+        let s = settings("").unwrap();
         assert_eq!(s.nats.urls, vec!["nats://127.0.0.1:4222".to_string()]);
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:9464");
         assert_eq!(s.host.subject_prefix.as_str(), "leases");
@@ -1488,16 +1020,19 @@ mod tests {
             s.nats.ping_interval,
             Some(lease_router::DEFAULT_PING_INTERVAL)
         );
-        assert_eq!(s.host.apply.max_event_bytes, 4096);
         assert!(s.deployments.is_empty());
-        let host = &s.host;
-        assert_eq!(host.apply.max_event_bytes, 4096);
-        assert_eq!(host.apply.max_batch_bytes, 1 << 20);
-        assert_eq!(host.lease_scan_interval, Duration::from_secs(300));
+        assert_eq!(s.host.apply.max_event_bytes, 4096);
+        assert_eq!(s.host.apply.max_batch_bytes, 1 << 20);
         assert_eq!(
             s.nats.subscription_capacity,
             Some(DEFAULT_SUBSCRIPTION_CAPACITY)
         );
+        assert_eq!(s.host.max_active_leases, DEFAULT_MAX_ACTIVE_LEASES);
+        let apply = &s.host.apply;
+        assert_eq!(apply.max_tombstones, ApplyConfig::default().max_tombstones);
+        assert_eq!(s.host.route_policy, RoutePolicy::WeightedCost);
+        assert_eq!(s.host.worker_idle, None);
+        assert!(s.http_auth.is_none(), "no token: the API is open");
     }
 
     #[test]
@@ -1514,11 +1049,7 @@ mod tests {
             max_event_bytes = 8192
             "#,
         );
-        let from_file = ServeArgs {
-            config: Some(f.path().to_owned()),
-            ..ServeArgs::default()
-        };
-        let s = resolve(&from_file).unwrap();
+        let s = settings(&format!("--config {}", path(&f))).unwrap();
         assert_eq!(
             s.nats.urls,
             vec!["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]
@@ -1533,15 +1064,12 @@ mod tests {
         assert_eq!(s.host.apply.max_event_bytes, 8192);
 
         // Flags (or the environment: clap puts both in the same field) beat the file.
-        let flags = ServeArgs {
-            nats_url: Some("nats://a:1,nats://b:2".into()),
-            deployments: Some(vec!["c".into()]),
-            http_addr: Some("localhost:8080".into()),
-            lease_scan_interval: Some("1m30s".into()),
-            log_format: Some("TEXT".into()),
-            ..from_file.clone()
-        };
-        let s = resolve(&flags).unwrap();
+        let s = settings(&format!(
+            "--config {} --nats-url nats://a:1,nats://b:2 --deployment c --http-addr \
+             localhost:8080 --lease-scan-interval 1m30s --log-format TEXT",
+            path(&f)
+        ))
+        .unwrap();
         assert_eq!(s.nats.urls, vec!["nats://a:1", "nats://b:2"]);
         assert_eq!(s.deployments, vec![DeploymentName::new("c").unwrap()]);
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:8080");
@@ -1550,171 +1078,106 @@ mod tests {
         // Not given as flags: still from the file.
         assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
         assert_eq!(s.host.apply.max_event_bytes, 8192);
+
+        // A list in the file is a list of names: clap's comma split does not reach into one.
+        let f = file("deployments = [\"a\", \"b,c\"]\n");
+        let m = message(&format!("--config {}", path(&f)));
+        assert!(
+            m.starts_with("invalid setting deployments = \"b,c\" in config file"),
+            "{m}"
+        );
     }
 
-    /// The one test that touches the process environment, and only variables that nothing
+    /// The one test that reads the process environment, and only variables that nothing
     /// but this module reads.
     #[test]
     fn flags_beat_environment_beat_file() {
         let f = file("http_addr = \"127.0.0.1:1111\"\nlease_scan_interval = \"1h\"\n");
-        let path = f.path().to_str().unwrap().to_owned();
+        // clap reads a variable when the command is built.
+        let with_env = |argv: &[&str]| args_of(Cli::command(), argv).unwrap();
         std::env::set_var("LEASE_ROUTER_HTTP_ADDR", "127.0.0.1:2222");
         std::env::set_var("LEASE_ROUTER_LEASE_SCAN_INTERVAL", "2m");
-        let env_only = Cli::try_parse_from(["serve", "--config", &path]).map(|c| c.serve);
-        let flag_and_env =
-            Cli::try_parse_from(["serve", "--config", &path, "--http-addr", "127.0.0.1:3333"])
-                .map(|c| c.serve);
+        let env_only = with_env(&["--config", path(&f)]);
+        let flag_and_env = with_env(&["--config", path(&f), "--http-addr", "127.0.0.1:3333"]);
         // A bad value from the environment is named as such.
         std::env::set_var("LEASE_ROUTER_LOG_FORMAT", "yaml");
-        let bad_env = Cli::try_parse_from(["serve"]).unwrap().serve;
-        let bad_env = resolve(&bad_env).unwrap_err().to_string();
+        let bad_env = with_env(&[]);
         std::env::remove_var("LEASE_ROUTER_LOG_FORMAT");
         std::env::remove_var("LEASE_ROUTER_HTTP_ADDR");
         std::env::remove_var("LEASE_ROUTER_LEASE_SCAN_INTERVAL");
         assert_eq!(
-            bad_env,
+            resolve(&bad_env).unwrap_err().to_string(),
             "invalid setting log_format = \"yaml\" from environment variable \
              LEASE_ROUTER_LOG_FORMAT: expected text or json"
         );
-        let file_only = Cli::try_parse_from(["serve", "--config", &path])
-            .unwrap()
-            .serve;
+        let file_only = with_env(&["--config", path(&f)]);
 
         let s = resolve(&file_only).unwrap();
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:1111");
         assert_eq!(s.host.lease_scan_interval, Duration::from_secs(3600));
 
-        let s = resolve(&env_only.unwrap()).unwrap();
+        let s = resolve(&env_only).unwrap();
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:2222", "env beats file");
         assert_eq!(s.host.lease_scan_interval, Duration::from_secs(120));
 
-        let s = resolve(&flag_and_env.unwrap()).unwrap();
+        let s = resolve(&flag_and_env).unwrap();
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:3333", "flag beats env");
         assert_eq!(s.host.lease_scan_interval, Duration::from_secs(120));
     }
 
     #[test]
     fn repeated_and_comma_separated_deployment_flags() {
-        let cli = Cli::try_parse_from([
-            "serve",
-            "--deployment",
-            "a",
-            "--deployment",
-            "b,c",
-            "--nats-url",
-            "nats://x:1",
-        ])
-        .unwrap();
-        let s = resolve(&cli.serve).unwrap();
+        let s = settings("--deployment a --deployment b,c --nats-url nats://x:1").unwrap();
         let names: Vec<&str> = s.deployments.iter().map(|d| d.as_str()).collect();
         assert_eq!(names, ["a", "b", "c"]);
     }
 
     #[test]
     fn error_messages_name_setting_value_and_fix() {
-        let args = |f: fn(&mut ServeArgs)| {
-            let mut a = ServeArgs::default();
-            f(&mut a);
-            a
-        };
         assert_eq!(
-            message(&args(|a| a.http_addr = Some("abc".into()))),
-            "invalid setting http_addr = \"abc\" from --http-addr: expected HOST:PORT such as 127.0.0.1:9464 \
-             (an IP address or localhost; port 0 picks a free port)"
+            message("--http-addr abc"),
+            "invalid setting http_addr = \"abc\" from --http-addr: expected HOST:PORT such as \
+             127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)"
         );
         assert_eq!(
-            message(&args(
-                |a| a.deployments = Some(vec!["ok".into(), "a.b".into()])
-            )),
-            "invalid setting deployments = \"a.b\" from --deployment: a deployment name may hold only ASCII \
-             letters, digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod"
+            message("--deployment ok --deployment a.b"),
+            "invalid setting deployments = \"a.b\" from --deployment: a deployment name may hold \
+             only ASCII letters, digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod"
         );
         assert_eq!(
-            message(&args(|a| a.log_format = Some("xml".into()))),
+            message("--log-format xml"),
             "invalid setting log_format = \"xml\" from --log-format: expected text or json"
         );
-        let m = message(&args(|a| a.lease_scan_interval = Some("0s".into())));
-        assert!(
-            m.starts_with("invalid setting lease_scan_interval = \"0s\" from --lease-scan-interval: expected a positive"),
-            "{m}"
-        );
-        let m = message(&args(|a| a.lease_scan_interval = Some("5 minutes".into())));
-        assert!(m.contains("= \"5 minutes\"") && m.contains("5m"), "{m}");
-        let m = message(&args(|a| a.connect_deadline = Some("soon".into())));
-        assert!(
-            m.starts_with("invalid setting connect_deadline = \"soon\" from --connect-deadline: expected a duration"),
-            "{m}"
-        );
-        for bad in ["0s", "10ms", "2h", "often"] {
-            let mut a = ServeArgs::default();
-            a.nats_credentials.nats_ping_interval = Some(bad.into());
-            let m = message(&a);
-            assert!(
-                m.starts_with(&format!(
-                    "invalid setting nats_ping_interval = \"{bad}\" from --nats-ping-interval: \
-                     expected a duration from 100ms to 1h"
-                )),
-                "{m}"
-            );
+        let cases: [(&[&str], &str); 6] = [
+            (&["--lease-scan-interval", "0s"], "invalid setting lease_scan_interval = \"0s\" from --lease-scan-interval: expected a positive"),
+            (&["--lease-scan-interval", "5 minutes"], "invalid setting lease_scan_interval = \"5 minutes\" from --lease-scan-interval: expected a positive duration: seconds (300) or a number with a unit ms, s, m or h (300s, 5m"),
+            (&["--connect-deadline", "soon"], "invalid setting connect_deadline = \"soon\" from --connect-deadline: expected a duration"),
+            (&["--max-event-bytes", "10"], "invalid setting max_event_bytes = \"10\" from --max-event-bytes: expected a whole number of bytes from 64 to 67108864"),
+            (&["--subject-prefix", "a.*"], "invalid setting subject_prefix = \"a.*\" from --subject-prefix: one or more tokens"),
+            // The bad URL is named, its password is not.
+            (&["--nats-url", "nats://ok:4222,http://u:secret@bad:1"], "invalid setting nats_url = \"http://***@bad:1\" from --nats-url: expected nats://"),
+        ];
+        for (argv, start) in cases {
+            refused(argv, start);
         }
-        let s = resolve(&args(|a| {
-            a.nats_credentials.nats_ping_interval = Some("1500ms".into())
-        }))
-        .unwrap();
-        assert_eq!(s.nats.ping_interval, Some(Duration::from_millis(1500)));
-        // publish and simulate connect with the same setting.
-        let creds = NatsCredentialArgs {
-            nats_ping_interval: Some("2s".into()),
-            ..NatsCredentialArgs::default()
-        };
-        let nats = creds.connect_config("nats://h:1").unwrap();
-        assert_eq!(nats.ping_interval, Some(Duration::from_secs(2)));
-        let m = message(&args(|a| a.max_event_bytes = Some("10".into())));
-        assert!(
-            m.starts_with(
-                "invalid setting max_event_bytes = \"10\" from --max-event-bytes: expected a whole number of \
-                 bytes from 64 to 67108864"
-            ),
-            "{m}"
-        );
-        let m = message(&args(|a| a.subject_prefix = Some("a.*".into())));
-        assert!(
-            m.starts_with("invalid setting subject_prefix = \"a.*\" from --subject-prefix: one or more tokens"),
-            "{m}"
-        );
-        let m = message(&args(|a| {
-            a.nats_url = Some("nats://ok:4222,http://u:secret@bad:1".into())
-        }));
-        assert!(
-            m.starts_with(
-                "invalid setting nats_url = \"http://***@bad:1\" from --nats-url: expected nats://"
-            ),
-            "the bad URL is named, its password is not: {m}"
-        );
-        let m = message(&args(|a| a.nats_url = Some(" , ".into())));
-        assert!(m.starts_with("invalid setting nats_url = \" , \""), "{m}");
+        refused(&["--nats-url", " , "], "invalid setting nats_url = \" , \"");
     }
 
     #[test]
     fn file_errors() {
         let f = file("http_addr = \"127.0.0.1:1\"\nlisten = \"x\"\n");
-        let args = ServeArgs {
-            config: Some(f.path().to_owned()),
-            ..ServeArgs::default()
-        };
-        let err = resolve(&args).unwrap_err();
-        assert_eq!(err.setting(), Some("listen"));
+        let err = settings(&format!("--config {}", path(&f))).unwrap_err();
+        assert!(matches!(&err, ConfigError::UnknownKey { key, .. } if key == "listen"));
         let m = err.to_string();
         assert!(
             m.starts_with("unknown setting \"listen\" in config file ")
                 && m.ends_with(
-                    "the accepted keys are nats_url, deployments, http_addr, http_token, \
-                     http_token_file, http_protect_reads, subject_prefix, \
-                     lease_scan_interval, log_format, connect_deadline, max_event_bytes, \
-                     max_batch_bytes, max_active_leases, max_tombstones, max_held_progress, max_publishers, \
-                     subscription_capacity, durable, stream_replicas, stream_max_bytes, \
-                     snapshot_interval, snapshot_keep, route_policy, \
-                     worker_idle, nats_user, \
+                    "the accepted keys are deployments, http_addr, http_token, http_token_file, \
+                     http_protect_reads, lease_scan_interval, log_format, connect_deadline, \
+                     max_event_bytes, max_batch_bytes, max_active_leases, max_tombstones, \
+                     max_held_progress, max_publishers, subscription_capacity, durable, \
+                     stream_replicas, stream_max_bytes, snapshot_interval, snapshot_keep, \
+                     route_policy, worker_idle, nats_url, subject_prefix, nats_user, \
                      nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, \
                      nats_tls_cert, nats_tls_key, nats_ping_interval"
                 ),
@@ -1722,24 +1185,17 @@ mod tests {
         );
 
         let f = file("http_addr = \"nope\"\n");
-        let m = message(&ServeArgs {
-            config: Some(f.path().to_owned()),
-            ..ServeArgs::default()
-        });
         assert_eq!(
-            m,
+            message(&format!("--config {}", path(&f))),
             format!(
                 "invalid setting http_addr = \"nope\" in config file {}: expected HOST:PORT such \
                  as 127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)",
-                f.path().display()
+                path(&f)
             )
         );
 
         let f = file("max_event_bytes = true\n");
-        let m = message(&ServeArgs {
-            config: Some(f.path().to_owned()),
-            ..ServeArgs::default()
-        });
+        let m = message(&format!("--config {}", path(&f)));
         assert!(
             m.starts_with("invalid setting max_event_bytes = \"true\" in config file")
                 && m.ends_with("expected a string or a number, not boolean"),
@@ -1747,19 +1203,13 @@ mod tests {
         );
 
         let f = file("http_addr = \n");
-        let m = message(&ServeArgs {
-            config: Some(f.path().to_owned()),
-            ..ServeArgs::default()
-        });
+        let m = message(&format!("--config {}", path(&f)));
         assert!(
             m.contains("is not valid TOML") && m.contains("line 1"),
             "{m}"
         );
 
-        let m = message(&ServeArgs {
-            config: Some("/nonexistent/lease-router.toml".into()),
-            ..ServeArgs::default()
-        });
+        let m = message("--config /nonexistent/lease-router.toml");
         assert!(
             m.starts_with("cannot read config file /nonexistent/lease-router.toml: "),
             "{m}"
@@ -1837,8 +1287,8 @@ mod tests {
         }
     }
 
-    /// A file may hold every declared setting, and each one is resolved (the `debug_assert`
-    /// at the end of `resolve` fails for a declared setting nothing reads).
+    /// A file may hold every declared setting, and each one lands where it belongs (that
+    /// `resolve` reads every declared setting, its exhaustive destructuring makes sure).
     #[test]
     fn a_file_with_every_setting_resolves() {
         let ca = file("-----BEGIN CERTIFICATE-----\n");
@@ -1875,25 +1325,37 @@ mod tests {
             text.push_str(&format!("{key} = {value}\n"));
         }
         let f = file(&text);
-        let s = resolve(&ServeArgs {
-            config: Some(f.path().to_owned()),
-            ..ServeArgs::default()
-        })
-        .unwrap();
-        assert_eq!(s.host.apply.max_event_bytes, 4242);
-        assert_eq!(s.host.apply.max_batch_bytes, 4242);
+        let s = settings(&format!("--config {}", path(&f))).unwrap();
+        assert_eq!(s.nats.urls, ["nats://10.0.0.1:4222"]);
+        let names: Vec<&str> = s.deployments.iter().map(|d| d.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(s.http_addr.to_string(), "0.0.0.0:9000");
+        assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
+        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(7));
+        assert_eq!(s.host.worker_idle, Some(Duration::from_secs(7)));
+        assert_eq!(s.host.route_policy, RoutePolicy::RoundRobin);
+        assert_eq!(s.log_format, LogFormat::Json);
+        let apply = &s.host.apply;
+        assert_eq!((apply.max_event_bytes, apply.max_batch_bytes), (4242, 4242));
+        let held = (
+            apply.max_tombstones,
+            apply.max_held_progress,
+            apply.max_publishers,
+        );
+        assert_eq!(held, (4242, 4242, 4242));
         assert_eq!(s.host.max_active_leases, 4242);
         assert_eq!(s.nats.subscription_capacity, Some(4242));
         let durable = s.host.durable.unwrap();
         assert_eq!((durable.replicas, durable.max_bytes), (3, 2_000_000));
         assert_eq!(durable.snapshot_interval, Duration::from_secs(7));
-        assert_eq!(
-            durable.max_age,
-            Duration::from_secs(60),
-            "5 x 7 s, at least 60 s"
-        );
+        let max_age = Duration::from_secs(60);
+        assert_eq!(durable.max_age, max_age, "5 x 7 s, at least 60 s");
         assert_eq!(s.nats.connect_deadline, Duration::from_secs(7));
         assert_eq!(s.nats.ping_interval, Some(Duration::from_secs(7)));
+        assert!(matches!(
+            s.nats.auth,
+            lease_router::NatsAuth::UserPassword { .. }
+        ));
         assert!(s.nats.tls.is_some());
         assert!(s.http_auth.expect("a token").reads_protected());
     }
@@ -1914,164 +1376,11 @@ mod tests {
         }
     }
 
-    const SECRETS: [&str; 2] = ["hunter2-pass", "tok-3f9a-secret"];
-
-    fn assert_no_secret(text: &str) {
-        for secret in SECRETS {
-            assert!(!text.contains(secret), "a secret leaked: {text}");
-        }
-    }
-
-    #[test]
-    fn credentials_from_flags_and_file() {
-        let cli = Cli::try_parse_from([
-            "serve",
-            "--nats-user",
-            "router",
-            "--nats-password",
-            SECRETS[0],
-        ])
-        .unwrap();
-        assert_no_secret(&format!("{:?}", cli.serve));
-        let s = resolve(&cli.serve).unwrap();
-        assert_eq!(
-            s.nats.auth,
-            NatsAuth::UserPassword {
-                user: "router".into(),
-                password: SECRETS[0].into()
-            }
-        );
-        assert_eq!(s.nats.tls, None);
-        let config = s.nats.clone();
-        assert_eq!(config.auth, s.nats.auth);
-        assert_no_secret(&format!("{s:?} {config:?}"));
-        assert!(format!("{s:?}").contains("router"));
-
-        let seed = file("SUAEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLEEXAMPLE\n");
-        let ca = file("-----BEGIN CERTIFICATE-----\n");
-        let cert = file("-----BEGIN CERTIFICATE-----\n");
-        let key = file("-----BEGIN PRIVATE KEY-----\n");
-        let conf = file(&format!(
-            "nats_nkey = {:?}\nnats_tls_ca = {:?}\nnats_tls_cert = {:?}\nnats_tls_key = {:?}\n",
-            seed.path(),
-            ca.path(),
-            cert.path(),
-            key.path()
-        ));
-        let s = resolve(&ServeArgs {
-            config: Some(conf.path().to_owned()),
-            ..ServeArgs::default()
-        })
-        .unwrap();
-        assert_eq!(s.nats.auth, NatsAuth::NKeySeedFile(seed.path().to_owned()));
-        assert_eq!(
-            s.nats.tls,
-            Some(NatsTls {
-                ca_file: Some(ca.path().to_owned()),
-                cert_file: Some(cert.path().to_owned()),
-                key_file: Some(key.path().to_owned()),
-            })
-        );
-        let config = s.nats.clone();
-        assert_eq!(config.tls, s.nats.tls);
-
-        // A flag beats the file: the token replaces nothing, it conflicts with the nkey.
-        let m = message(&ServeArgs {
-            config: Some(conf.path().to_owned()),
-            nats_credentials: Box::new(NatsCredentialArgs {
-                nats_token: Some(SECRETS[1].into()),
-                ..NatsCredentialArgs::default()
-            }),
-            ..ServeArgs::default()
-        });
-        assert!(m.contains("give only one way to authenticate"), "{m}");
-        assert_no_secret(&m);
-    }
-
-    #[test]
-    fn credential_errors_name_the_setting_never_the_secret() {
-        let args = |f: &dyn Fn(&mut ServeArgs)| {
-            let mut a = ServeArgs::default();
-            f(&mut a);
-            a
-        };
-        let cases: Vec<(ServeArgs, &str)> = vec![
-            (
-                args(&|a| a.nats_credentials.nats_password = Some(SECRETS[0].into())),
-                "invalid setting nats_password = \"<redacted>\" from --nats-password: a password needs a user",
-            ),
-            (
-                args(&|a| a.nats_credentials.nats_user = Some("router".into())),
-                "invalid setting nats_user = \"router\" from --nats-user: a user needs a password",
-            ),
-            (
-                args(&|a| {
-                    a.nats_credentials.nats_user = Some("router".into());
-                    a.nats_credentials.nats_password = Some(SECRETS[0].into());
-                    a.nats_credentials.nats_token = Some(SECRETS[1].into());
-                }),
-                "invalid setting nats_token = \"<redacted>\" from --nats-token: give only one way",
-            ),
-            (
-                args(&|a| a.nats_credentials.nats_token = Some(String::new())),
-                "invalid setting nats_token = \"\" from --nats-token: expected a non-empty value",
-            ),
-            (
-                args(&|a| a.nats_credentials.nats_creds = Some("/nonexistent/router.creds".into())),
-                "invalid setting nats_creds = \"/nonexistent/router.creds\" from --nats-creds: expected a readable file",
-            ),
-            (
-                args(&|a| a.nats_credentials.nats_tls_cert = Some("/nonexistent/cert.pem".into())),
-                "invalid setting nats_tls_cert = \"/nonexistent/cert.pem\" from --nats-tls-cert: expected a readable",
-            ),
-        ];
-        for (a, start) in cases {
-            let err = resolve(&a).unwrap_err();
-            let text = format!("{err} {err:?} {a:?}");
-            assert!(err.to_string().starts_with(start), "{err}");
-            assert_no_secret(&text);
-        }
-
-        let cert = file("x");
-        let m = message(&args(&|a| {
-            a.nats_credentials.nats_tls_cert = Some(cert.path().display().to_string())
-        }));
-        assert!(m.contains("a client certificate needs its key"), "{m}");
-
-        // A secret of the wrong type in the file: not echoed either.
-        let f = file("nats_password = 123456789\n");
-        let m = message(&ServeArgs {
-            config: Some(f.path().to_owned()),
-            ..ServeArgs::default()
-        });
-        assert!(
-            m.starts_with("invalid setting nats_password = \"<redacted>\""),
-            "{m}"
-        );
-        assert!(!m.contains("123456789"), "{m}");
-    }
-
-    #[test]
-    fn secret_env_values_are_hidden_from_help() {
-        use clap::CommandFactory;
-        let cmd = Cli::command();
-        for id in ["nats_password", "nats_token", "http_token"] {
-            let arg = cmd
-                .get_arguments()
-                .find(|a| a.get_id().as_str() == id)
-                .unwrap();
-            assert!(arg.is_hide_env_values_set(), "{id}");
-        }
-    }
-
     #[test]
     fn http_token_from_a_flag_or_a_file_trimmed_and_never_shown() {
-        let s = resolve(&ServeArgs::default()).unwrap();
-        assert!(s.http_auth.is_none(), "no token: the API is open");
-
-        let cli = Cli::try_parse_from(["serve", "--http-token", SECRETS[1]]).unwrap();
-        assert_no_secret(&format!("{:?}", cli.serve));
-        let s = resolve(&cli.serve).unwrap();
+        let given = args(&["--http-token", SECRETS[1]]).unwrap();
+        assert_no_secret(&format!("{given:?}"));
+        let s = resolve(&given).unwrap();
         assert_no_secret(&format!("{s:?}"));
         let auth = s.http_auth.expect("a token");
         assert!(auth.token().matches(SECRETS[1]));
@@ -2079,103 +1388,44 @@ mod tests {
 
         // A file, with the newline an editor leaves; `--http-protect-reads` alone is true.
         let token_file = file(&format!("  {}\n\n", SECRETS[1]));
-        let path = token_file.path().to_str().unwrap();
-        let cli = Cli::try_parse_from(["serve", "--http-token-file", path, "--http-protect-reads"])
-            .unwrap();
-        let auth = resolve(&cli.serve).unwrap().http_auth.expect("a token");
+        let token_path = path(&token_file);
+        let s = settings(&format!(
+            "--http-token-file {token_path} --http-protect-reads"
+        ));
+        let auth = s.unwrap().http_auth.expect("a token");
         assert!(auth.token().matches(SECRETS[1]));
         assert!(auth.reads_protected());
 
         // The config file's keys.
         let conf = file(&format!(
-            "http_token_file = {path:?}\nhttp_protect_reads = false\n"
+            "http_token_file = {token_path:?}\nhttp_protect_reads = false\n"
         ));
-        let auth = resolve(&ServeArgs {
-            config: Some(conf.path().to_owned()),
-            ..ServeArgs::default()
-        })
-        .unwrap()
-        .http_auth
-        .expect("a token");
+        let s = settings(&format!("--config {}", path(&conf))).unwrap();
+        let auth = s.http_auth.expect("a token");
         assert!(auth.token().matches(SECRETS[1]));
         assert!(!auth.reads_protected());
     }
 
     #[test]
     fn http_token_errors_are_clear_and_never_show_the_token() {
-        let args = |f: &dyn Fn(&mut ServeArgs)| {
-            let mut a = ServeArgs::default();
-            f(&mut a);
-            a
-        };
-        let blank = file(" \n\t\n");
-        let blank_path = blank.path().display().to_string();
-        let token_file = file(SECRETS[1]);
-        let token_path = token_file.path().display().to_string();
-        let cases: Vec<(ServeArgs, String)> = vec![
-            (
-                args(&|a| a.http_token = Some(String::new())),
-                "invalid setting http_token = \"\" from --http-token: the token is empty".into(),
-            ),
-            (
-                args(&|a| a.http_token_file = Some(blank_path.clone())),
-                format!(
-                    "invalid setting http_token_file = {blank_path:?} from --http-token-file: the \
-                     file holds no usable token: the token is empty"
-                ),
-            ),
-            (
-                args(&|a| a.http_token_file = Some("/nonexistent/token".into())),
-                "invalid setting http_token_file = \"/nonexistent/token\" from \
-                 --http-token-file: expected a readable file"
-                    .into(),
-            ),
-            (
-                args(&|a| a.http_token = Some(format!("{} x", SECRETS[1]))),
-                "invalid setting http_token = \"<redacted>\" from --http-token: the token has a \
-                 character"
-                    .into(),
-            ),
-            (
-                args(&|a| {
-                    a.http_token = Some(SECRETS[1].into());
-                    a.http_token_file = Some(token_path.clone());
-                }),
-                format!(
-                    "invalid setting http_token_file = {token_path:?} from --http-token-file: give \
-                     the token once"
-                ),
-            ),
-            (
-                args(&|a| a.http_protect_reads = Some("true".into())),
-                "invalid setting http_protect_reads = \"true\" from --http-protect-reads: \
-                 protecting the reads needs a token"
-                    .into(),
-            ),
-            (
-                args(&|a| {
-                    a.http_token = Some(SECRETS[1].into());
-                    a.http_protect_reads = Some("maybe".into());
-                }),
-                "invalid setting http_protect_reads = \"maybe\" from --http-protect-reads: \
-                 expected true or false"
-                    .into(),
-            ),
+        let token = SECRETS[1];
+        let (blank, token_file) = (file(" \n\t\n"), file(token));
+        let (blank, token_file) = (path(&blank), path(&token_file));
+        let cases: [(&[&str], String); 7] = [
+            (&["--http-token", ""], "invalid setting http_token = \"\" from --http-token: the token is empty".into()),
+            (&["--http-token-file", blank], format!("invalid setting http_token_file = {blank:?} from --http-token-file: the file holds no usable token: the token is empty")),
+            (&["--http-token-file", "/nonexistent/token"], "invalid setting http_token_file = \"/nonexistent/token\" from --http-token-file: expected a readable file".into()),
+            (&["--http-token", &format!("{token} x")], "invalid setting http_token = \"<redacted>\" from --http-token: the token has a character".into()),
+            (&["--http-token", token, "--http-token-file", token_file], format!("invalid setting http_token_file = {token_file:?} from --http-token-file: give the token once")),
+            (&["--http-protect-reads", "true"], "invalid setting http_protect_reads = \"true\" from --http-protect-reads: protecting the reads needs a token".into()),
+            (&["--http-token", token, "--http-protect-reads", "maybe"], "invalid setting http_protect_reads = \"maybe\" from --http-protect-reads: expected true or false".into()),
         ];
-        for (a, start) in cases {
-            let err = resolve(&a).unwrap_err();
-            assert!(
-                err.to_string().starts_with(&start),
-                "{err}\nwanted: {start}"
-            );
-            assert_no_secret(&format!("{err} {err:?} {a:?}"));
+        for (argv, start) in cases {
+            refused(argv, &start);
         }
         // A token of the wrong type in the config file: not echoed.
         let f = file("http_token = 987654321\n");
-        let m = message(&ServeArgs {
-            config: Some(f.path().to_owned()),
-            ..ServeArgs::default()
-        });
+        let m = message(&format!("--config {}", path(&f)));
         assert!(
             m.starts_with("invalid setting http_token = \"<redacted>\""),
             "{m}"
@@ -2185,68 +1435,39 @@ mod tests {
 
     #[test]
     fn memory_limits() {
-        let s = resolve(&ServeArgs::default()).unwrap();
-        assert_eq!(s.host.max_active_leases, DEFAULT_MAX_ACTIVE_LEASES);
-        let apply = &s.host.apply;
-        assert_eq!(apply.max_tombstones, ApplyConfig::default().max_tombstones);
-
         let f = file("max_tombstones = 10\nmax_publishers = \"20\"\nmax_active_leases = 5\n");
-        let cli = Cli::try_parse_from([
-            "serve",
-            "--config",
-            f.path().to_str().unwrap(),
-            "--max-held-progress",
-            "1_000",
-            "--max-publishers",
-            "30",
-        ])
-        .unwrap();
-        let s = resolve(&cli.serve).unwrap();
+        let line = format!(
+            "--config {} --max-held-progress 1_000 --max-publishers 30",
+            path(&f)
+        );
+        let s = settings(&line).unwrap();
         assert_eq!(s.host.max_active_leases, 5);
         let apply = &s.host.apply;
-        assert_eq!(
-            (
-                apply.max_tombstones,
-                apply.max_held_progress,
-                apply.max_publishers
-            ),
-            (10, 1000, 30)
+        let limits = (
+            apply.max_tombstones,
+            apply.max_held_progress,
+            apply.max_publishers,
         );
+        assert_eq!(limits, (10, 1000, 30));
         for bad in ["0", "-1", "many", "100000001"] {
-            let m = message(&ServeArgs {
-                max_tombstones: Some(bad.into()),
-                ..ServeArgs::default()
-            });
-            assert!(
-                m.starts_with(&format!(
-                    "invalid setting max_tombstones = {bad:?} from --max-tombstones: expected a whole \
-                     number from 1"
-                )),
-                "{m}"
+            refused(
+                &[&format!("--max-tombstones={bad}")],
+                &format!(
+                    "invalid setting max_tombstones = {bad:?} from --max-tombstones: expected a \
+                     whole number from 1"
+                ),
             );
         }
     }
 
     #[test]
     fn route_policy_and_worker_idle_resolve_and_refuse_nonsense() {
-        let args = |f: fn(&mut ServeArgs)| {
-            let mut a = ServeArgs::default();
-            f(&mut a);
-            a
-        };
-        let s = resolve(&args(|a| {
-            a.route_policy = Some("round_robin".into());
-            a.worker_idle = Some("90s".into());
-        }))
-        .unwrap();
-        assert_eq!(s.host.route_policy, lease_router::RoutePolicy::RoundRobin);
+        let s = settings("--route-policy round_robin --worker-idle 90s").unwrap();
+        assert_eq!(s.host.route_policy, RoutePolicy::RoundRobin);
         assert_eq!(s.host.worker_idle, Some(Duration::from_secs(90)));
-        let s = resolve(&args(|_| {})).unwrap();
-        assert_eq!(s.host.route_policy, lease_router::RoutePolicy::WeightedCost);
-        assert_eq!(s.host.worker_idle, None);
-        let m = message(&args(|a| a.route_policy = Some("fastest".into())));
+        let m = message("--route-policy fastest");
         assert!(m.contains("route_policy = \"fastest\""), "{m}");
-        let m = message(&args(|a| a.worker_idle = Some("0s".into())));
+        let m = message("--worker-idle 0s");
         assert!(m.contains("worker_idle = \"0s\""), "{m}");
     }
 }

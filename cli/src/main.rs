@@ -1,9 +1,10 @@
 //! The `lease-router` command. The router lives in the library (`lease_router::service`,
 //! `lease_router::publisher`); this package holds what only the command needs: the
 //! subcommands and what connects them to the terminal, the signals and the exit codes
-//! (`commands`), the `serve` settings from flags, environment and TOML (`config`), the
-//! simulated workers of `simulate` and `demo` (`simulate`) and the allocator setting
-//! (`allocator`, which the benches include too).
+//! (`commands`), the `serve` settings from flags, environment and TOML (`config`), the NATS
+//! arguments every subcommand shares (`nats_args`), the simulated workers of `simulate` and
+//! `demo` (`sim_workers`) and the allocator setting (`allocator`, which the benches include
+//! too).
 //!
 //! Exit codes: 0 success (also after a first SIGINT/SIGTERM), 1 failure at run time, 2
 //! invalid arguments or configuration, 130 a second signal (exit at once).
@@ -11,7 +12,8 @@
 mod allocator;
 mod commands;
 mod config;
-mod simulate;
+mod nats_args;
+mod sim_workers;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -42,7 +44,7 @@ enum Command {
     /// Settings: flags, then environment, then the --config file, then defaults. A first
     /// SIGINT/SIGTERM stops taking events, shuts every router down and exits 0; a second one
     /// exits at once (130). Invalid settings exit 2.
-    Serve(Box<config::ServeArgs>),
+    Serve(Box<config::Sourced<config::ServeArgs>>),
     /// Publish one lease event and wait until the NATS server has it.
     Publish(commands::publish::PublishArgs),
     /// Simulated workers publishing realistic request lifecycles at a target rate.
@@ -50,7 +52,7 @@ enum Command {
     /// A router, simulated workers and a live view in one process (starts nats-server if
     /// none answers).
     ///
-    /// Connects to NATS_URL (default nats://127.0.0.1:4222); if nothing answers within a
+    /// Connects to --nats-url or NATS_URL (default nats://127.0.0.1:4222); if nothing answers within a
     /// second, starts `nats-server` from PATH on a free port (JetStream on, in a temporary
     /// directory, stopped on exit). Then hosts deployment `demo` with the HTTP API, runs
     /// simulated workers against it, and shows a live view (a plain line per second when
@@ -103,10 +105,16 @@ fn main() -> ExitCode {
     ExitCode::from(code)
 }
 
-/// The command line, with the `--config` help listing the file keys of the declaration.
+/// The command line, with the `--config` help listing the file keys of the declaration and
+/// the file's values beneath the flags and the environment.
 fn parse_command_line() -> Cli {
     let command = Cli::command().mut_subcommand("serve", config::document_file_keys);
-    Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|error| error.exit())
+    let argv: Vec<_> = std::env::args_os().collect();
+    let matches = config::parse_layered(command, &argv).unwrap_or_else(|error| {
+        eprintln!("error: {error}");
+        std::process::exit(2)
+    });
+    Cli::from_arg_matches(&matches).unwrap_or_else(|error| error.exit())
 }
 
 fn report(result: Result<(), CliError>) -> u8 {

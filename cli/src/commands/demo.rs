@@ -12,7 +12,7 @@ use clap::Args;
 use lease_router::service::DeploymentMetrics;
 use lease_router::service::{DeploymentHost, HostSettings};
 use lease_router::NatsConnectConfig;
-use lease_router::{Batching, NatsConnection, DEFAULT_NATS_URL};
+use lease_router::{Batching, NatsConnection};
 use lease_router_testkit::{NatsServer, NatsServerBuilder, StartNatsServerError};
 use parking_lot::Mutex;
 
@@ -21,11 +21,13 @@ use super::simulate::TrafficArgs;
 use super::{
     bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, CliError, Signals, Stream,
 };
-use crate::simulate::{
+use crate::config::Sourced;
+use crate::nats_args::NatsArgs;
+use crate::sim_workers::{
     format_duration, run_simulation, SimulationConfig, SimulationProgress, SimulationSummary,
 };
 use lease_router::DropReason;
-use lease_router::{DeploymentName, SubjectPrefix, Subjects};
+use lease_router::{DeploymentName, Subjects};
 
 /// The deployment the demo hosts and simulates.
 const DEMO_DEPLOYMENT: &str = "demo";
@@ -68,6 +70,9 @@ pub struct DemoArgs {
     /// Where the HTTP API listens (a free port if this one is taken).
     #[arg(long, value_name = "HOST:PORT", default_value = DEMO_HTTP_ADDR)]
     http_addr: SocketAddr,
+    /// The NATS server to use (one is started if none answers), and how to reach it.
+    #[command(flatten)]
+    nats: Sourced<NatsArgs>,
     #[command(flatten)]
     traffic: TrafficArgs,
 }
@@ -79,11 +84,8 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
     config.validate().map_err(CliError::usage)?;
     // NATS first, before logging is set up: a probe that finds nothing is expected here,
     // and says so below, not as a warning.
-    let url = std::env::var("NATS_URL")
-        .ok()
-        .filter(|u| !u.trim().is_empty())
-        .unwrap_or_else(|| DEFAULT_NATS_URL.to_owned());
-    let (connection, server) = find_or_start_nats(&url, signals).await?;
+    let (nats, prefix) = args.nats.resolve().map_err(CliError::usage)?;
+    let (connection, server) = find_or_start_nats(nats, signals).await?;
     let Some(connection) = connection else {
         return Ok(());
     };
@@ -92,6 +94,7 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
     let deployment = DeploymentName::new(DEMO_DEPLOYMENT).expect("a valid name");
     let settings = HostSettings {
         lease_scan_interval: args.lease_scan_interval,
+        subject_prefix: prefix.clone(),
         ..HostSettings::default()
     };
     let listener = match bind(args.http_addr).await {
@@ -122,7 +125,7 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
     let sim_cancel = signals.first.child_token();
     let simulation = tokio::spawn({
         let client = connection.client().clone();
-        let subjects = Subjects::new(SubjectPrefix::default(), deployment.clone());
+        let subjects = Subjects::new(prefix, deployment.clone());
         let progress = progress.clone();
         let cancel = sim_cancel.clone();
         let mut config = config.clone();
@@ -194,13 +197,18 @@ pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
     }
 }
 
-/// Connects to `url` if something answers within a second; else starts `nats-server`.
+/// Connects with `nats` if something answers within a second; else starts `nats-server`.
 /// `None` for the connection: interrupted.
 async fn find_or_start_nats(
-    url: &str,
+    nats: NatsConnectConfig,
     signals: &Signals,
 ) -> Result<(Option<NatsConnection>, Option<NatsServer>), CliError> {
-    let probe = NatsConnectConfig::from_url_list(url).with_connect_deadline(PROBE_DEADLINE);
+    let urls: Vec<String> = nats
+        .urls
+        .iter()
+        .map(|u| lease_router::redact_url(u))
+        .collect();
+    let probe = nats.with_connect_deadline(PROBE_DEADLINE);
     match connect_or_cancel(probe, "lease-router demo", &signals.first).await {
         Ok(Some(connection)) => {
             println!("using the NATS server at {}", connection.urls());
@@ -213,7 +221,7 @@ async fn find_or_start_nats(
     println!(
         "no NATS server answered at {} within {}: starting nats-server (JetStream on, in a \
          temporary directory, stopped on exit)",
-        lease_router::redact_url(url),
+        urls.join(","),
         format_duration(PROBE_DEADLINE)
     );
     let server = tokio::select! {

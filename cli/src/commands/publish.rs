@@ -6,19 +6,19 @@ use clap::{Args, Subcommand, ValueEnum};
 use lease_router::wire::{
     Admitted, Completed, LeaseEvent, Outcome, ProgressStage, Progressed, WorkerReset,
 };
-use lease_router::DEFAULT_NATS_URL;
-use lease_router::{DeploymentName, SubjectPrefix, Subjects};
+use lease_router::{DeploymentName, Subjects};
 use lease_router::{LeasePublisher, PublisherConfig};
 
-use crate::config::NatsCredentialArgs;
+use crate::config::Sourced;
+use crate::nats_args::NatsArgs;
 
 use super::{connect_or_cancel, duration_arg, init_logging, CliError, Signals};
 
 #[derive(Debug, Args)]
 pub struct PublishArgs {
-    /// NATS server URL, or several separated by commas.
-    #[arg(long, value_name = "URLS", env = "NATS_URL", default_value = DEFAULT_NATS_URL)]
-    nats_url: String,
+    /// The NATS servers, subject prefix, authentication and TLS, as for `serve`.
+    #[command(flatten)]
+    nats: Sourced<NatsArgs>,
     /// The deployment: ASCII letters, digits, '-' and '_'.
     #[arg(long, value_name = "NAME")]
     deployment: DeploymentName,
@@ -28,14 +28,6 @@ pub struct PublishArgs {
     /// The data-parallel rank [default: 0; for `reset`, every rank of the worker].
     #[arg(long, value_name = "N")]
     dp_rank: Option<u32>,
-    /// First token(s) of the subject: {prefix}.{deployment}.{worker}.
-    #[arg(
-        long,
-        value_name = "PREFIX",
-        env = "LEASE_ROUTER_SUBJECT_PREFIX",
-        default_value = "leases"
-    )]
-    subject_prefix: SubjectPrefix,
     /// How long to wait for NATS, to connect and then to deliver the event.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = duration_arg)]
     timeout: Duration,
@@ -43,9 +35,6 @@ pub struct PublishArgs {
     /// `serve --durable` router creates the stream).
     #[arg(long, env = "LEASE_ROUTER_DURABLE")]
     durable: bool,
-    /// Authentication and TLS to NATS, as for `serve`.
-    #[command(flatten)]
-    nats_credentials: Box<NatsCredentialArgs>,
     #[command(subcommand)]
     event: EventArgs,
 }
@@ -166,13 +155,10 @@ impl PublishArgs {
 pub async fn run(args: PublishArgs, signals: &Signals) -> Result<(), CliError> {
     init_logging(Default::default(), "warn");
     let event = args.event();
-    let subjects = Subjects::new(args.subject_prefix.clone(), args.deployment.clone());
+    let (config, prefix) = args.nats.resolve().map_err(CliError::usage)?;
+    let config = config.with_connect_deadline(args.timeout);
+    let subjects = Subjects::new(prefix, args.deployment.clone());
     let subject = subjects.worker_subject(args.worker);
-    let config = args
-        .nats_credentials
-        .connect_config(&args.nats_url)
-        .map_err(CliError::usage)?
-        .with_connect_deadline(args.timeout);
     let Some(connection) =
         connect_or_cancel(config, "lease-router publish", &signals.first).await?
     else {

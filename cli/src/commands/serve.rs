@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
-use crate::config::{resolve, ServeArgs};
+use crate::config::{resolve, ServeArgs, Sourced};
 
 use super::{connect_or_cancel, init_logging, CliError, Signals};
 
@@ -111,7 +111,7 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, CliError> {
         .map_err(|e| CliError::failed(format!("cannot listen on http_addr {addr}: {e}")))
 }
 
-pub async fn run(args: ServeArgs, signals: &Signals) -> Result<(), CliError> {
+pub async fn run(args: Sourced<ServeArgs>, signals: &Signals) -> Result<(), CliError> {
     let settings = resolve(&args).map_err(CliError::usage)?;
     init_logging(settings.log_format, "info");
     // Bind first: a taken port is reported before anything else happens.

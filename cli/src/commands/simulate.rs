@@ -3,11 +3,12 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use crate::config::NatsCredentialArgs;
-use crate::simulate::{format_duration, run_simulation, SimulationConfig, SimulationProgress};
+use crate::config::Sourced;
+use crate::nats_args::NatsArgs;
+use crate::sim_workers::{format_duration, run_simulation, SimulationConfig, SimulationProgress};
 use clap::Args;
-use lease_router::{Batching, DEFAULT_NATS_URL};
-use lease_router::{DeploymentName, SubjectPrefix, Subjects};
+use lease_router::Batching;
+use lease_router::{DeploymentName, Subjects};
 
 use super::{
     bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, share_arg, CliError,
@@ -76,20 +77,12 @@ impl TrafficArgs {
 
 #[derive(Debug, Args)]
 pub struct SimulateArgs {
-    /// NATS server URL, or several separated by commas.
-    #[arg(long, value_name = "URLS", env = "NATS_URL", default_value = DEFAULT_NATS_URL)]
-    nats_url: String,
+    /// The NATS servers, subject prefix, authentication and TLS, as for `serve`.
+    #[command(flatten)]
+    nats: Sourced<NatsArgs>,
     /// The deployment the workers belong to.
     #[arg(long, value_name = "NAME")]
     deployment: DeploymentName,
-    /// First token(s) of every subject: {prefix}.{deployment}.{worker_id}.
-    #[arg(
-        long,
-        value_name = "PREFIX",
-        env = "LEASE_ROUTER_SUBJECT_PREFIX",
-        default_value = "leases"
-    )]
-    subject_prefix: SubjectPrefix,
     /// Simulated workers, each with its own publisher.
     #[arg(long, value_name = "N", default_value_t = 8)]
     workers: usize,
@@ -117,9 +110,6 @@ pub struct SimulateArgs {
     /// How long the first event of a batch waits for more (with --batch).
     #[arg(long, value_name = "DURATION", default_value = "1ms", value_parser = duration_arg, requires = "batch")]
     batch_linger: Duration,
-    /// Authentication and TLS to NATS, as for `serve`.
-    #[command(flatten)]
-    nats_credentials: Box<NatsCredentialArgs>,
     #[command(flatten)]
     traffic: TrafficArgs,
 }
@@ -135,12 +125,9 @@ pub async fn run(args: SimulateArgs, signals: &Signals) -> Result<(), CliError> 
         });
     }
     config.validate().map_err(CliError::usage)?;
-    let subjects = Subjects::new(args.subject_prefix.clone(), args.deployment.clone());
-    let nats = args
-        .nats_credentials
-        .connect_config(&args.nats_url)
-        .map_err(CliError::usage)?
-        .with_connect_deadline(args.connect_deadline);
+    let (nats, prefix) = args.nats.resolve().map_err(CliError::usage)?;
+    let nats = nats.with_connect_deadline(args.connect_deadline);
+    let subjects = Subjects::new(prefix, args.deployment.clone());
     let Some(connection) = connect_or_cancel(nats, "lease-router simulate", &signals.first).await?
     else {
         return Ok(());
