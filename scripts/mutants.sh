@@ -11,7 +11,7 @@
 # mutants. Not for CI: run it on the files you changed, e.g.
 #   scripts/mutants.sh src/ingress/reorder.rs
 #   scripts/mutants.sh --in-place src/lease/manager.rs   # no copy of the tree: don't edit meanwhile
-#   scripts/mutants.sh --report mutants.out src/scheduler.rs   # re-read an earlier run only
+#   scripts/mutants.sh --report mutants.out src/scheduler/state.rs   # re-read an earlier run only
 #
 # Arguments ending in .rs are the files; the others go to cargo mutants (e.g. --in-place,
 # -F REGEX, --baseline=skip). CARGO_TARGET_DIR is honoured as cargo does.
@@ -24,10 +24,17 @@ CORE_FILES=(
   src/lease/clock.rs
   src/lease/key.rs
   src/lease/reaper.rs
-  src/scheduler.rs
+  src/load.rs
+  src/routing.rs
+  src/scheduler/mod.rs
+  src/scheduler/state.rs
   src/ingress/sequence.rs
   src/ingress/reorder.rs
-  src/wire.rs
+  src/wire/mod.rs
+  src/wire/reader.rs
+  src/wire/raw.rs
+  src/wire/plain.rs
+  src/wire/full.rs
   src/wire/batch.rs
 )
 

@@ -262,7 +262,8 @@ pub struct ServeArgs {
     /// [default: weighted_cost].
     #[arg(long = "route-policy", value_name = "POLICY", env = "LEASE_ROUTER_ROUTE_POLICY",
           value_parser = setting(|s: &str| s.trim().parse::<RoutePolicy>().map_err(|_| {
-              "expected weighted_cost, power_of_two, round_robin or random".to_owned()
+              "expected weighted_cost, power_of_two, round_robin, random or least_bookings"
+                  .to_owned()
           })))]
     pub route_policy: Option<Parsed<RoutePolicy>>,
 
@@ -274,6 +275,17 @@ pub struct ServeArgs {
               "expected a positive duration: seconds (600) or a number with a unit ms, s, m \
                or h (600s, 10m)")))]
     pub worker_idle: Option<Parsed<Duration>>,
+
+    /// A route decision's provisional booking whose worker's admitted has not come this long
+    /// after the decision is released and counted (provisional_expired_total). Seconds, or
+    /// with a unit: 5s, 1500ms [default: 5s].
+    #[arg(long = "provisional-deadline", value_name = "DURATION",
+          env = "LEASE_ROUTER_PROVISIONAL_DEADLINE",
+          value_parser = setting(duration(
+              Duration::from_millis(10)..=Duration::from_secs(3600),
+              "expected a duration from 10ms to 1h: seconds (5) or a number with a unit ms, s, \
+               m or h (5s, 1500ms)")))]
+    pub provisional_deadline: Option<Parsed<Duration>>,
 
     /// The NATS servers, subject prefix, authentication and TLS, as for every subcommand.
     #[command(flatten)]
@@ -574,6 +586,7 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
         snapshot_keep,
         route_policy,
         worker_idle,
+        provisional_deadline,
         nats,
     } = &given.args;
     let (nats, subject_prefix) = nats.resolve(o)?;
@@ -623,6 +636,10 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
     };
     set(&mut host.route_policy, get!(o, route_policy));
     set(&mut host.worker_idle, get!(o, worker_idle).map(Some));
+    set(
+        &mut host.provisional_deadline,
+        get!(o, provisional_deadline),
+    );
     set(&mut host.lease_scan_interval, get!(o, lease_scan_interval));
     set(&mut host.apply.max_event_bytes, get!(o, max_event_bytes));
     set(&mut host.apply.max_batch_bytes, get!(o, max_batch_bytes));
@@ -1177,7 +1194,7 @@ pub(crate) mod tests {
                      max_event_bytes, max_batch_bytes, max_active_leases, max_tombstones, \
                      max_held_progress, max_publishers, subscription_capacity, durable, \
                      stream_replicas, stream_max_bytes, snapshot_interval, snapshot_keep, \
-                     route_policy, worker_idle, nats_url, subject_prefix, nats_user, \
+                     route_policy, worker_idle, provisional_deadline, nats_url, subject_prefix, nats_user, \
                      nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, \
                      nats_tls_cert, nats_tls_key, nats_ping_interval"
                 ),
@@ -1252,7 +1269,7 @@ pub(crate) mod tests {
                 )
             })
             .collect();
-        assert_eq!(declared.len(), 33);
+        assert_eq!(declared.len(), 34);
         assert_eq!(
             readme_settings(),
             declared,
@@ -1303,6 +1320,7 @@ pub(crate) mod tests {
                 | "connect_deadline"
                 | "nats_ping_interval"
                 | "worker_idle"
+                | "provisional_deadline"
                 | "snapshot_interval" => "\"7s\"".to_owned(),
                 "log_format" => "\"json\"".to_owned(),
                 "durable" => "true".to_owned(),
@@ -1333,6 +1351,7 @@ pub(crate) mod tests {
         assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
         assert_eq!(s.host.lease_scan_interval, Duration::from_secs(7));
         assert_eq!(s.host.worker_idle, Some(Duration::from_secs(7)));
+        assert_eq!(s.host.provisional_deadline, Duration::from_secs(7));
         assert_eq!(s.host.route_policy, RoutePolicy::RoundRobin);
         assert_eq!(s.log_format, LogFormat::Json);
         let apply = &s.host.apply;

@@ -79,8 +79,8 @@ use serde::de::{self, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::types::{RequestId, WorkerWithDpRank};
 use crate::load::RequestLoad;
+use crate::types::{RequestId, WorkerWithDpRank};
 
 mod batch;
 mod full;
