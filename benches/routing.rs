@@ -474,10 +474,11 @@ async fn lost_requests(share: f64, plan: Plan, speedup: f64, seed: u64, capacity
         let row = Row::of(&m);
         println!(
             "routing_lost share={share} deadline={name} lost={} provisional_expired={} \
-             requests={} ttft_p50_ms={:.0} ttft_p99_ms={:.0} latency_p99_ms={:.0} \
-             util_min={:.2} util_max={:.2}",
+             phantom_at_end={} requests={} ttft_p50_ms={:.0} ttft_p99_ms={:.0} \
+             latency_p99_ms={:.0} util_min={:.2} util_max={:.2}",
             m.lost,
             m.provisional_expired,
+            m.phantom_at_end,
             row.requests,
             row.ttft_p50,
             row.ttft_p99,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use lease_router::wire::{Admitted, Completed, Outcome, ProgressStage, Progressed};
 use lease_router::{
-    ApplyConfig, IngressStats, LeasePublisher, NatsIngress, NoIngress, PublisherConfig,
+    ApplyConfig, IngressStats, LeasePublisher, NatsIngress, NoIngress, PublisherConfig, RequestId,
     RequestLeaseManager, RequestLoad, RoutePolicy, RouteRequest, Router, RouterConfig,
     WorkerWithDpRank,
 };
@@ -129,6 +129,8 @@ pub struct Measured {
     pub lost: usize,
     /// Provisional bookings the routers released at their deadline, summed over replicas.
     pub provisional_expired: u64,
+    /// Bookings of lost requests still weighing on their workers when the run ended.
+    pub phantom_at_end: usize,
 }
 
 /// Where the workers' lease events go.
@@ -386,6 +388,7 @@ pub async fn run(
     let mut driver_lag = Vec::new();
     let mut next = 0usize;
     let mut measured = Measured::default();
+    let mut lost_ids = Vec::new();
     let start = Instant::now();
     let in_window = |t: f64| t >= plan.warmup && t < plan.measure_end;
     let mut measured_left = requests.iter().filter(|r| in_window(r.arrival)).count();
@@ -427,6 +430,7 @@ pub async fn run(
                 // Routed and booked, then lost on the way: the worker never hears of it.
                 replicas.route(replica, index, r).await;
                 measured.lost += usize::from(in_window(r.arrival));
+                lost_ids.push((replica, request_id(index)));
                 placed[index] = (usize::MAX, replica);
                 continue;
             }
@@ -482,6 +486,15 @@ pub async fn run(
     measured.utilisation = workers.iter().map(|w| w.prefill_busy / window).collect();
     driver_lag.sort_by(f64::total_cmp);
     measured.driver_lag = driver_lag;
+    measured.phantom_at_end = lost_ids
+        .iter()
+        .filter(|(replica, id)| {
+            replicas.routers[*replica]
+                .manager()
+                .lease(&RequestId::from(id.as_str()))
+                .is_some()
+        })
+        .count();
     replicas.shutdown(&mut measured).await;
     measured
 }
