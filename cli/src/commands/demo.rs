@@ -637,11 +637,7 @@ impl LiveView {
             sim.requests_started, sim.requests_completed, sim.requests_crashed, sim.live_requests
         );
         let _ = writeln!(text);
-        let _ = writeln!(
-            text,
-            "worker  booked  prefill  KV held   routed  {:<BAR_WIDTH$}",
-            "KV held"
-        );
+        let _ = writeln!(text, "worker  booked  prefill  KV held   routed");
         let max = self.loads.values().map(|l| l.kv).max().unwrap_or(0).max(1);
         for (worker, load) in &self.loads {
             let _ = writeln!(
@@ -656,9 +652,8 @@ impl LiveView {
         }
         let _ = writeln!(
             text,
-            "\x1b[2mreplica 1's view, all ranks: booked = live bookings (provisional ones\n\
-             included), prefill = prompt tokens waiting, KV = tokens held; routed = requests\n\
-             the replicas sent there.\x1b[0m"
+            "\x1b[2mreplica 1's view, all ranks. booked: live bookings (provisional ones too);\n\
+             prefill: prompt tokens waiting; KV: tokens held; routed: requests placed.\x1b[0m"
         );
         // Move up over the previous frame and clear it, then draw.
         if self.lines_drawn > 0 {
