@@ -33,6 +33,8 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,9 +63,27 @@ const STEP: Duration = Duration::from_millis(10);
 /// The smallest accepted [`SimulationConfig::progress_every`].
 pub const MIN_PROGRESS_EVERY: Duration = Duration::from_millis(1);
 
-/// How a simulation runs. [`Default`] gives a modest, realistic load.
 /// Acknowledgements each durable simulated worker keeps outstanding.
 const DURABLE_ACKS_IN_FLIGHT: usize = 256;
+
+/// What a [`Placer`] is asked to place: a new request, before any worker has it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestSizes {
+    /// The id the chosen worker will admit it with.
+    pub request_id: String,
+    pub prompt_tokens: u32,
+    pub expected_output_tokens: Option<u32>,
+}
+
+/// What a [`Placer`] answers: the worker id and data-parallel rank that take the request, or
+/// `None` to leave it to random placement.
+pub type Placement = Pin<Box<dyn Future<Output = Option<(u64, u32)>> + Send>>;
+
+/// Chooses the worker of each new request (a router's route call, say), given the request's
+/// index (0, 1, 2, ... in start order) and sizes. Without one, workers are picked at random.
+pub type Placer = Arc<dyn Fn(u64, &RequestSizes) -> Placement + Send + Sync>;
+
+/// How a simulation runs. [`Default`] gives a modest, realistic load.
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimulationConfig {
@@ -242,6 +262,12 @@ pub struct SimulationProgress {
     pub live_requests: u64,
     /// Live requests per worker: `(worker_id, live)`.
     pub live_by_worker: Vec<(u64, u64)>,
+    /// Requests started per worker: `(worker_id, started)`.
+    pub started_by_worker: Vec<(u64, u64)>,
+    /// Requests the placer placed (with a placer only).
+    pub requests_placed: u64,
+    /// Requests the placer left to random placement (with a placer only).
+    pub requests_unplaced: u64,
     /// Events handed to the publishers.
     pub events_published: u64,
     /// Events the publishers refused (their queue was full, or they were closed).
@@ -273,6 +299,12 @@ pub struct SimulationSummary {
     /// Requests never completed: their leases must expire in the router.
     pub requests_crashed: u64,
     pub requests_throttled: u64,
+    /// Requests the placer placed (with a placer only).
+    pub requests_placed: u64,
+    /// Requests the placer left to random placement (with a placer only).
+    pub requests_unplaced: u64,
+    /// Requests started per worker: `(worker_id, started)`.
+    pub started_by_worker: Vec<(u64, u64)>,
     pub outcomes_finished: u64,
     pub outcomes_cancelled: u64,
     pub outcomes_failed: u64,
@@ -465,11 +497,12 @@ impl Planner {
         self.rng.random_range(0..self.config.workers)
     }
 
-    fn plan(&mut self, worker_id: u64) -> RequestPlan {
+    /// The next request; its worker is chosen afterwards (the id does not name it).
+    fn plan(&mut self) -> RequestPlan {
         let c = &self.config;
         let rng = &mut self.rng;
         self.next += 1;
-        let request_id = format!("sim-{:08x}-w{worker_id}-{}", self.run_id, self.next);
+        let request_id = format!("sim-{:08x}-{}", self.run_id, self.next);
         let dp_rank = rng.random_range(0..c.dp_ranks);
         let prompt_tokens = rng.random_range(100..=4000);
         let expected_output_tokens = rng.random_bool(0.8).then(|| rng.random_range(16..=2048));
@@ -531,6 +564,8 @@ struct Counters {
     cut_short: AtomicU64,
     crashed: AtomicU64,
     throttled: AtomicU64,
+    placed: AtomicU64,
+    unplaced: AtomicU64,
     finished: AtomicU64,
     cancelled: AtomicU64,
     failed: AtomicU64,
@@ -851,6 +886,21 @@ pub async fn run_simulation(
     subjects: Subjects,
     config: SimulationConfig,
     cancel: CancellationToken,
+    progress: impl FnMut(&SimulationProgress),
+) -> Result<SimulationSummary, SimulateError> {
+    run_placed_simulation(client, subjects, config, None, cancel, progress).await
+}
+
+/// [`run_simulation`], with each new request placed by `placer` when there is one: on the
+/// worker and rank it answers (an answer that names no simulated worker or rank, or none,
+/// falls back to random placement and is counted as unplaced). The pacer awaits each
+/// placement, so a placer must be quick (an in-process route call is).
+pub async fn run_placed_simulation(
+    client: async_nats::Client,
+    subjects: Subjects,
+    config: SimulationConfig,
+    placer: Option<Placer>,
+    cancel: CancellationToken,
     mut progress: impl FnMut(&SimulationProgress),
 ) -> Result<SimulationSummary, SimulateError> {
     config.validate()?;
@@ -859,6 +909,8 @@ pub async fn run_simulation(
 
     let mut senders = Vec::with_capacity(config.workers);
     let mut live_by_worker = Vec::with_capacity(config.workers);
+    let started_by_worker: Vec<AtomicU64> =
+        (0..config.workers).map(|_| AtomicU64::new(0)).collect();
     let mut tasks = tokio::task::JoinSet::new();
     for worker_id in config.worker_ids() {
         let publisher = if config.durable {
@@ -905,6 +957,9 @@ pub async fn run_simulation(
             .iter()
             .map(|(id, live)| (*id, load(live)))
             .collect(),
+        started_by_worker: started_by(config.first_worker_id, &started_by_worker),
+        requests_placed: load(&counters.placed),
+        requests_unplaced: load(&counters.unplaced),
         events_published: load(&counters.published),
         events_dropped: load(&counters.dropped),
     };
@@ -950,10 +1005,37 @@ pub async fn run_simulation(
                         bump(&counters.throttled);
                         continue;
                     }
-                    let index = planner.pick_worker();
-                    let plan = planner.plan(config.first_worker_id + index as u64);
+                    // Drawn whether or not a placer decides: a seed gives the same requests
+                    // either way.
+                    let mut index = planner.pick_worker();
+                    let mut plan = planner.plan();
+                    if let Some(placer) = &placer {
+                        let sizes = RequestSizes {
+                            request_id: plan.request_id.clone(),
+                            prompt_tokens: plan.prompt_tokens,
+                            expected_output_tokens: plan.expected_output_tokens,
+                        };
+                        let placed = placer(owed_started - 1, &sizes).await.and_then(
+                            |(worker_id, rank)| {
+                                let i = worker_id.checked_sub(config.first_worker_id)?;
+                                (i < config.workers as u64 && rank < config.dp_ranks)
+                                    .then_some((i as usize, rank))
+                            },
+                        );
+                        match placed {
+                            Some((i, rank)) => {
+                                index = i;
+                                plan.dp_rank = rank;
+                                bump(&counters.placed);
+                            }
+                            None => bump(&counters.unplaced),
+                        }
+                    }
                     match senders[index].try_send(plan) {
-                        Ok(()) => bump(&counters.started),
+                        Ok(()) => {
+                            bump(&counters.started);
+                            bump(&started_by_worker[index]);
+                        }
                         Err(_) => bump(&counters.throttled),
                     }
                 }
@@ -992,6 +1074,9 @@ pub async fn run_simulation(
         requests_cut_short: load(&c.cut_short),
         requests_crashed: load(&c.crashed),
         requests_throttled: load(&c.throttled),
+        requests_placed: load(&c.placed),
+        requests_unplaced: load(&c.unplaced),
+        started_by_worker: started_by(config.first_worker_id, &started_by_worker),
         outcomes_finished: load(&c.finished),
         outcomes_cancelled: load(&c.cancelled),
         outcomes_failed: load(&c.failed),
@@ -1008,6 +1093,15 @@ pub async fn run_simulation(
         achieved_rate: per_second(started, ran_for),
         events_per_second: per_second(published, elapsed),
     })
+}
+
+/// `(worker_id, started)` for each worker, from the per-worker counters (in id order).
+fn started_by(first_worker_id: u64, counters: &[AtomicU64]) -> Vec<(u64, u64)> {
+    counters
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (first_worker_id + i as u64, load(n)))
+        .collect()
 }
 
 fn worker_error(
@@ -1086,13 +1180,14 @@ mod tests {
             (0..500)
                 .map(|_| {
                     let worker = planner.pick_worker();
-                    planner.plan(worker as u64 + 1)
+                    (worker, planner.plan())
                 })
                 .collect::<Vec<_>>()
         };
         let a = plans(42);
         assert_eq!(a, plans(42));
         assert_ne!(a, plans(43));
+        let a: Vec<RequestPlan> = a.into_iter().map(|(_, plan)| plan).collect();
         let ids: std::collections::HashSet<_> = a.iter().map(|p| &p.request_id).collect();
         assert_eq!(ids.len(), a.len(), "request ids are unique");
         for plan in &a {

@@ -627,14 +627,47 @@ async fn demo_runs_against_the_given_nats_and_summarizes() {
     let mut cmd = command(&[
         "demo",
         "--duration",
-        "3s",
+        "4s",
         "--rate",
         "200",
         "--http-addr",
         "127.0.0.1:0",
     ]);
     cmd.env("NATS_URL", server.url()).env("RUST_LOG", "warn");
-    let out = run(cmd, Duration::from_secs(60));
+    let mut demo = Proc::spawn(&mut cmd);
+    let addr: SocketAddr = demo
+        .wait_for_line("router for deployment \"demo\" is up: http://", BOUND)
+        .trim()
+        .parse()
+        .expect("a socket address");
+    // While it runs, replica 1 (the one serving HTTP) counts its routed decisions.
+    let routed = eventually("routed decisions on /metrics", BOUND, || {
+        let (status, body) = http(addr, "GET", "/metrics");
+        assert_eq!(status, 200);
+        let routed: f64 = body
+            .lines()
+            .filter(|l| {
+                l.starts_with("lease_router_route_decisions_total{")
+                    && l.contains("deployment=\"demo\"")
+                    && l.contains("outcome=\"routed\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        (routed > 0.0).then_some(routed)
+    });
+    assert!(routed > 0.0);
+    let status = demo.wait(Duration::from_secs(60)).unwrap_or_else(|| {
+        panic!(
+            "the demo did not end\nstdout:\n{}\nstderr:\n{}",
+            demo.stdout(),
+            demo.stderr()
+        )
+    });
+    let out = Finished {
+        status,
+        stdout: demo.stdout(),
+        stderr: demo.stderr(),
+    };
     assert_eq!(
         out.code(),
         Some(0),
@@ -656,6 +689,49 @@ async fn demo_runs_against_the_given_nats_and_summarizes() {
     assert!(text.contains("simulation: 8 workers"), "{text}");
     assert!(text.contains("router (demo): "), "{text}");
     assert!(text.contains("active leases at the end"), "{text}");
+    assert!(text.contains("status page: http://127.0.0.1:"), "{text}");
+    assert!(text.contains("decisions/s: weighted_cost "), "{text}");
+
+    // Both replicas routed: "  routed:   replica 1 N, replica 2 M (policy ...".
+    let routed_line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("  routed:   "))
+        .unwrap_or_else(|| panic!("no routed line: {text}"));
+    let by_replica: Vec<u64> = (1..=2)
+        .map(|replica| {
+            let key = format!("replica {replica} ");
+            let rest = &routed_line[routed_line.find(&key).expect(&key) + key.len()..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().unwrap_or_else(|_| panic!("{routed_line}"))
+        })
+        .collect();
+    assert!(by_replica.iter().all(|n| *n > 0), "{routed_line}");
+    // About half each: the replicas take turns.
+    let (a, b) = (by_replica[0] as f64, by_replica[1] as f64);
+    assert!((a - b).abs() <= 0.1 * (a + b), "{routed_line}");
+    assert!(
+        a >= routed,
+        "replica 1 counted at least what /metrics showed: {routed_line}"
+    );
+
+    // The spread line: coefficients of variation that say the load was spread evenly.
+    let spread = text
+        .lines()
+        .find_map(|l| l.strip_prefix("  spread over 8 workers: "))
+        .unwrap_or_else(|| panic!("no spread line: {text}"));
+    let cvs: Vec<f64> = spread
+        .split("cv ")
+        .skip(1)
+        .map(|rest| {
+            rest.split_whitespace()
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{spread}"))
+        })
+        .collect();
+    assert_eq!(cvs.len(), 2, "{spread}");
+    // Load-aware routing at this rate: far from the cv of 1 a single hot worker would give.
+    assert!(cvs.iter().all(|cv| (0.0..0.5).contains(cv)), "{spread}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
