@@ -425,7 +425,7 @@ pub async fn run(
             next += 1;
             let r = &requests[index];
             let replica = index % case.replicas;
-            let lost = case.lost > 0.0 && index % (1.0 / case.lost).round() as usize == 0;
+            let lost = case.lost > 0.0 && index.is_multiple_of((1.0 / case.lost).round() as usize);
             if lost && !draining {
                 // Routed and booked, then lost on the way: the worker never hears of it.
                 replicas.route(replica, index, r).await;
