@@ -1,5 +1,6 @@
 //! The observer that holds only a `Weak` of the manager: what breaks the router's ownership
-//! cycle (see `DESIGN.md`). Each callback upgrades and forwards, or reports the manager gone.
+//! cycle (the manager holds the scheduler's cleanup handle, the scheduler actor holds the
+//! observer). Each callback upgrades and forwards, or reports the manager gone.
 
 use std::sync::Arc;
 
