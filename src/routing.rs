@@ -146,8 +146,7 @@ pub struct RoutingConfig {
 /// sends a field a newer router understands still gets a decision from an older one.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 pub struct RouteRequest {
-    /// The request's id: the booking is made under it, and the worker's `admitted` for the
-    /// same id takes it over.
+    /// The request's id, under which the provisional booking is made.
     pub request_id: RequestId,
     /// Tokens of the prompt, at least 1.
     pub prompt_tokens: u32,
@@ -293,7 +292,7 @@ pub enum RouteOutcome {
 }
 
 impl RouteOutcome {
-    /// Every outcome, in the order of the counters.
+    /// Every outcome.
     pub const ALL: [RouteOutcome; 4] =
         [Self::Routed, Self::NoWorkers, Self::Invalid, Self::Refused];
 
