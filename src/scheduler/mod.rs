@@ -72,7 +72,7 @@ pub enum ReleaseReason {
 /// The scheduler actor is gone, so it cannot answer.
 #[derive(Debug, thiserror::Error)]
 pub enum QuerySchedulerError {
-    /// The scheduler task has stopped (its router was shut down or dropped).
+    /// The scheduler task has stopped, so the query got no answer.
     #[error("the scheduler has stopped")]
     Stopped,
 }
