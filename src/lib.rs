@@ -37,7 +37,7 @@
 //! - `log_limit`: rate-limited warnings.
 //! - [`service`]: what `lease-router serve` runs: the multi-deployment host, the HTTP API
 //!   and the Prometheus metrics, configured by plain structs.
-
+//!
 //! This package is the library only. Beside it in the workspace: `cli/` (package
 //! `lease-router-cli`, the `lease-router` binary: `serve`, `publish`, `simulate`, `demo`,
 //! the flag/environment/TOML settings, the simulated workers and the allocator setting) and
