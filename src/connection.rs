@@ -64,7 +64,12 @@ pub enum NatsAuth {
     #[default]
     None,
     /// User and password.
-    UserPassword { user: String, password: String },
+    UserPassword {
+        /// The user name.
+        user: String,
+        /// The password (redacted in `Debug`).
+        password: String,
+    },
     /// A bearer token.
     Token(String),
     /// A file holding an NKey seed (`SU...`), read at connect.
@@ -211,6 +216,7 @@ pub struct NatsConnectConfig {
     pub connect_deadline: Duration,
     /// Connection name shown by the server's monitoring.
     pub name: Option<String>,
+    /// How the client authenticates. Default [`NatsAuth::None`].
     pub auth: NatsAuth,
     /// TLS settings; `None`: plain TCP unless the URL or the server asks for TLS.
     pub tls: Option<NatsTls>,
@@ -273,21 +279,25 @@ impl NatsConnectConfig {
         )
     }
 
+    /// Sets [`connect_deadline`](Self::connect_deadline).
     pub fn with_connect_deadline(mut self, deadline: Duration) -> Self {
         self.connect_deadline = deadline;
         self
     }
 
+    /// Sets the connection [`name`](Self::name) shown by the server's monitoring.
     pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
         self
     }
 
+    /// Sets how the client authenticates ([`auth`](Self::auth)).
     pub fn with_auth(mut self, auth: NatsAuth) -> Self {
         self.auth = auth;
         self
     }
 
+    /// Authenticates with a user and password ([`NatsAuth::UserPassword`]).
     pub fn with_user_password(self, user: impl Into<String>, password: impl Into<String>) -> Self {
         self.with_auth(NatsAuth::UserPassword {
             user: user.into(),
@@ -295,38 +305,46 @@ impl NatsConnectConfig {
         })
     }
 
+    /// Authenticates with a bearer token ([`NatsAuth::Token`]).
     pub fn with_token(self, token: impl Into<String>) -> Self {
         self.with_auth(NatsAuth::Token(token.into()))
     }
 
+    /// Authenticates with the NKey seed in this file ([`NatsAuth::NKeySeedFile`]), read at connect.
     pub fn with_nkey_seed_file(self, path: impl Into<PathBuf>) -> Self {
         self.with_auth(NatsAuth::NKeySeedFile(path.into()))
     }
 
+    /// Authenticates with this `.creds` file ([`NatsAuth::CredentialsFile`]), read at connect.
     pub fn with_credentials_file(self, path: impl Into<PathBuf>) -> Self {
         self.with_auth(NatsAuth::CredentialsFile(path.into()))
     }
 
+    /// Sets the [`tls`](Self::tls) settings.
     pub fn with_tls(mut self, tls: NatsTls) -> Self {
         self.tls = Some(tls);
         self
     }
 
+    /// Sets [`connection_timeout`](Self::connection_timeout), the bound of one connect to one server.
     pub fn with_connection_timeout(mut self, timeout: Duration) -> Self {
         self.connection_timeout = timeout;
         self
     }
 
+    /// Sets the delays between attempts of the first connect ([`connect_retry`](Self::connect_retry)).
     pub fn with_connect_retry(mut self, policy: RetryPolicy) -> Self {
         self.connect_retry = policy;
         self
     }
 
+    /// Sets the delays between reconnect attempts ([`reconnect`](Self::reconnect)).
     pub fn with_reconnect(mut self, policy: RetryPolicy) -> Self {
         self.reconnect = policy;
         self
     }
 
+    /// Sets the client [`ping_interval`](Self::ping_interval).
     pub fn with_ping_interval(mut self, interval: Duration) -> Self {
         self.ping_interval = Some(interval);
         self
@@ -338,6 +356,8 @@ impl NatsConnectConfig {
         self.ping_interval.unwrap_or(CLIENT_DEFAULT_PING_INTERVAL) * PING_INTERVALS_TO_DISCONNECT
     }
 
+    /// Sets the number of messages buffered per subscription
+    /// ([`subscription_capacity`](Self::subscription_capacity)).
     pub fn with_subscription_capacity(mut self, capacity: usize) -> Self {
         self.subscription_capacity = Some(capacity);
         self
@@ -390,17 +410,27 @@ pub fn redact_url(url: &str) -> String {
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectNatsError {
     #[error("no NATS server URL was given")]
+    /// The config holds no server URL.
     NoUrls,
     #[error("invalid NATS server URL {url:?}: {reason}")]
-    InvalidUrl { url: String, reason: String },
+    /// A server URL does not parse.
+    InvalidUrl {
+        /// The URL, password redacted.
+        url: String,
+        /// Why it does not parse.
+        reason: String,
+    },
     #[error(
         "authorization failed connecting to NATS at {urls} with {method}: {source} \
          (check the credentials and the server's authorization settings)"
     )]
+    /// The server rejected the credentials (authorization or authentication error).
     AuthorizationFailed {
+        /// The configured URLs, passwords redacted, comma separated.
         urls: String,
         /// The method used ([`NatsAuth::method`]), never the secret.
         method: &'static str,
+        /// The client's error.
         #[source]
         source: async_nats::ConnectError,
     },
@@ -408,24 +438,35 @@ pub enum ConnectNatsError {
     /// content.
     #[error("cannot use the {what} file {}: {reason}", path.display())]
     Credentials {
+        /// Which kind of file it is (`"credentials"`, `"nkey seed"`, `"TLS CA"`, ...).
         what: &'static str,
+        /// The file's path.
         path: PathBuf,
+        /// Why it cannot be used (an I/O error kind or a format problem).
         reason: String,
     },
     #[error(
         "could not connect to NATS at {urls} within {deadline:?} ({attempts} attempts); \
          last error: {source}"
     )]
+    /// No server could be reached before [`NatsConnectConfig::connect_deadline`] passed.
     Unreachable {
+        /// The configured URLs, passwords redacted, comma separated.
         urls: String,
+        /// The connect deadline that passed.
         deadline: Duration,
+        /// How many connect attempts were made.
         attempts: u32,
+        /// The error of the last attempt.
         #[source]
         source: async_nats::ConnectError,
     },
     #[error("could not connect to NATS at {urls}: {source}")]
+    /// The connect failed with an error that retrying cannot fix (not an authorization error).
     Failed {
+        /// The configured URLs, passwords redacted, comma separated.
         urls: String,
+        /// The client's error.
         #[source]
         source: async_nats::ConnectError,
     },
@@ -687,10 +728,12 @@ pub struct NatsConnection {
 }
 
 impl NatsConnection {
+    /// The underlying `async_nats` client.
     pub fn client(&self) -> &Client {
         &self.client
     }
 
+    /// The connection's health counters and state, shared with the monitor task.
     pub fn stats(&self) -> &Arc<ConnectionStats> {
         &self.state
     }
@@ -700,6 +743,8 @@ impl NatsConnection {
         &self.urls
     }
 
+    /// True while the client holds a connection to a server
+    /// ([`ConnectionStats::is_connected`]).
     pub fn is_connected(&self) -> bool {
         self.state.is_connected()
     }

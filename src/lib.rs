@@ -44,7 +44,7 @@
 //! `testkit/` (`lease-router-testkit`, which starts real `nats-server` processes for the
 //! tests, the benches and `demo`). An embedder compiles neither.
 
-#![warn(unreachable_pub, unnameable_types)]
+#![warn(unreachable_pub, unnameable_types, missing_docs)]
 
 mod connection;
 mod durable;

@@ -121,7 +121,7 @@ impl From<RequestLoad> for BookingWeight {
 ///
 /// `active_bookings`, `prompt_tokens` and `expected_output_tokens` are the sizes the
 /// bookings were admitted with; they move only at admission and release. The other three
-/// follow each request's phase (see the [module docs](self)). A provisional booking (a route
+/// follow each request's phase (prefill waiting, KV held, output still to come). A provisional booking (a route
 /// decision's, before its worker's `admitted`) weighs exactly as the admission it stands for.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize)]
 pub struct WorkerLoad {

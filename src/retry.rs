@@ -33,15 +33,18 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// The default policy: 100 ms, doubling, at most 5 s, 10 % jitter.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Sets the first delay.
     pub fn with_initial(mut self, initial: Duration) -> Self {
         self.initial = initial;
         self
     }
 
+    /// Sets the longest delay: doubling stops there.
     pub fn with_max_interval(mut self, max_interval: Duration) -> Self {
         self.max_interval = max_interval;
         self
@@ -72,7 +75,7 @@ impl RetryPolicy {
     }
 
     /// The delay before retry number `attempt` (1-based; zero for 0), the same as the
-    /// `attempt`-th delay of [`backoff`](Self::backoff). Stateless, for the NATS client's
+    /// `attempt`-th delay of a fresh backoff sequence of this policy. Stateless, for the NATS client's
     /// reconnect callback, which is handed an attempt count rather than kept between calls.
     pub fn delay_for_attempt(&self, attempt: usize) -> Duration {
         let Some(doublings) = attempt.checked_sub(1) else {

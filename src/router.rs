@@ -40,12 +40,15 @@ pub type TaskError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// A task an ingress started, for [`Router::shutdown`] to wait for.
 pub struct RouterTask {
+    /// The task's name, for logs and [`TaskFailure::task`].
     pub name: &'static str,
+    /// The task itself; its error (or panic) is reported by [`Router::shutdown`].
     pub handle: JoinHandle<Result<(), TaskError>>,
 }
 
 /// What an ingress gets to work with. Nothing in it keeps the router's manager alive.
 pub struct IngressContext {
+    /// The router's deployment.
     pub deployment: Arc<str>,
     /// The weak observer, for events that name their attempt.
     pub observer: Arc<dyn ReplicaRequestLeaseObserver>,
@@ -65,6 +68,7 @@ pub struct IngressContext {
 
 /// The last step of building a router: whatever feeds it events.
 pub trait IngressStart: Send {
+    /// Why the ingress could not start.
     type Error: std::error::Error + Send + Sync + 'static;
 
     /// Starts the ingress; the tasks returned are awaited by [`Router::shutdown`].
@@ -97,12 +101,16 @@ impl IngressStart for NoIngress {
 /// Settings of one deployment's router.
 #[derive(Clone, Debug)]
 pub struct RouterConfig {
+    /// The deployment this router serves.
     pub deployment: String,
+    /// Lease lifetimes, scan interval and limits.
     pub lease: LeaseConfig,
+    /// How route decisions pick a worker.
     pub routing: crate::routing::RoutingConfig,
 }
 
 impl RouterConfig {
+    /// Defaults for this deployment.
     pub fn new(deployment: impl Into<String>) -> Self {
         Self {
             deployment: deployment.into(),
@@ -111,6 +119,7 @@ impl RouterConfig {
         }
     }
 
+    /// Sets the lease reaper's [`scan_interval`](LeaseConfig::scan_interval).
     pub fn with_scan_interval(mut self, interval: Duration) -> Self {
         self.lease.scan_interval = interval;
         self
@@ -120,9 +129,12 @@ impl RouterConfig {
 /// Why a router could not be built. Whatever was started before the failure is torn down.
 #[derive(Debug, thiserror::Error)]
 pub enum StartRouterError {
+    /// The ingress's [`IngressStart::start`] failed.
     #[error("deployment {deployment}: starting the ingress failed: {source}")]
     Ingress {
+        /// The router's deployment.
         deployment: String,
+        /// The ingress's error.
         #[source]
         source: TaskError,
     },
@@ -131,7 +143,9 @@ pub enum StartRouterError {
 /// One task that ended badly during [`Router::shutdown`].
 #[derive(Debug)]
 pub struct TaskFailure {
+    /// The task's name (`"scheduler"` for the scheduler).
     pub task: &'static str,
+    /// What it ended with: its error, its panic, or that it outlived the shutdown grace.
     pub error: String,
 }
 
@@ -139,7 +153,9 @@ pub struct TaskFailure {
 #[derive(Debug, thiserror::Error)]
 #[error("deployment {deployment}: {} router task(s) failed: {}", failures.len(), describe(failures))]
 pub struct ShutdownRouterError {
+    /// The router's deployment.
     pub deployment: String,
+    /// Every task that failed, in the order they were awaited.
     pub failures: Vec<TaskFailure>,
 }
 
@@ -245,14 +261,17 @@ impl Router {
         })
     }
 
+    /// The deployment this router serves.
     pub fn deployment(&self) -> &str {
         &self.deployment
     }
 
+    /// The router's lease manager.
     pub fn manager(&self) -> &RequestLeaseManager {
         &self.manager
     }
 
+    /// A handle on the router's scheduler, for route decisions and its stats.
     pub fn scheduler(&self) -> &SchedulerHandle {
         &self.scheduler
     }

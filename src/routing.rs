@@ -127,7 +127,9 @@ impl Default for CostWeights {
 /// Routing settings of one deployment.
 #[derive(Clone, Copy, PartialEq, Debug, Default)]
 pub struct RoutingConfig {
+    /// How a decision picks the worker. Default [`RoutePolicy::WeightedCost`].
     pub policy: RoutePolicy,
+    /// The weights of the cost [`RoutePolicy::WeightedCost`] minimises.
     pub weights: CostWeights,
     /// How long a member with no live booking may say nothing before it is forgotten;
     /// `None`: one lease lifetime (twice the lease scan interval).
@@ -144,17 +146,21 @@ pub struct RoutingConfig {
 /// sends a field a newer router understands still gets a decision from an older one.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 pub struct RouteRequest {
+    /// The request's id, under which the provisional booking is made.
     pub request_id: RequestId,
+    /// Tokens of the prompt, at least 1.
     pub prompt_tokens: u32,
     /// Prompt tokens the caller knows to be cached on every worker (a shared system prompt,
     /// say); at most `prompt_tokens`.
     #[serde(default)]
     pub cached_tokens: Option<u32>,
+    /// Output tokens the caller expects; `None`: unknown (counts 0).
     #[serde(default)]
     pub expected_output_tokens: Option<u32>,
 }
 
 impl RouteRequest {
+    /// A request of `prompt_tokens`, none known to be cached, output length unknown.
     pub fn new(request_id: impl Into<RequestId>, prompt_tokens: u32) -> Self {
         Self {
             request_id: request_id.into(),
@@ -164,11 +170,13 @@ impl RouteRequest {
         }
     }
 
+    /// Sets [`cached_tokens`](Self::cached_tokens).
     pub fn with_cached_tokens(mut self, cached_tokens: u32) -> Self {
         self.cached_tokens = Some(cached_tokens);
         self
     }
 
+    /// Sets [`expected_output_tokens`](Self::expected_output_tokens).
     pub fn with_expected_output_tokens(mut self, expected: u32) -> Self {
         self.expected_output_tokens = Some(expected);
         self
@@ -203,6 +211,7 @@ impl RouteRequest {
 /// A worker a decision considered.
 #[derive(Clone, Copy, PartialEq, Debug, Serialize)]
 pub struct Candidate {
+    /// The worker.
     #[serde(flatten)]
     pub worker: WorkerWithDpRank,
     /// Its weighted cost with the request on it (see the module docs).
@@ -215,15 +224,18 @@ pub(crate) const REPORTED_CANDIDATES: usize = 8;
 /// A decision: where the request goes, booked there provisionally.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouteDecision {
+    /// The provisional booking made on the chosen worker.
     pub booking: SchedulerBookingDescriptor,
+    /// The policy that decided.
     pub policy: RoutePolicy,
     /// What the policy compared, cheapest first: every member up to
-    /// [`REPORTED_CANDIDATES`] for weighted cost, the two drawn for power of two, the one
+    /// 8 for weighted cost, the two drawn for power of two, the one
     /// chosen for round robin and random.
     pub candidates: Vec<Candidate>,
 }
 
 impl RouteDecision {
+    /// The worker the request goes to.
     pub fn worker(&self) -> WorkerWithDpRank {
         self.booking.worker
     }
@@ -232,20 +244,25 @@ impl RouteDecision {
 /// Why a request could not be routed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RouteRequestError {
+    /// The request (or the cost weights) failed validation; holds why.
     #[error("invalid route request: {0}")]
     InvalidRequest(String),
     #[error(
         "no live worker: the router learns workers from their lease events, and forgets those \
          that left or went idle"
     )]
+    /// No live worker is known to the router.
     NoWorkers,
     #[error(
         "the lease manager refused the booking: max_active_leases are live (raise the limit, \
          or wait for leases to end)"
     )]
+    /// [`LeaseConfig::max_active_leases`](crate::LeaseConfig::max_active_leases) leases are live: the booking was refused.
     LeasesFull,
+    /// The router (and its lease manager) was torn down.
     #[error("the lease manager is gone: the router was torn down")]
     ManagerGone,
+    /// The scheduler task has stopped.
     #[error("the scheduler has stopped")]
     Stopped,
 }
@@ -264,17 +281,22 @@ impl RouteRequestError {
 /// How a decision ended, for its counter.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum RouteOutcome {
+    /// A worker was chosen and booked.
     Routed,
+    /// No live worker was known ([`RouteRequestError::NoWorkers`]).
     NoWorkers,
+    /// The request was invalid ([`RouteRequestError::InvalidRequest`]).
     Invalid,
     /// The booking could not be made (leases full, router torn down).
     Refused,
 }
 
 impl RouteOutcome {
+    /// Every outcome.
     pub const ALL: [RouteOutcome; 4] =
         [Self::Routed, Self::NoWorkers, Self::Invalid, Self::Refused];
 
+    /// Its label in the decision counters (`routed`, `no_workers`, `invalid`, `refused`).
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::Routed => "routed",

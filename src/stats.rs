@@ -127,7 +127,9 @@ pub(crate) struct LagHistogram {
 /// A copy of the lag histogram, buckets cumulative as Prometheus wants them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct LagSnapshot {
+    /// Sum of the lags observed, in seconds.
     pub sum_seconds: f64,
+    /// Lags observed.
     pub count: u64,
     /// `(upper bound in seconds, cumulative count)`, without +Inf (that is `count`).
     pub buckets: Vec<(f64, u64)>,
@@ -304,22 +306,27 @@ pub struct IngressStatsSnapshot {
     /// Publishers whose sequence windows were forgotten because `max_publishers` were
     /// tracked: their duplicates are no longer recognised.
     pub publishers_evicted: u64,
+    /// Publish-to-apply lag of live events (not recorded while replaying).
     pub lag: LagSnapshot,
 }
 
 impl IngressStatsSnapshot {
+    /// Events of this kind applied.
     pub fn applied(&self, kind: EventKind) -> u64 {
         lookup(&self.applied, kind.as_str())
     }
 
+    /// Events applied, all kinds.
     pub fn applied_total(&self) -> u64 {
         self.applied.iter().map(|(_, n)| n).sum()
     }
 
+    /// Events dropped for this reason.
     pub fn dropped(&self, reason: DropReason) -> u64 {
         lookup(&self.dropped, reason.as_str())
     }
 
+    /// Events dropped, all reasons.
     pub fn dropped_total(&self) -> u64 {
         self.dropped.iter().map(|(_, n)| n).sum()
     }
@@ -336,6 +343,7 @@ fn lookup(pairs: &[(&'static str, u64)], key: &str) -> u64 {
 }
 
 impl IngressStats {
+    /// Counters all at zero.
     pub fn new() -> Self {
         Self::default()
     }
@@ -367,6 +375,7 @@ impl IngressStats {
         &self.lag
     }
 
+    /// A point-in-time copy of the counters.
     pub fn snapshot(&self) -> IngressStatsSnapshot {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         IngressStatsSnapshot {

@@ -31,13 +31,21 @@ const MAX_SHOWN_VALUE_CHARS: usize = 80;
 /// A deployment name, subject prefix or worker id that cannot be used in a subject.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum InvalidSubjectError {
+    /// A deployment name is not one valid subject token.
     #[error("invalid deployment name {}: {TOKEN_RULE}", Shown(.value))]
-    DeploymentName { value: String },
+    DeploymentName {
+        /// The rejected value.
+        value: String,
+    },
     #[error(
         "invalid subject prefix {}: one or more tokens separated by '.', in each {TOKEN_RULE}",
         Shown(.value)
     )]
-    SubjectPrefix { value: String },
+    /// A subject prefix is not one or more valid tokens separated by `.`.
+    SubjectPrefix {
+        /// The rejected value.
+        value: String,
+    },
 }
 
 impl InvalidSubjectError {
@@ -105,6 +113,10 @@ macro_rules! validated_string {
         pub struct $name(String);
 
         impl $name {
+            /// Checks `value`.
+            ///
+            /// # Errors
+            /// The matching [`InvalidSubjectError`] variant when `value` is not valid.
             pub fn new(value: impl Into<String>) -> Result<Self, InvalidSubjectError> {
                 let value = value.into();
                 if $valid(value.as_str()) {
@@ -114,10 +126,12 @@ macro_rules! validated_string {
                 }
             }
 
+            /// The value.
             pub fn as_str(&self) -> &str {
                 &self.0
             }
 
+            /// The value, as an owned string.
             pub fn into_string(self) -> String {
                 self.0
             }
@@ -211,6 +225,7 @@ pub struct Subjects {
 }
 
 impl Subjects {
+    /// The subjects of `deployment` under `prefix`.
     pub fn new(prefix: SubjectPrefix, deployment: DeploymentName) -> Self {
         let base = format!("{prefix}.{deployment}.");
         Self {
@@ -225,10 +240,12 @@ impl Subjects {
         Self::new(SubjectPrefix::default(), deployment)
     }
 
+    /// The prefix of every subject.
     pub fn prefix(&self) -> &SubjectPrefix {
         &self.prefix
     }
 
+    /// The deployment.
     pub fn deployment(&self) -> &DeploymentName {
         &self.deployment
     }

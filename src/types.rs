@@ -15,10 +15,12 @@ use serde::{Deserialize, Serialize};
 pub struct RequestId(Arc<str>);
 
 impl RequestId {
+    /// A request id of this string.
     pub fn new(id: impl Into<Arc<str>>) -> Self {
         Self(id.into())
     }
 
+    /// The id.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -95,11 +97,14 @@ impl fmt::Display for DpRank {
     Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Default, Serialize, Deserialize,
 )]
 pub struct WorkerWithDpRank {
+    /// The worker.
     pub worker_id: WorkerId,
+    /// Its data-parallel rank.
     pub dp_rank: DpRank,
 }
 
 impl WorkerWithDpRank {
+    /// Rank `dp_rank` of worker `worker_id`.
     pub fn new(worker_id: u64, dp_rank: u32) -> Self {
         Self {
             worker_id: WorkerId(worker_id),
@@ -126,6 +131,7 @@ impl AttemptId {
         Self(NEXT.fetch_add(1, Ordering::Relaxed))
     }
 
+    /// The number.
     pub fn get(self) -> u64 {
         self.0
     }
@@ -134,8 +140,11 @@ impl AttemptId {
 /// One attempt of one request counted against one worker.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub struct SchedulerBookingDescriptor {
+    /// The request.
     pub request_id: RequestId,
+    /// The worker (rank) it is counted against.
     pub worker: WorkerWithDpRank,
+    /// The attempt: tells this booking from older or newer ones of the same request id.
     pub attempt_id: AttemptId,
 }
 

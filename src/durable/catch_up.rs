@@ -47,35 +47,50 @@ pub(crate) struct SnapshotCounters {
 /// A copy of [`CatchUpState`]'s snapshot counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SnapshotFigures {
+    /// Snapshots this replica wrote.
     pub written: u64,
+    /// Snapshot writes that failed.
     pub failed: u64,
+    /// Size in bytes of the last snapshot written.
     pub last_bytes: u64,
+    /// Stream sequence of the last snapshot written.
     pub last_sequence: u64,
+    /// Stream sequence of the snapshot loaded at start (0: none).
     pub loaded_sequence: u64,
+    /// Leases the loaded snapshot held.
     pub loaded_leases: u64,
+    /// Starts that found no snapshot.
     pub missing: u64,
+    /// Starts whose snapshot was unreadable, partial, corrupt or of another stream.
     pub invalid: u64,
 }
 
 /// The deployment's stream as last read from the server, next to its limits.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StreamFigures {
+    /// Bytes the stream holds.
     pub bytes: u64,
+    /// Events (messages) the stream holds.
     pub messages: u64,
+    /// Sequence of the oldest message held.
     pub first_sequence: u64,
+    /// Sequence of the newest message held.
     pub last_sequence: u64,
     /// Age of the oldest event held (zero when empty).
     pub oldest_age: Duration,
     /// The limits the stream was configured with (`max_bytes` -1: none).
     pub max_bytes: i64,
+    /// The stream's configured age limit.
     pub max_age: Duration,
 }
 
 impl CatchUpState {
+    /// A state that has not caught up yet, with all counters at zero.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// True once catch-up has finished (the replay reached the stream's end at start).
     pub fn is_caught_up(&self) -> bool {
         self.caught_up.load(Ordering::Acquire)
     }

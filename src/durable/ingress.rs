@@ -31,16 +31,26 @@ use tokio::sync::mpsc;
 /// Why the durable ingress could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartDurableIngressError {
+    /// The deployment's stream could not be created or checked.
     #[error(transparent)]
     Stream(#[from] EnsureStreamError),
+    /// The replay consumer could not be created (after retrying transient errors).
     #[error("creating the replay consumer on {filter} failed: {source}")]
     Consumer {
+        /// The subject filter of the consumer.
         filter: String,
+        /// The last error.
         #[source]
         source: TaskError,
     },
+    /// The ingress's subjects are for another deployment than the router it was given to.
     #[error("the ingress is for deployment {ingress} but the router is for {router}")]
-    DeploymentMismatch { ingress: String, router: String },
+    DeploymentMismatch {
+        /// The deployment of the ingress's subjects.
+        ingress: String,
+        /// The deployment of the router.
+        router: String,
+    },
 }
 
 /// The JetStream ingress of one deployment.
@@ -55,6 +65,8 @@ pub struct JetStreamIngress {
 }
 
 impl JetStreamIngress {
+    /// A JetStream ingress of these subjects, applying with these limits, sharing `stats`
+    /// and `catch_up` with the caller (metrics, `/readyz`).
     pub fn new(
         client: async_nats::Client,
         subjects: Subjects,

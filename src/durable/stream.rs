@@ -74,11 +74,13 @@ impl LeaseStreamConfig {
         self
     }
 
+    /// Sets the stream's number of replicas (at least 1).
     pub fn with_replicas(mut self, replicas: usize) -> Self {
         self.replicas = replicas.max(1);
         self
     }
 
+    /// Sets the stream's size limit in bytes (-1: none).
     pub fn with_max_bytes(mut self, max_bytes: i64) -> Self {
         self.max_bytes = max_bytes;
         self

@@ -39,9 +39,11 @@ pub struct ApplyConfig {
     pub max_batch_bytes: usize,
     /// How long a completion that beat its admission keeps the late admission out.
     pub tombstone_ttl: Duration,
+    /// Most early completions kept as tombstones; past it the oldest is evicted.
     pub max_tombstones: usize,
     /// How long progress that beat its admission waits for it.
     pub held_progress_ttl: Duration,
+    /// Most progress events held for their admission; past it the oldest is evicted.
     pub max_held_progress: usize,
     /// Publishers whose sequence windows are kept; the least recent is forgotten past this.
     pub max_publishers: usize,
@@ -70,10 +72,12 @@ impl Default for ApplyConfig {
 /// What became of one message.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Applied {
+    /// Applied to the lease manager.
     Applied,
     /// Held until the admission it depends on arrives (a `progressed`), or kept as a
     /// tombstone against it (a `completed`): counted as held until then.
     Held,
+    /// Not applied, for this reason (counted in the ingress stats).
     Dropped(DropReason),
     /// A batch message (wire 1.2): what became of its events, each counted on its own.
     Batch(BatchOutcome),
@@ -82,8 +86,11 @@ pub enum Applied {
 /// What became of the events of one batch message.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct BatchOutcome {
+    /// Events applied.
     pub applied: u32,
+    /// Events held (see [`Applied::Held`]).
     pub held: u32,
+    /// Events dropped, including those that could not be delivered.
     pub dropped: u32,
 }
 
@@ -220,6 +227,7 @@ impl EventApplier {
         self.record_lag = record;
     }
 
+    /// The counters this applier updates.
     pub fn stats(&self) -> &Arc<IngressStats> {
         &self.stats
     }

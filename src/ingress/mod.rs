@@ -42,20 +42,32 @@ const PIPELINE_BATCHES: usize = 8;
 /// Why the ingress could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartIngressError {
+    /// Subscribing to the deployment's subjects failed.
     #[error("subscribing to {filter} failed: {source}")]
     Subscribe {
+        /// The subject filter subscribed to.
         filter: String,
+        /// The client's error.
         #[source]
         source: async_nats::SubscribeError,
     },
+    /// The server did not confirm the subscription (the flush after subscribing failed).
     #[error("the NATS server did not confirm the subscription to {filter}: {source}")]
     Flush {
+        /// The subject filter subscribed to.
         filter: String,
+        /// The client's error.
         #[source]
         source: async_nats::client::FlushError,
     },
+    /// The ingress's subjects are for another deployment than the router it was given to.
     #[error("the ingress is for deployment {ingress} but the router is for {router}")]
-    DeploymentMismatch { ingress: String, router: String },
+    DeploymentMismatch {
+        /// The deployment of the ingress's subjects.
+        ingress: String,
+        /// The deployment of the router.
+        router: String,
+    },
 }
 
 /// Called with each burst of messages once it is applied and handed to the scheduler, on the

@@ -156,19 +156,31 @@ impl LeaseStatsCounters {
 /// A point-in-time copy of a manager's counters.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize)]
 pub struct LeaseStats {
+    /// Live leases now (a gauge, not a counter).
     pub active: u64,
+    /// Leases admitted by a worker (new, or replacing a dead attempt).
     pub registered: u64,
+    /// `admitted` events for a request whose lease was already live on that worker.
     pub duplicate_admits: u64,
+    /// Live leases replaced by a new attempt of the same request on another worker.
     pub superseded: u64,
+    /// `progressed` events that renewed a QUIET lease (see [`ProgressOutcome::Renewed`](crate::ProgressOutcome::Renewed)).
     pub renewed: u64,
+    /// `progressed` events on a lease already renewed since the last scan.
     pub coalesced: u64,
+    /// `progressed` events that matched no live lease.
     pub stale_progress: u64,
+    /// Leases released by their `completed` event.
     pub completed: u64,
+    /// `completed` events that matched no live lease.
     pub stale_completions: u64,
+    /// Leases the reaper expired (QUIET at a scan: no progress since the scan before).
     pub expired: u64,
+    /// Leases released because their worker reset.
     pub reset_released: u64,
     /// Admissions refused because [`LeaseConfig::max_active_leases`] were live.
     pub refused_full: u64,
+    /// Completed reaper scans over all shards.
     pub scans: u64,
     /// Bookings made by this replica's route decisions, before any `admitted`.
     pub provisional: u64,
@@ -231,7 +243,6 @@ impl Lease {
     }
 }
 
-/// A lease as the API shows it.
 /// A live lease as a snapshot keeps it (see [`LeaseBatch::restore`]).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct LeaseImage {
@@ -245,10 +256,14 @@ pub(crate) struct LeaseImage {
     pub quiet: bool,
 }
 
+/// A lease as the API shows it ([`RequestLeaseManager::lease`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaseRecord {
+    /// The booking it holds on the scheduler.
     pub booking: SchedulerBookingDescriptor,
+    /// Where the lease is in its expiry clock.
     pub state: LeaseState,
+    /// Time since its admission, in whole seconds.
     pub age: Duration,
 }
 
@@ -620,6 +635,7 @@ pub struct RequestLeaseManager {
 pub struct WeakRequestLeaseManager(Weak<RequestLeaseManagerInner>);
 
 impl WeakRequestLeaseManager {
+    /// The manager, if it is still alive.
     pub fn upgrade(&self) -> Option<RequestLeaseManager> {
         self.0.upgrade().map(|inner| RequestLeaseManager { inner })
     }
@@ -787,10 +803,12 @@ impl RequestLeaseManager {
         &self.inner
     }
 
+    /// The deployment this manager tracks.
     pub fn deployment(&self) -> &str {
         &self.inner.deployment
     }
 
+    /// A handle that does not keep the manager alive.
     pub fn downgrade(&self) -> WeakRequestLeaseManager {
         WeakRequestLeaseManager(Arc::downgrade(&self.inner))
     }
@@ -1160,10 +1178,12 @@ impl RequestLeaseManager {
         self.inner.shards.len()
     }
 
+    /// Number of live leases, summed over shards (each read-locked in turn).
     pub fn active_leases(&self) -> usize {
         self.inner.shards.iter().map(|s| s.read().len()).sum()
     }
 
+    /// A point-in-time copy of the manager's counters.
     pub fn stats(&self) -> LeaseStats {
         let c = &self.inner.stats;
         LeaseStats {

@@ -144,36 +144,43 @@ impl Default for PublisherConfig {
 }
 
 impl PublisherConfig {
+    /// Sets [`queue_capacity`](Self::queue_capacity), the events waiting for the task.
     pub fn with_queue_capacity(mut self, capacity: usize) -> Self {
         self.queue_capacity = capacity;
         self
     }
 
+    /// Sets the delays between the attempts of one publish ([`retry`](Self::retry)).
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
         self
     }
 
+    /// Sets [`max_publish_attempts`](Self::max_publish_attempts), first attempt included.
     pub fn with_max_publish_attempts(mut self, attempts: usize) -> Self {
         self.max_publish_attempts = attempts;
         self
     }
 
+    /// Sets [`max_batch`](Self::max_batch), the events taken from the queue at once.
     pub fn with_max_batch(mut self, max_batch: usize) -> Self {
         self.max_batch = max_batch;
         self
     }
 
+    /// Sets [`warn_interval`](Self::warn_interval), at most one drop warning per interval.
     pub fn with_warn_interval(mut self, interval: Duration) -> Self {
         self.warn_interval = interval;
         self
     }
 
+    /// Sets [`drop_flush_timeout`](Self::drop_flush_timeout).
     pub fn with_drop_flush_timeout(mut self, timeout: Duration) -> Self {
         self.drop_flush_timeout = timeout;
         self
     }
 
+    /// Turns on [`batching`](Self::batching) of events into wire 1.2 batch messages.
     pub fn with_batching(mut self, batching: Batching) -> Self {
         self.batching = Some(batching);
         self
@@ -352,6 +359,7 @@ impl LeasePublisher {
         self.shared.publisher_id
     }
 
+    /// The subjects this publisher publishes on.
     pub fn subjects(&self) -> &Subjects {
         &self.shared.subjects
     }

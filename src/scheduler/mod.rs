@@ -72,6 +72,7 @@ pub enum ReleaseReason {
 /// The scheduler actor is gone, so it cannot answer.
 #[derive(Debug, thiserror::Error)]
 pub enum QuerySchedulerError {
+    /// The scheduler task has stopped, so the query got no answer.
     #[error("the scheduler has stopped")]
     Stopped,
 }
@@ -197,6 +198,7 @@ impl SchedulerHandle {
         }
     }
 
+    /// A point-in-time copy of the scheduler's counters.
     pub fn stats(&self) -> SchedulerStatsSnapshot {
         self.mailbox.stats.snapshot()
     }
@@ -214,7 +216,7 @@ impl SchedulerHandle {
     }
 
     /// Chooses a member worker for `request` by the deployment's policy and books it there
-    /// provisionally (see [`crate::routing`]): the next decision sees it at once, the
+    /// provisionally: the next decision sees it at once, the
     /// worker's `admitted` takes it over, and it expires like any lease if none comes.
     ///
     /// # Errors
@@ -283,7 +285,9 @@ impl SchedulerHandle {
 /// A worker as [`SchedulerHandle::workers`] shows it.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
 pub struct WorkerStatus {
+    /// The worker (and data-parallel rank).
     pub worker: WorkerWithDpRank,
+    /// Its load: sums over its live bookings.
     pub load: WorkerLoad,
     /// Since its last event of its own, measured when the scheduler applied it (to within
     /// the inbox's wait, see the module docs).

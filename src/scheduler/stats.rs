@@ -28,10 +28,15 @@ pub(crate) struct SchedulerStats {
 pub struct SchedulerStatsSnapshot {
     /// Times the actor woke to apply queued bookings and releases.
     pub wakeups: u64,
+    /// Bookings applied, provisional ones (route decisions) and admissions alike.
     pub booked: u64,
+    /// Bookings released because their request completed.
     pub released_completed: u64,
+    /// Bookings released because their lease expired.
     pub released_expired: u64,
+    /// Bookings released because a new attempt of the request superseded them.
     pub released_superseded: u64,
+    /// Bookings released because their worker reset.
     pub released_reset: u64,
     /// Provisional bookings released unconfirmed (deadline passed, or cancelled).
     pub released_unconfirmed: u64,

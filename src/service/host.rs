@@ -96,11 +96,18 @@ pub enum AddOutcome {
 /// Why a deployment could not be added.
 #[derive(Debug, thiserror::Error)]
 pub enum AddDeploymentError {
+    /// [`DeploymentHost::shutdown_all`] has begun: no deployment is added any more.
     #[error("the service is shutting down: deployment {deployment} was not added")]
-    ShuttingDown { deployment: DeploymentName },
+    ShuttingDown {
+        /// The deployment.
+        deployment: DeploymentName,
+    },
+    /// Building the deployment's router failed.
     #[error("starting the router of deployment {deployment} failed: {source}")]
     Start {
+        /// The deployment.
         deployment: DeploymentName,
+        /// The router's error.
         #[source]
         source: StartRouterError,
     },
@@ -111,11 +118,17 @@ pub enum AddDeploymentError {
          was not added; try again once NATS is reachable"
     )]
     NatsTimeout {
+        /// The deployment.
         deployment: DeploymentName,
+        /// How long it waited: the connection's connect deadline.
         waited: Duration,
     },
+    /// The task starting the router panicked.
     #[error("starting the router of deployment {deployment} panicked")]
-    Panicked { deployment: DeploymentName },
+    Panicked {
+        /// The deployment.
+        deployment: DeploymentName,
+    },
 }
 
 /// Why a removal did not end cleanly. The deployment is removed in every case.
@@ -124,8 +137,11 @@ pub enum RemoveDeploymentError {
     #[error(
         "deployment {deployment} was removed, but its router did not shut down cleanly: {source}"
     )]
+    /// The router's shutdown reported failed tasks.
     Shutdown {
+        /// The deployment.
         deployment: DeploymentName,
+        /// The router's error.
         #[source]
         source: ShutdownRouterError,
     },
@@ -133,19 +149,29 @@ pub enum RemoveDeploymentError {
         "deployment {deployment} was removed, but {remaining} of its tasks were still running \
          {waited:?} after its shutdown"
     )]
+    /// Tasks of the deployment still ran after [`HostSettings::task_stop_timeout`]; they are
+    /// kept and counted in [`DeploymentHost::live_tasks`].
     TasksStillRunning {
+        /// The deployment.
         deployment: DeploymentName,
+        /// Tasks still running.
         remaining: usize,
+        /// How long it waited for them.
         waited: Duration,
     },
+    /// The task removing the deployment panicked.
     #[error("removing deployment {deployment} panicked")]
-    Panicked { deployment: DeploymentName },
+    Panicked {
+        /// The deployment.
+        deployment: DeploymentName,
+    },
 }
 
 /// Removals of [`DeploymentHost::shutdown_all`] that did not end cleanly.
 #[derive(Debug, thiserror::Error)]
 #[error("{} deployment(s) did not shut down cleanly: {}", failures.len(), describe(failures))]
 pub struct ShutdownAllError {
+    /// One error per deployment whose removal did not end cleanly.
     pub failures: Vec<RemoveDeploymentError>,
 }
 
@@ -161,15 +187,20 @@ fn describe(failures: &[RemoveDeploymentError]) -> String {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DeploymentPhase {
+    /// Its router is being started.
     Starting,
+    /// Its router runs.
     Running,
+    /// Its router is being shut down.
     Stopping,
 }
 
 /// One line of [`DeploymentHost::deployments`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct DeploymentSummary {
+    /// The deployment.
     pub name: DeploymentName,
+    /// Where it is in its life.
     pub phase: DeploymentPhase,
     /// Leases of the running router (0 while starting or stopping).
     pub active_leases: u64,
@@ -196,22 +227,27 @@ pub struct DeploymentView {
 }
 
 impl DeploymentView {
+    /// The deployment.
     pub fn name(&self) -> &DeploymentName {
         &self.name
     }
 
+    /// The lease manager of its router.
     pub fn manager(&self) -> &RequestLeaseManager {
         &self.manager
     }
 
+    /// A handle on its router's scheduler, for route decisions.
     pub fn scheduler(&self) -> &SchedulerHandle {
         &self.scheduler
     }
 
+    /// The counters of its ingress.
     pub fn ingress_stats(&self) -> &Arc<IngressStats> {
         &self.stats
     }
 
+    /// Time since its router started.
     pub fn uptime(&self) -> Duration {
         self.started_at.elapsed()
     }
@@ -228,7 +264,9 @@ impl fmt::Debug for DeploymentView {
 /// The figures of one deployment name (live or removed) for the metrics exporter.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DeploymentMetrics {
+    /// The deployment name.
     pub name: String,
+    /// Its ingress counters.
     pub ingress: IngressStatsSnapshot,
     /// Leases now; `None` when no router runs for this name.
     pub active_leases: Option<u64>,
@@ -251,8 +289,11 @@ pub struct DeploymentMetrics {
 /// Where a durable router's replay stands, and its stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CatchUpMetrics {
+    /// True once catch-up has finished.
     pub done: bool,
+    /// Events applied during catch-up.
     pub replayed: u64,
+    /// How long catch-up took, in seconds (0 until it is done).
     pub seconds: f64,
     /// Events the replica needed that the stream had discarded.
     pub truncated_events: u64,
@@ -269,10 +310,16 @@ pub struct HostMetricsSnapshot {
     pub deployments: Vec<DeploymentMetrics>,
     /// Deployments hosted now (running, starting or stopping).
     pub hosted: usize,
+    /// Tasks of every router of this host still running ([`DeploymentHost::live_tasks`]).
     pub live_tasks: usize,
+    /// True while the NATS client holds a connection ([`ConnectionStats::is_connected`](crate::ConnectionStats::is_connected)).
     pub nats_connected: bool,
+    /// Successful NATS connections after the first one.
     pub nats_reconnects: u64,
+    /// NATS connections lost.
     pub nats_disconnects: u64,
+    /// Times the NATS client dropped messages of a subscription not read fast enough
+    /// (best-effort).
     pub slow_consumer_events: u64,
 }
 
@@ -379,6 +426,7 @@ enum Claim {
 }
 
 impl DeploymentHost {
+    /// A host with no deployment, on this connection, with these settings.
     pub fn new(connection: NatsConnection, settings: HostSettings) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -389,10 +437,12 @@ impl DeploymentHost {
         }
     }
 
+    /// The NATS connection every deployment uses.
     pub fn connection(&self) -> &NatsConnection {
         &self.inner.connection
     }
 
+    /// The settings every deployment is started with.
     pub fn settings(&self) -> &HostSettings {
         &self.inner.settings
     }
@@ -809,8 +859,10 @@ enum DeploymentIngress {
 /// Why a hosted deployment's ingress could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartDeploymentIngressError {
+    /// The core NATS ingress could not start.
     #[error(transparent)]
     Core(#[from] StartIngressError),
+    /// The JetStream ingress could not start.
     #[error(transparent)]
     Durable(#[from] StartDurableIngressError),
 }

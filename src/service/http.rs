@@ -122,10 +122,12 @@ impl ApiState {
         self
     }
 
+    /// The host the API serves.
     pub fn host(&self) -> &DeploymentHost {
         &self.host
     }
 
+    /// The metrics served on `/metrics`.
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
     }
@@ -139,13 +141,18 @@ pub struct BearerToken(Arc<str>);
 /// Why a string is not a usable bearer token. The token itself is never part of it.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ParseBearerTokenError {
+    /// The string is empty after trimming whitespace.
     #[error("the token is empty (after trimming whitespace)")]
     Empty,
     #[error(
         "the token has a character a client cannot send in an Authorization header (byte \
          {position}); use visible ASCII, such as the output of `openssl rand -hex 32`"
     )]
-    InvalidCharacter { position: usize },
+    /// The string has a byte a client cannot send in an `Authorization` header.
+    InvalidCharacter {
+        /// The offending byte's offset in the token.
+        position: usize,
+    },
 }
 
 impl BearerToken {
@@ -203,6 +210,7 @@ impl ApiAuth {
         self
     }
 
+    /// The token requests must carry.
     pub fn token(&self) -> &BearerToken {
         &self.token
     }

@@ -40,6 +40,7 @@ const WORKER_LOAD_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Where the collector reads its figures.
 pub trait MetricsSource: fmt::Debug + Send + Sync + 'static {
+    /// The figures now, read at each scrape.
     fn snapshot(&self) -> HostMetricsSnapshot;
 }
 
