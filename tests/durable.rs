@@ -503,13 +503,22 @@ async fn cluster_failover_durable_ends_with_exact_leases() {
         .expect("three-node cluster");
     let urls = cluster.urls();
     let router_conn = client_of(&urls).await;
-    ensure_stream(
-        &jetstream::new(router_conn.client().clone()),
-        &stream_config(3),
-        &subjects("cluster"),
-    )
-    .await
-    .unwrap();
+    // A cluster just formed may still be electing its JetStream leaders: a request then
+    // times out, and is retried as the durable ingress retries it.
+    let js = jetstream::new(router_conn.client().clone());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match ensure_stream(&js, &stream_config(3), &subjects("cluster")).await {
+            Ok(_) => break,
+            Err(e @ (EnsureStreamError::Create { .. } | EnsureStreamError::Lookup { .. }))
+                if Instant::now() < deadline =>
+            {
+                eprintln!("the cluster is not ready yet: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("the stream on a three-node cluster: {e}"),
+        }
+    }
     // With snapshots written every 200 ms through the failover (their buckets replicated
     // three times too).
     let h = durable_router_with(
