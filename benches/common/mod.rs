@@ -97,7 +97,10 @@ pub fn machine() -> String {
         })
         .unwrap_or_else(|| "unknown".into());
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let nats = std::process::Command::new("nats-server")
+    // The binary the benches' servers run (`NATS_SERVER_BIN`, else PATH, else `.tools/`).
+    let nats = lease_router_testkit::nats_server_binary()
+        .map_or_else(|| "nats-server".into(), |p| p.into_os_string());
+    let nats = std::process::Command::new(nats)
         .arg("--version")
         .output()
         .ok()
