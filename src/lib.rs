@@ -73,8 +73,9 @@ pub use connection::{
 pub use durable::{
     delete_stream, ensure_stream, legacy_stream_name, require_stream, stream_name, CatchUpState,
     DeleteStreamError, EnsureStreamError, ForeignStream, JetStreamIngress, LeaseStreamConfig,
-    LegacyStream, RequireStreamError, SnapshotFigures, StartDurableIngressError, StreamFigures,
-    DEFAULT_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_KEEP, DEFAULT_STREAM_MAX_BYTES, MIN_STREAM_MAX_AGE,
+    LegacyStream, LookupStreamError, RequireStreamError, SnapshotFigures, StartDurableIngressError,
+    StreamFigures, DEFAULT_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_KEEP, DEFAULT_STREAM_MAX_BYTES,
+    MIN_STREAM_MAX_AGE,
 };
 pub use durable::{snapshot_bucket, snapshot_lock_bucket};
 pub use ingress::{

@@ -23,6 +23,6 @@ pub use snapshot::{snapshot_bucket, snapshot_lock_bucket};
 pub use stream::{
     delete_stream, ensure_stream, legacy_stream_name, require_stream, stream_name,
     DeleteStreamError, EnsureStreamError, ForeignStream, LeaseStreamConfig, LegacyStream,
-    RequireStreamError, DEFAULT_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_KEEP, DEFAULT_STREAM_MAX_BYTES,
-    MIN_STREAM_MAX_AGE,
+    LookupStreamError, RequireStreamError, DEFAULT_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_KEEP,
+    DEFAULT_STREAM_MAX_BYTES, MIN_STREAM_MAX_AGE,
 };

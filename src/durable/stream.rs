@@ -135,12 +135,8 @@ enum FindStreamError {
     Legacy(LegacyStream),
     #[error(transparent)]
     Foreign(ForeignStream),
-    #[error("reading stream {name} failed: {source}")]
-    Lookup {
-        name: String,
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
+    #[error(transparent)]
+    Lookup(LookupStreamError),
 }
 
 /// An installation from before per-deployment streams: its one stream takes every
@@ -176,6 +172,18 @@ pub struct ForeignStream {
     pub wanted: String,
 }
 
+/// A request about the deployment's stream failed (a timeout while a cluster elects its
+/// leaders, say).
+#[derive(Debug, thiserror::Error)]
+#[error("reading stream {name} failed: {source}")]
+pub struct LookupStreamError {
+    /// The stream.
+    pub name: String,
+    /// What the client said.
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
 /// Why [`ensure_stream`] could not make the deployment's stream ready.
 #[derive(Debug, thiserror::Error)]
 pub enum EnsureStreamError {
@@ -189,14 +197,8 @@ pub enum EnsureStreamError {
     #[error(transparent)]
     Foreign(ForeignStream),
     /// A request to the server failed (retried by the durable ingress when transient).
-    #[error("reading stream {name} failed: {source}")]
-    Lookup {
-        /// The stream.
-        name: String,
-        /// What the client said.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
+    #[error(transparent)]
+    Lookup(LookupStreamError),
     /// Creating or updating the stream failed.
     #[error("creating or updating stream {name} failed: {source}")]
     Create {
@@ -236,14 +238,8 @@ pub enum RequireStreamError {
     #[error(transparent)]
     Foreign(ForeignStream),
     /// A request to the server failed.
-    #[error("reading stream {name} failed: {source}")]
-    Lookup {
-        /// The stream.
-        name: String,
-        /// What the client said.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
+    #[error(transparent)]
+    Lookup(LookupStreamError),
 }
 
 /// Why [`delete_stream`] could not delete the deployment's stream.
@@ -256,14 +252,8 @@ pub enum DeleteStreamError {
     #[error(transparent)]
     Foreign(ForeignStream),
     /// A request to the server failed.
-    #[error("reading stream {name} failed: {source}")]
-    Lookup {
-        /// The stream.
-        name: String,
-        /// What the client said.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
+    #[error(transparent)]
+    Lookup(LookupStreamError),
     /// The delete request failed.
     #[error("deleting stream {name} failed: {source}")]
     Delete {
@@ -281,7 +271,7 @@ impl From<FindStreamError> for EnsureStreamError {
             FindStreamError::JetStreamUnavailable => Self::JetStreamUnavailable,
             FindStreamError::Legacy(l) => Self::Legacy(l),
             FindStreamError::Foreign(f) => Self::Foreign(f),
-            FindStreamError::Lookup { name, source } => Self::Lookup { name, source },
+            FindStreamError::Lookup(l) => Self::Lookup(l),
         }
     }
 }
@@ -292,7 +282,7 @@ impl From<FindStreamError> for RequireStreamError {
             FindStreamError::JetStreamUnavailable => Self::JetStreamUnavailable,
             FindStreamError::Legacy(l) => Self::Legacy(l),
             FindStreamError::Foreign(f) => Self::Foreign(f),
-            FindStreamError::Lookup { name, source } => Self::Lookup { name, source },
+            FindStreamError::Lookup(l) => Self::Lookup(l),
         }
     }
 }
@@ -302,12 +292,12 @@ impl From<FindStreamError> for DeleteStreamError {
         match e {
             FindStreamError::JetStreamUnavailable => Self::JetStreamUnavailable,
             // Deleting never looks for the legacy stream.
-            FindStreamError::Legacy(l) => Self::Lookup {
+            FindStreamError::Legacy(l) => Self::Lookup(LookupStreamError {
                 name: l.name.clone(),
                 source: Box::new(l),
-            },
+            }),
             FindStreamError::Foreign(f) => Self::Foreign(f),
-            FindStreamError::Lookup { name, source } => Self::Lookup { name, source },
+            FindStreamError::Lookup(l) => Self::Lookup(l),
         }
     }
 }
@@ -476,10 +466,10 @@ async fn get_stream(
             GetStreamErrorKind::Request if is_no_responders(&e) => {
                 Err(FindStreamError::JetStreamUnavailable)
             }
-            _ => Err(FindStreamError::Lookup {
+            _ => Err(FindStreamError::Lookup(LookupStreamError {
                 name: name.to_owned(),
                 source: Box::new(e),
-            }),
+            })),
         },
     }
 }
