@@ -14,7 +14,7 @@ use lease_router::{ApplyConfig, NatsIngress};
 use lease_router::{DropReason, IngressStats};
 use lease_router::{RequestId, WorkerWithDpRank};
 use lease_router::{Router, RouterConfig};
-use lease_router_testkit::{pick_free_ports, NatsServerBuilder};
+use lease_router_testkit::{pick_free_ports, NatsServerBuilder, TcpProxy};
 
 const NO_EXPIRY: Duration = Duration::from_secs(3600);
 
@@ -62,6 +62,34 @@ async fn round_trip_moves_scheduler_load_up_and_back_down() {
     assert_eq!(s.applied(EventKind::Completed), 1);
     assert_eq!(s.dropped_total(), 0);
     assert_eq!(s.lag.count, 3);
+}
+
+/// A started router has its subscription on the server, even when the server reads the
+/// router's connection late: an event published at once from another connection is applied.
+/// (`flush` alone only empties the socket buffer: with the router's bytes held 300 ms on the
+/// way, this event used to reach the server before the subscription and was lost.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn started_means_the_server_has_the_subscription() {
+    let server = server().await;
+    let upstream = format!("127.0.0.1:{}", server.port()).parse().unwrap();
+    let proxy = TcpProxy::start(upstream).await.unwrap();
+    let conn = client(&proxy.url()).await;
+    proxy.set_upstream_delay(Duration::from_millis(300));
+    let h = router(&conn, "confirmed", NO_EXPIRY, ApplyConfig::default()).await;
+    let mut publisher =
+        RawPublisher::new(client(&server.url()).await.client().clone(), "confirmed", 1);
+    publisher.send(admitted("r-1", 3, 500)).await;
+    publisher.flush().await;
+    let manager = h.router.manager().clone();
+    let id = RequestId::from("r-1");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            manager.lease(&id).is_some()
+        })
+        .await,
+        "the event published right after the start was missed: {:?}",
+        h.stats.snapshot()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

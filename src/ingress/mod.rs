@@ -38,6 +38,8 @@ const DRAIN_BOUND: Duration = Duration::from_secs(5);
 pub(crate) const BURST: usize = 256;
 /// Bursts that may wait between receiving and applying.
 const PIPELINE_BATCHES: usize = 8;
+/// How long a start waits for the server to confirm its subscription.
+const CONFIRM_BOUND: Duration = Duration::from_secs(5);
 
 /// Why the ingress could not start.
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +53,7 @@ pub enum StartIngressError {
         #[source]
         source: async_nats::SubscribeError,
     },
-    /// The server did not confirm the subscription (the flush after subscribing failed).
+    /// Flushing the subscription to the server failed.
     #[error("the NATS server did not confirm the subscription to {filter}: {source}")]
     Flush {
         /// The subject filter subscribed to.
@@ -136,6 +138,12 @@ impl IngressStart for NatsIngress {
                 filter: filter.clone(),
                 source,
             })?;
+        if let Err(reason) = confirm_read(&self.client, CONFIRM_BOUND).await {
+            warn!(
+                deployment = %ctx.deployment, %filter, %reason,
+                "the server did not confirm the subscription; events published at once may be missed"
+            );
+        }
         info!(deployment = %ctx.deployment, %filter, "ingress subscribed");
         let applier = EventApplier::new(self.subjects, ctx.manager, self.stats, self.config);
         let (batches, inbox) = mpsc::channel(PIPELINE_BATCHES);
@@ -181,6 +189,31 @@ impl Pipe {
             spare.push(burst);
         }
     }
+}
+
+/// Waits until the server has read everything `client` sent before: `flush` only empties the
+/// socket's buffer, so a publisher on another connection could still beat our SUB to the
+/// server. A message to a subject of our own comes back only once the server has read what
+/// came before it (it reads a connection in order). Needs echo (the NATS default) and the
+/// right to use `_INBOX.>`; without them the start goes on unconfirmed, as before.
+async fn confirm_read(client: &async_nats::Client, bound: Duration) -> Result<(), String> {
+    let probe = client.new_inbox();
+    let mut echo = client
+        .subscribe(probe.clone())
+        .await
+        .map_err(|e| format!("subscribing to the probe failed: {e}"))?;
+    client
+        .publish(probe, bytes::Bytes::new())
+        .await
+        .map_err(|e| format!("publishing the probe failed: {e}"))?;
+    let outcome = match tokio::time::timeout(bound, echo.next()).await {
+        Ok(Some(_)) => Ok(()),
+        Ok(None) => Err("the probe's subscription closed".to_owned()),
+        Err(_) => Err(format!("the probe did not come back within {bound:?}")),
+    };
+    // Best effort: a failed unsubscribe leaves one idle inbox subscription behind.
+    let _ = echo.unsubscribe().await;
+    outcome
 }
 
 /// Takes messages off the subscription in bursts and hands each to the applying task, so

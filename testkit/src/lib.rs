@@ -11,6 +11,9 @@
 //! [`NatsServer::restart`]. [`NatsCluster`] starts several routed nodes (JetStream clustered
 //! if asked) and waits until the cluster has formed.
 //!
+//! [`TcpProxy`] sits between a client and a server to delay what the client sends or to cut
+//! the two apart silently, for tests of what the network does.
+//!
 //! Every wait is bounded. The server's stdout and stderr go to a log file in its temporary
 //! directory ([`NatsServer::log_path`]); errors carry the tail of that log. Set
 //! `LEASE_ROUTER_KEEP_NATS_DIR=1` to keep the directory (store and log) after the server is
@@ -31,6 +34,9 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
+
+mod proxy;
+pub use proxy::TcpProxy;
 
 /// Environment variable naming the `nats-server` binary to run instead of the one on PATH.
 pub const NATS_SERVER_BIN_ENV: &str = "NATS_SERVER_BIN";
