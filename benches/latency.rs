@@ -36,7 +36,7 @@ use lease_router::wire::{self, Envelope, Message, MessageLimits};
 use lease_router::Subjects;
 use lease_router::{ApplyConfig, NatsIngress};
 use lease_router::{Batching, LeasePublisher, PublisherConfig};
-use lease_router::{IngressStats, LagSnapshot};
+use lease_router::{IngressStats, LagSnapshot, LeaseConfig};
 use lease_router::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
 use lease_router::{RequestLeaseManager, StepTime};
 use lease_router::{Router, RouterConfig};
@@ -373,9 +373,12 @@ async fn bench() {
         let log = log.clone();
         Arc::new(move |burst| log.note_burst(burst))
     });
-    let mut config = RouterConfig::new(DEPLOYMENT).with_scan_interval(scan_period);
     // Room for the prefilled million and the stream's own leases.
-    config.lease.max_active_leases = 4_000_000;
+    let config = RouterConfig::new(DEPLOYMENT).with_lease(LeaseConfig {
+        scan_interval: scan_period,
+        max_active_leases: 4_000_000,
+        ..LeaseConfig::default()
+    });
     let router = Router::start_tracked(config, ingress, TaskTracker::new())
         .await
         .expect("router starts");

@@ -69,10 +69,7 @@ fn main() {
         let mut next = 0u64;
         for policy in RoutePolicy::ALL {
             scheduler
-                .set_routing(RoutingConfig {
-                    policy,
-                    ..RoutingConfig::default()
-                })
+                .set_routing(RoutingConfig::default().with_policy(policy))
                 .await
                 .unwrap();
             let mut samples = Vec::with_capacity(decisions as usize);

@@ -215,7 +215,7 @@ fn main() {
     // Two regimes: KV to spare (prefill is the bottleneck), and KV that binds (a worker holds
     // about 40 requests: memory about as busy as prefill).
     let regimes = [("kv_ample", 400_000), ("kv_tight", 180_000)];
-    let w = |prefill, kv| CostWeights { prefill, kv };
+    let w = |prefill, kv| CostWeights::default().with_prefill(prefill).with_kv(kv);
     let cases = [
         (
             "weighted_cost prefill=1 kv=1",

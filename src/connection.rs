@@ -3,7 +3,7 @@
 //! [`connect`] retries with exponential backoff (see [`crate::retry`]) while the servers are
 //! unreachable, up to [`NatsConnectConfig::connect_deadline`]; an authorization failure is
 //! permanent and reported at once. Once connected, the client reconnects on its own, forever,
-//! with a bounded delay ([`NatsConnectConfig::reconnect`]).
+//! with a bounded delay ([`NatsConnectConfig::with_reconnect`]).
 //!
 //! A silent partition (a dead middlebox, a network that drops packets without closing the
 //! socket) is only seen by the client's PINGs: [`DEFAULT_PING_INTERVAL`] makes it seen within
@@ -207,32 +207,20 @@ fn check_readable(what: &'static str, path: &Path) -> Result<(), ConnectNatsErro
         })
 }
 
-/// Where and how to connect.
+/// Where and how to connect: [`new`](Self::new) with the server URLs, then the `with_*`
+/// methods.
 #[derive(Clone, Debug)]
 pub struct NatsConnectConfig {
-    /// One server, or several servers of a cluster (`nats://host:port`).
-    pub urls: Vec<String>,
-    /// How long [`connect`] keeps retrying while no server answers. Default 30 s.
-    pub connect_deadline: Duration,
-    /// Connection name shown by the server's monitoring.
-    pub name: Option<String>,
-    /// How the client authenticates. Default [`NatsAuth::None`].
-    pub auth: NatsAuth,
-    /// TLS settings; `None`: plain TCP unless the URL or the server asks for TLS.
-    pub tls: Option<NatsTls>,
-    /// Bound of one TCP connect + handshake to one server. Default 5 s.
-    pub connection_timeout: Duration,
-    /// Delays between attempts of the first connect (its deadline is `connect_deadline`).
-    pub connect_retry: RetryPolicy,
-    /// Delays between reconnect attempts once connected (no deadline: retries forever; the
-    /// first attempt after a disconnect is immediate).
-    pub reconnect: RetryPolicy,
-    /// Client PING interval: a silent partition is seen within three of them
-    /// ([`dead_connection_bound`](Self::dead_connection_bound)). Default
-    /// [`DEFAULT_PING_INTERVAL`]; `None`: the client's own (60 s, so three minutes).
-    pub ping_interval: Option<Duration>,
-    /// Messages buffered per subscription. `None`: the client's default.
-    pub subscription_capacity: Option<usize>,
+    urls: Vec<String>,
+    connect_deadline: Duration,
+    name: Option<String>,
+    auth: NatsAuth,
+    tls: Option<NatsTls>,
+    connection_timeout: Duration,
+    connect_retry: RetryPolicy,
+    reconnect: RetryPolicy,
+    ping_interval: Option<Duration>,
+    subscription_capacity: Option<usize>,
 }
 
 impl Default for NatsConnectConfig {
@@ -279,19 +267,19 @@ impl NatsConnectConfig {
         )
     }
 
-    /// Sets [`connect_deadline`](Self::connect_deadline).
+    /// Sets how long [`connect`] keeps retrying while no server answers. Default 30 s.
     pub fn with_connect_deadline(mut self, deadline: Duration) -> Self {
         self.connect_deadline = deadline;
         self
     }
 
-    /// Sets the connection [`name`](Self::name) shown by the server's monitoring.
+    /// Sets the connection name shown by the server's monitoring.
     pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
         self
     }
 
-    /// Sets how the client authenticates ([`auth`](Self::auth)).
+    /// Sets how the client authenticates. Default [`NatsAuth::None`].
     pub fn with_auth(mut self, auth: NatsAuth) -> Self {
         self.auth = auth;
         self
@@ -320,31 +308,36 @@ impl NatsConnectConfig {
         self.with_auth(NatsAuth::CredentialsFile(path.into()))
     }
 
-    /// Sets the [`tls`](Self::tls) settings.
+    /// Requires TLS, with these settings. Default: plain TCP unless the URL or the server
+    /// asks for TLS.
     pub fn with_tls(mut self, tls: NatsTls) -> Self {
         self.tls = Some(tls);
         self
     }
 
-    /// Sets [`connection_timeout`](Self::connection_timeout), the bound of one connect to one server.
+    /// Sets the bound of one TCP connect + handshake to one server. Default 5 s.
     pub fn with_connection_timeout(mut self, timeout: Duration) -> Self {
         self.connection_timeout = timeout;
         self
     }
 
-    /// Sets the delays between attempts of the first connect ([`connect_retry`](Self::connect_retry)).
+    /// Sets the delays between attempts of the first connect (its deadline is
+    /// [`connect_deadline`](Self::connect_deadline)).
     pub fn with_connect_retry(mut self, policy: RetryPolicy) -> Self {
         self.connect_retry = policy;
         self
     }
 
-    /// Sets the delays between reconnect attempts ([`reconnect`](Self::reconnect)).
+    /// Sets the delays between reconnect attempts once connected (no deadline: retries
+    /// forever; the first attempt after a disconnect is immediate).
     pub fn with_reconnect(mut self, policy: RetryPolicy) -> Self {
         self.reconnect = policy;
         self
     }
 
-    /// Sets the client [`ping_interval`](Self::ping_interval).
+    /// Sets the client PING interval: a silent partition is seen within three of them
+    /// ([`dead_connection_bound`](Self::dead_connection_bound)). Default
+    /// [`DEFAULT_PING_INTERVAL`].
     pub fn with_ping_interval(mut self, interval: Duration) -> Self {
         self.ping_interval = Some(interval);
         self
@@ -356,11 +349,41 @@ impl NatsConnectConfig {
         self.ping_interval.unwrap_or(CLIENT_DEFAULT_PING_INTERVAL) * PING_INTERVALS_TO_DISCONNECT
     }
 
-    /// Sets the number of messages buffered per subscription
-    /// ([`subscription_capacity`](Self::subscription_capacity)).
+    /// Sets the number of messages buffered per subscription. Default: the client's.
     pub fn with_subscription_capacity(mut self, capacity: usize) -> Self {
         self.subscription_capacity = Some(capacity);
         self
+    }
+
+    /// The servers: one, or several of a cluster (`nats://host:port`).
+    pub fn urls(&self) -> &[String] {
+        &self.urls
+    }
+
+    /// How long [`connect`] keeps retrying while no server answers.
+    pub fn connect_deadline(&self) -> Duration {
+        self.connect_deadline
+    }
+
+    /// How the client authenticates.
+    pub fn auth(&self) -> &NatsAuth {
+        &self.auth
+    }
+
+    /// The TLS settings; `None`: plain TCP unless the URL or the server asks for TLS.
+    pub fn tls(&self) -> Option<&NatsTls> {
+        self.tls.as_ref()
+    }
+
+    /// The client PING interval; `None`: the client's own (60 s, so three minutes to see a
+    /// silent partition).
+    pub fn ping_interval(&self) -> Option<Duration> {
+        self.ping_interval
+    }
+
+    /// Messages buffered per subscription; `None`: the client's default.
+    pub fn subscription_capacity(&self) -> Option<usize> {
+        self.subscription_capacity
     }
 
     /// The URLs with any embedded password replaced, comma separated: safe to log.
@@ -766,8 +789,8 @@ impl NatsConnection {
     }
 }
 
-/// Connects to one of `config.urls`, retrying while none answers until
-/// `config.connect_deadline`. The returned client reconnects on its own afterwards.
+/// Connects to one of `config.urls()`, retrying while none answers until
+/// `config.connect_deadline()`. The returned client reconnects on its own afterwards.
 pub async fn connect(config: &NatsConnectConfig) -> Result<NatsConnection, ConnectNatsError> {
     let addrs = config.server_addrs()?;
     let urls = config.display_urls();

@@ -98,15 +98,12 @@ impl IngressStart for NoIngress {
     }
 }
 
-/// Settings of one deployment's router.
+/// Settings of one deployment's router: [`new`](Self::new), then the `with_*` methods.
 #[derive(Clone, Debug)]
 pub struct RouterConfig {
-    /// The deployment this router serves.
-    pub deployment: String,
-    /// Lease lifetimes, scan interval and limits.
-    pub lease: LeaseConfig,
-    /// How route decisions pick a worker.
-    pub routing: crate::routing::RoutingConfig,
+    deployment: String,
+    lease: LeaseConfig,
+    routing: crate::routing::RoutingConfig,
 }
 
 impl RouterConfig {
@@ -119,10 +116,37 @@ impl RouterConfig {
         }
     }
 
+    /// Sets the lease lifetimes, scan interval and limits.
+    pub fn with_lease(mut self, lease: LeaseConfig) -> Self {
+        self.lease = lease;
+        self
+    }
+
     /// Sets the lease reaper's [`scan_interval`](LeaseConfig::scan_interval).
     pub fn with_scan_interval(mut self, interval: Duration) -> Self {
         self.lease.scan_interval = interval;
         self
+    }
+
+    /// Sets how route decisions pick a worker.
+    pub fn with_routing(mut self, routing: crate::routing::RoutingConfig) -> Self {
+        self.routing = routing;
+        self
+    }
+
+    /// The deployment this router serves.
+    pub fn deployment(&self) -> &str {
+        &self.deployment
+    }
+
+    /// Lease lifetimes, scan interval and limits.
+    pub fn lease(&self) -> &LeaseConfig {
+        &self.lease
+    }
+
+    /// How route decisions pick a worker.
+    pub fn routing(&self) -> crate::routing::RoutingConfig {
+        self.routing
     }
 }
 

@@ -87,17 +87,39 @@ impl std::str::FromStr for RoutePolicy {
 )]
 pub struct ParsePolicyError(String);
 
-/// The weights of the cost.
+/// The weights of the cost: [`Default`], then the `with_*` methods (or JSON: `{"prefill":
+/// 1.0, "kv": 0.25}`).
 #[derive(Clone, Copy, PartialEq, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CostWeights {
-    /// Per prefill token waiting (the request's own uncached prompt included).
-    pub prefill: f64,
-    /// Per KV token held (the request's own prompt included).
-    pub kv: f64,
+    pub(crate) prefill: f64,
+    pub(crate) kv: f64,
 }
 
 impl CostWeights {
+    /// Sets the weight per prefill token waiting (the request's own uncached prompt
+    /// included).
+    pub fn with_prefill(mut self, prefill: f64) -> Self {
+        self.prefill = prefill;
+        self
+    }
+
+    /// Sets the weight per KV token held (the request's own prompt included).
+    pub fn with_kv(mut self, kv: f64) -> Self {
+        self.kv = kv;
+        self
+    }
+
+    /// The weight per prefill token waiting.
+    pub fn prefill(&self) -> f64 {
+        self.prefill
+    }
+
+    /// The weight per KV token held.
+    pub fn kv(&self) -> f64 {
+        self.kv
+    }
+
     /// Refuses weights that would make costs meaningless.
     ///
     /// # Errors
@@ -124,20 +146,62 @@ impl Default for CostWeights {
     }
 }
 
-/// Routing settings of one deployment.
+/// Routing settings of one deployment: [`Default`], then the `with_*` methods.
 #[derive(Clone, Copy, PartialEq, Debug, Default)]
 pub struct RoutingConfig {
-    /// How a decision picks the worker. Default [`RoutePolicy::WeightedCost`].
-    pub policy: RoutePolicy,
-    /// The weights of the cost [`RoutePolicy::WeightedCost`] minimises.
-    pub weights: CostWeights,
-    /// How long a member with no live booking may say nothing before it is forgotten;
-    /// `None`: one lease lifetime (twice the lease scan interval).
-    pub worker_idle: Option<Duration>,
+    pub(crate) policy: RoutePolicy,
+    pub(crate) weights: CostWeights,
+    pub(crate) worker_idle: Option<Duration>,
+    pub(crate) seed: Option<u64>,
+}
+
+impl RoutingConfig {
+    /// Sets how a decision picks the worker. Default [`RoutePolicy::WeightedCost`].
+    pub fn with_policy(mut self, policy: RoutePolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Sets the weights of the cost [`RoutePolicy::WeightedCost`] minimises.
+    pub fn with_weights(mut self, weights: CostWeights) -> Self {
+        self.weights = weights;
+        self
+    }
+
+    /// Sets how long a member with no live booking may say nothing before it is forgotten.
+    /// Default: one lease lifetime (twice the lease scan interval).
+    pub fn with_worker_idle(mut self, idle: Duration) -> Self {
+        self.worker_idle = Some(idle);
+        self
+    }
+
     /// Seeds the draws of [`RoutePolicy::Random`] and [`RoutePolicy::PowerOfTwo`], so that a
-    /// simulation or a test makes the same choices from the same state each run; `None`:
-    /// seeded from the OS. Changing it restarts the draws from the new seed.
-    pub seed: Option<u64>,
+    /// simulation or a test makes the same choices from the same state each run. Default:
+    /// seeded from the OS. A new seed restarts the draws.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
+    /// How a decision picks the worker.
+    pub fn policy(&self) -> RoutePolicy {
+        self.policy
+    }
+
+    /// The weights of the cost [`RoutePolicy::WeightedCost`] minimises.
+    pub fn weights(&self) -> CostWeights {
+        self.weights
+    }
+
+    /// How long a silent member with no live booking is kept; `None`: one lease lifetime.
+    pub fn worker_idle(&self) -> Option<Duration> {
+        self.worker_idle
+    }
+
+    /// The seed of the random policies' draws; `None`: seeded from the OS.
+    pub fn seed(&self) -> Option<u64> {
+        self.seed
+    }
 }
 
 /// What a route decision is asked to place.

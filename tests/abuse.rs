@@ -35,11 +35,10 @@ fn small_limits() -> ApplyConfig {
 }
 
 async fn router_with(lease: LeaseConfig) -> Router {
-    let mut config = RouterConfig::new(DEPLOYMENT).with_scan_interval(Duration::from_secs(3600));
-    config.lease = LeaseConfig {
-        scan_interval: config.lease.scan_interval,
+    let config = RouterConfig::new(DEPLOYMENT).with_lease(LeaseConfig {
+        scan_interval: Duration::from_secs(3600),
         ..lease
-    };
+    });
     Router::start(config, NoIngress)
         .await
         .expect("router starts")
@@ -277,8 +276,11 @@ async fn lease_flood_through_nats_is_bounded_and_counted() {
         ApplyConfig::default(),
         stats.clone(),
     );
-    let mut config = RouterConfig::new(DEPLOYMENT).with_scan_interval(Duration::from_secs(3600));
-    config.lease.max_active_leases = 50;
+    let config = RouterConfig::new(DEPLOYMENT).with_lease(LeaseConfig {
+        scan_interval: Duration::from_secs(3600),
+        max_active_leases: 50,
+        ..LeaseConfig::default()
+    });
     let router = Router::start(config, ingress).await.expect("router starts");
 
     let publisher_conn = client(&server.url()).await;

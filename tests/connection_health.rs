@@ -284,7 +284,7 @@ async fn partition_scenario(
                 .with_initial(Duration::from_millis(50))
                 .with_max_interval(Duration::from_millis(500)),
         );
-    assert_eq!(config.ping_interval, Some(DEFAULT_PING_INTERVAL));
+    assert_eq!(config.ping_interval(), Some(DEFAULT_PING_INTERVAL));
     assert!(config.dead_connection_bound() <= PARTITION_SEEN_WITHIN);
     let connection = connect(&config).await.expect("connects through the proxy");
     let host = DeploymentHost::new(

@@ -113,7 +113,7 @@ async fn router_with(connection: &NatsConnection, config: RouterConfig) -> Harne
     let tracker = TaskTracker::new();
     let ingress = NatsIngress::new(
         connection.client().clone(),
-        subjects(&config.deployment),
+        subjects(config.deployment()),
         ApplyConfig::default(),
         stats.clone(),
     );
@@ -191,17 +191,15 @@ async fn a_provisional_booking_is_taken_over_released_or_expires() {
     let server = server().await;
     let conn = client(&server.url()).await;
     let scan = Duration::from_millis(500);
-    let mut config = RouterConfig::new("provisional").with_scan_interval(scan);
     // Members stay while this test is slower than a lease lifetime between events.
-    config.routing.worker_idle = Some(Duration::from_secs(3600));
+    let config = RouterConfig::new("provisional")
+        .with_scan_interval(scan)
+        .with_routing(RoutingConfig::default().with_worker_idle(Duration::from_secs(3600)));
     let h = router_with(&conn, config).await;
     let scheduler = h.router.scheduler().clone();
     let manager = h.router.manager().clone();
     let mut publisher = RawPublisher::new(conn.client().clone(), "provisional", 1);
-    let set = |policy| RoutingConfig {
-        policy,
-        ..RoutingConfig::default()
-    };
+    let set = |policy| RoutingConfig::default().with_policy(policy);
     scheduler
         .set_routing(set(RoutePolicy::RoundRobin))
         .await
@@ -297,8 +295,9 @@ async fn a_provisional_booking_is_taken_over_released_or_expires() {
 async fn a_silent_worker_with_nothing_live_is_forgotten_and_one_with_a_lease_is_not() {
     let server = server().await;
     let conn = client(&server.url()).await;
-    let mut config = RouterConfig::new("idle").with_scan_interval(NO_EXPIRY);
-    config.routing.worker_idle = Some(Duration::from_millis(300));
+    let config = RouterConfig::new("idle")
+        .with_scan_interval(NO_EXPIRY)
+        .with_routing(RoutingConfig::default().with_worker_idle(Duration::from_millis(300)));
     let h = router_with(&conn, config).await;
     let scheduler = h.router.scheduler().clone();
     let mut publisher = RawPublisher::new(conn.client().clone(), "idle", 1);

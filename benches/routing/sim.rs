@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use lease_router::wire::{Admitted, Completed, Outcome, ProgressStage, Progressed};
 use lease_router::{
-    ApplyConfig, IngressStats, LeasePublisher, NatsIngress, NoIngress, PublisherConfig, RequestId,
-    RequestLeaseManager, RequestLoad, RoutePolicy, RouteRequest, Router, RouterConfig,
-    WorkerWithDpRank,
+    ApplyConfig, IngressStats, LeaseConfig, LeasePublisher, NatsIngress, NoIngress,
+    PublisherConfig, RequestId, RequestLeaseManager, RequestLoad, RoutePolicy, RouteRequest,
+    Router, RouterConfig, RoutingConfig, WorkerWithDpRank,
 };
 use tokio::time::Instant;
 
@@ -217,14 +217,19 @@ struct Replicas {
 fn router_config(deployment: &str, case: &Case) -> RouterConfig {
     // Nothing expires and no member is forgotten within a run: every request completes,
     // and a replica that hears little (isolated) must not lose its workers.
-    let mut config = RouterConfig::new(deployment);
-    config.lease.scan_interval = Duration::from_secs(3600);
-    config.lease.provisional_deadline = case
-        .provisional_deadline
-        .unwrap_or(Duration::from_secs(3600));
-    config.routing.policy = case.policy.route_policy();
-    config.routing.worker_idle = Some(Duration::from_secs(3600));
-    config
+    RouterConfig::new(deployment)
+        .with_lease(LeaseConfig {
+            scan_interval: Duration::from_secs(3600),
+            provisional_deadline: case
+                .provisional_deadline
+                .unwrap_or(Duration::from_secs(3600)),
+            ..LeaseConfig::default()
+        })
+        .with_routing(
+            RoutingConfig::default()
+                .with_policy(case.policy.route_policy())
+                .with_worker_idle(Duration::from_secs(3600)),
+        )
 }
 
 impl Replicas {

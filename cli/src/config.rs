@@ -665,7 +665,9 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
     let mut nats = nats
         .with_name("lease-router serve")
         .with_subscription_capacity(capacity);
-    set(&mut nats.connect_deadline, get!(o, connect_deadline));
+    if let Some(deadline) = get!(o, connect_deadline) {
+        nats = nats.with_connect_deadline(deadline);
+    }
     Ok(ServeSettings {
         nats,
         host,
@@ -997,9 +999,9 @@ pub(crate) mod tests {
             .host
             .durable;
         let stream = stream.expect("durable from the file");
-        assert_eq!(stream.replicas, 3);
+        assert_eq!(stream.replicas(), 3);
         let four = Duration::from_secs(480);
-        assert_eq!(stream.max_age, four, "four snapshot intervals by default");
+        assert_eq!(stream.max_age(), four, "four snapshot intervals by default");
 
         // The flag wins over the file.
         let off = settings(&format!("--config {} --durable false", path(&f)));
@@ -1021,27 +1023,31 @@ pub(crate) mod tests {
             "{m}"
         );
         let host = settings("--durable true").unwrap().host;
-        assert_eq!(host.durable.unwrap().max_bytes, 1 << 30, "1 GiB by default");
+        assert_eq!(
+            host.durable.unwrap().max_bytes(),
+            1 << 30,
+            "1 GiB by default"
+        );
     }
 
     #[test]
     fn defaults() {
         let s = settings("").unwrap();
-        assert_eq!(s.nats.urls, vec!["nats://127.0.0.1:4222".to_string()]);
+        assert_eq!(s.nats.urls(), vec!["nats://127.0.0.1:4222".to_string()]);
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:9464");
         assert_eq!(s.host.subject_prefix.as_str(), "leases");
         assert_eq!(s.host.lease_scan_interval, Duration::from_secs(300));
         assert_eq!(s.log_format, LogFormat::Text);
-        assert_eq!(s.nats.connect_deadline, Duration::from_secs(30));
+        assert_eq!(s.nats.connect_deadline(), Duration::from_secs(30));
         assert_eq!(
-            s.nats.ping_interval,
+            s.nats.ping_interval(),
             Some(lease_router::DEFAULT_PING_INTERVAL)
         );
         assert!(s.deployments.is_empty());
         assert_eq!(s.host.apply.max_event_bytes, 4096);
         assert_eq!(s.host.apply.max_batch_bytes, 1 << 20);
         assert_eq!(
-            s.nats.subscription_capacity,
+            s.nats.subscription_capacity(),
             Some(DEFAULT_SUBSCRIPTION_CAPACITY)
         );
         assert_eq!(s.host.max_active_leases, DEFAULT_MAX_ACTIVE_LEASES);
@@ -1068,7 +1074,7 @@ pub(crate) mod tests {
         );
         let s = settings(&format!("--config {}", path(&f))).unwrap();
         assert_eq!(
-            s.nats.urls,
+            s.nats.urls(),
             vec!["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]
         );
         let names: Vec<&str> = s.deployments.iter().map(|d| d.as_str()).collect();
@@ -1077,7 +1083,7 @@ pub(crate) mod tests {
         assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
         assert_eq!(s.host.lease_scan_interval, Duration::from_secs(300));
         assert_eq!(s.log_format, LogFormat::Json);
-        assert_eq!(s.nats.connect_deadline, Duration::from_secs(10));
+        assert_eq!(s.nats.connect_deadline(), Duration::from_secs(10));
         assert_eq!(s.host.apply.max_event_bytes, 8192);
 
         // Flags (or the environment: clap puts both in the same field) beat the file.
@@ -1087,7 +1093,7 @@ pub(crate) mod tests {
             path(&f)
         ))
         .unwrap();
-        assert_eq!(s.nats.urls, vec!["nats://a:1", "nats://b:2"]);
+        assert_eq!(s.nats.urls(), vec!["nats://a:1", "nats://b:2"]);
         assert_eq!(s.deployments, vec![DeploymentName::new("c").unwrap()]);
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:8080");
         assert_eq!(s.host.lease_scan_interval, Duration::from_secs(90));
@@ -1344,7 +1350,7 @@ pub(crate) mod tests {
         }
         let f = file(&text);
         let s = settings(&format!("--config {}", path(&f))).unwrap();
-        assert_eq!(s.nats.urls, ["nats://10.0.0.1:4222"]);
+        assert_eq!(s.nats.urls(), ["nats://10.0.0.1:4222"]);
         let names: Vec<&str> = s.deployments.iter().map(|d| d.as_str()).collect();
         assert_eq!(names, ["a", "b"]);
         assert_eq!(s.http_addr.to_string(), "0.0.0.0:9000");
@@ -1363,19 +1369,19 @@ pub(crate) mod tests {
         );
         assert_eq!(held, (4242, 4242, 4242));
         assert_eq!(s.host.max_active_leases, 4242);
-        assert_eq!(s.nats.subscription_capacity, Some(4242));
+        assert_eq!(s.nats.subscription_capacity(), Some(4242));
         let durable = s.host.durable.unwrap();
-        assert_eq!((durable.replicas, durable.max_bytes), (3, 2_000_000));
-        assert_eq!(durable.snapshot_interval, Duration::from_secs(7));
+        assert_eq!((durable.replicas(), durable.max_bytes()), (3, 2_000_000));
+        assert_eq!(durable.snapshot_interval(), Duration::from_secs(7));
         let max_age = Duration::from_secs(60);
-        assert_eq!(durable.max_age, max_age, "5 x 7 s, at least 60 s");
-        assert_eq!(s.nats.connect_deadline, Duration::from_secs(7));
-        assert_eq!(s.nats.ping_interval, Some(Duration::from_secs(7)));
+        assert_eq!(durable.max_age(), max_age, "5 x 7 s, at least 60 s");
+        assert_eq!(s.nats.connect_deadline(), Duration::from_secs(7));
+        assert_eq!(s.nats.ping_interval(), Some(Duration::from_secs(7)));
         assert!(matches!(
-            s.nats.auth,
+            s.nats.auth(),
             lease_router::NatsAuth::UserPassword { .. }
         ));
-        assert!(s.nats.tls.is_some());
+        assert!(s.nats.tls().is_some());
         assert!(s.http_auth.expect("a token").reads_protected());
     }
 

@@ -192,7 +192,7 @@ impl NatsArgs {
             ));
         }
         if let Some((_, auth, _)) = methods.pop() {
-            nats.auth = auth;
+            nats = nats.with_auth(auth);
         }
 
         let (ca_file, cert_file, key_file) = (
@@ -218,14 +218,14 @@ impl NatsArgs {
             _ => {}
         }
         if ca_file.is_some() || cert_file.is_some() {
-            nats.tls = Some(NatsTls {
+            nats = nats.with_tls(NatsTls {
                 ca_file,
                 cert_file,
                 key_file,
             });
         }
         if let Some(interval) = get!(o, nats_ping_interval) {
-            nats.ping_interval = Some(interval);
+            nats = nats.with_ping_interval(interval);
         }
         Ok((nats, prefix))
     }
@@ -293,7 +293,7 @@ mod tests {
             );
         }
         let s = settings("--nats-ping-interval 1500ms").unwrap();
-        assert_eq!(s.nats.ping_interval, Some(Duration::from_millis(1500)));
+        assert_eq!(s.nats.ping_interval(), Some(Duration::from_millis(1500)));
 
         // publish, simulate and demo connect with the same arguments.
         #[derive(Parser)]
@@ -311,11 +311,11 @@ mod tests {
         let publish = Publish::command().mut_args(|arg| arg.env(None::<&str>));
         let publish = Publish::from_arg_matches(&publish.get_matches_from(argv)).unwrap();
         let (nats, prefix) = publish.nats.resolve().unwrap();
-        assert_eq!(nats.urls, ["nats://h:1"]);
-        assert_eq!(nats.ping_interval, Some(Duration::from_secs(2)));
+        assert_eq!(nats.urls(), ["nats://h:1"]);
+        assert_eq!(nats.ping_interval(), Some(Duration::from_secs(2)));
         assert_eq!(prefix.as_str(), "leases");
         let capacity = Some(crate::config::DEFAULT_SUBSCRIPTION_CAPACITY);
-        assert_eq!(nats.subscription_capacity, capacity, "as serve's default");
+        assert_eq!(nats.subscription_capacity(), capacity, "as serve's default");
     }
 
     #[test]
@@ -324,8 +324,8 @@ mod tests {
         assert_no_secret(&format!("{given:?}"));
         let s = resolve(&given).unwrap();
         let (user, password) = ("router".into(), SECRETS[0].into());
-        assert_eq!(s.nats.auth, NatsAuth::UserPassword { user, password });
-        assert_eq!(s.nats.tls, None);
+        assert_eq!(s.nats.auth(), &NatsAuth::UserPassword { user, password });
+        assert_eq!(s.nats.tls(), None);
         assert_no_secret(&format!("{s:?}"));
         assert!(format!("{s:?}").contains("router"));
 
@@ -341,13 +341,16 @@ mod tests {
             key.path()
         ));
         let s = settings(&format!("--config {}", path(&conf))).unwrap();
-        assert_eq!(s.nats.auth, NatsAuth::NKeySeedFile(seed.path().to_owned()));
+        assert_eq!(
+            s.nats.auth(),
+            &NatsAuth::NKeySeedFile(seed.path().to_owned())
+        );
         let tls = NatsTls {
             ca_file: Some(ca.path().to_owned()),
             cert_file: Some(cert.path().to_owned()),
             key_file: Some(key.path().to_owned()),
         };
-        assert_eq!(s.nats.tls, Some(tls));
+        assert_eq!(s.nats.tls(), Some(&tls));
 
         // A flag beats the file: the token replaces nothing, it conflicts with the nkey.
         let m = message(&format!(

@@ -275,7 +275,7 @@ impl IngressStart for JetStreamIngress {
                 format!("{:016x}", rand::random::<u64>()),
                 ctx.deployment.to_string(),
                 stream_created,
-                self.stream.snapshot_interval,
+                self.stream.snapshot_interval(),
                 ctx.manager.clone(),
                 cut_requests,
                 self.catch_up.clone(),

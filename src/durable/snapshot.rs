@@ -145,7 +145,7 @@ impl SnapshotStore {
                         "lease-router snapshots of deployment {}",
                         subjects.deployment()
                     )),
-                    num_replicas: config.replicas,
+                    num_replicas: config.replicas(),
                     storage: jetstream::stream::StorageType::File,
                     ..Default::default()
                 })
@@ -163,9 +163,9 @@ impl SnapshotStore {
             )),
             subjects: vec![format!("$KV.{lock_bucket}.>")],
             max_messages_per_subject: 1,
-            max_age: config.snapshot_interval * LOCK_INTERVALS,
+            max_age: config.snapshot_interval() * LOCK_INTERVALS,
             storage: jetstream::stream::StorageType::File,
-            num_replicas: config.replicas,
+            num_replicas: config.replicas(),
             allow_rollup: true,
             deny_delete: true,
             allow_direct: true,

@@ -14,26 +14,17 @@ use crate::subject::{SubjectPrefix, Subjects};
 pub const DEFAULT_STREAM_MAX_BYTES: i64 = 1 << 30;
 
 /// Limits of each deployment's lease stream (the name and subjects follow from the
-/// deployment, see [`stream_name`]).
+/// deployment, see [`stream_name`]). Set through the `with_*` methods, which keep the limits
+/// consistent (the age follows from the snapshots).
 #[derive(Clone, Debug)]
 pub struct LeaseStreamConfig {
-    /// How long events are kept: at least two lease lifetimes, so a replica that starts
-    /// late sees the admission of every lease that can still be live.
-    pub max_age: Duration,
-    /// Bound on each deployment's stream; the oldest events go first (and a replica that
-    /// needed them says so: see [`crate::CatchUpState::truncated_events`]).
-    pub max_bytes: i64,
+    max_age: Duration,
+    max_bytes: i64,
     /// Window in which a re-sent event (same `Nats-Msg-Id`) is stored once.
-    pub duplicate_window: Duration,
-    /// Copies kept in a cluster (1 on a single server, 3 on a three-node cluster); also of
-    /// the snapshot buckets.
-    pub replicas: usize,
-    /// How often the writer replica snapshots the deployment's state.
-    pub snapshot_interval: Duration,
-    /// Snapshot intervals the stream keeps: `max_age` is this many intervals (at least
-    /// [`MIN_STREAM_MAX_AGE`]), so a replica finds the events after any of the last few
-    /// snapshots.
-    pub snapshot_keep: u32,
+    duplicate_window: Duration,
+    replicas: usize,
+    snapshot_interval: Duration,
+    snapshot_keep: u32,
 }
 
 /// Default interval between two snapshots of a deployment.
@@ -65,8 +56,9 @@ impl LeaseStreamConfig {
         Self::default().with_snapshots(DEFAULT_SNAPSHOT_INTERVAL, DEFAULT_SNAPSHOT_KEEP)
     }
 
-    /// Snapshots every `interval`; the stream keeps `keep` intervals (at least one, and at
-    /// least [`MIN_STREAM_MAX_AGE`]).
+    /// Snapshots every `interval` (at least 100 ms); the stream keeps `keep` intervals (at
+    /// least one, and at least [`MIN_STREAM_MAX_AGE`]), so a replica finds the events after
+    /// any of the last few snapshots.
     pub fn with_snapshots(mut self, interval: Duration, keep: u32) -> Self {
         self.snapshot_interval = interval.max(Duration::from_millis(100));
         self.snapshot_keep = keep.max(1);
@@ -74,16 +66,45 @@ impl LeaseStreamConfig {
         self
     }
 
-    /// Sets the stream's number of replicas (at least 1).
+    /// Sets the copies kept in a cluster (at least 1; 3 on a three-node cluster), of the
+    /// stream and of the snapshot buckets.
     pub fn with_replicas(mut self, replicas: usize) -> Self {
         self.replicas = replicas.max(1);
         self
     }
 
-    /// Sets the stream's size limit in bytes (-1: none).
+    /// Sets the stream's size limit in bytes (-1: none); past it the oldest events go first
+    /// (and a replica that needed them says so: see
+    /// [`CatchUpState::truncated_events`](crate::CatchUpState::truncated_events)).
     pub fn with_max_bytes(mut self, max_bytes: i64) -> Self {
         self.max_bytes = max_bytes;
         self
+    }
+
+    /// How long events are kept: [`snapshot_keep`](Self::snapshot_keep) snapshot intervals,
+    /// at least [`MIN_STREAM_MAX_AGE`].
+    pub fn max_age(&self) -> Duration {
+        self.max_age
+    }
+
+    /// The stream's size limit in bytes (-1: none).
+    pub fn max_bytes(&self) -> i64 {
+        self.max_bytes
+    }
+
+    /// Copies kept in a cluster, of the stream and of the snapshot buckets.
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// How often the writer replica snapshots the deployment's state.
+    pub fn snapshot_interval(&self) -> Duration {
+        self.snapshot_interval
+    }
+
+    /// Snapshot intervals the stream keeps: a replica finds the events after any of them.
+    pub fn snapshot_keep(&self) -> u32 {
+        self.snapshot_keep
     }
 
     fn to_stream_config(&self, subjects: &Subjects) -> stream::Config {

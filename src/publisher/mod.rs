@@ -10,9 +10,9 @@
 //! One background task takes the events in order, stamps each with this publisher's id, the
 //! next sequence number (from 1) and the publish time, encodes it (see [`crate::wire`]) and
 //! publishes it on the worker's subject ([`Subjects::worker_subject`]). A publish that fails
-//! with an error worth retrying is retried with backoff ([`PublisherConfig::retry`]), at most
-//! [`PublisherConfig::max_publish_attempts`] attempts, then dropped and counted as failed (its
-//! sequence number is spent, so the receivers see the loss as a gap).
+//! with an error worth retrying is retried with backoff ([`PublisherConfig::with_retry`]), at
+//! most [`PublisherConfig::with_max_publish_attempts`] attempts, then dropped and counted as
+//! failed (its sequence number is spent, so the receivers see the loss as a gap).
 //!
 //! [`flush`](LeasePublisher::flush) waits until everything queued before it has been handed to
 //! the NATS client and the client has written it out; [`close`](LeasePublisher::close)
@@ -64,31 +64,17 @@ use crate::wire::{
 /// publishes for a handful of workers, this only bounds a misuse).
 const MAX_CACHED_SUBJECTS: usize = 4096;
 
-/// How a [`LeasePublisher`] queues, retries and logs.
+/// How a [`LeasePublisher`] queues, retries and logs: [`Default`], then the `with_*`
+/// methods.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PublisherConfig {
-    /// Events waiting for the background task; beyond that [`LeasePublisher::publish`] drops
-    /// the new event and returns [`PublishEventError::QueueFull`]. Flush and close markers
-    /// travel through the same queue (they wait for room instead of being dropped). At least
-    /// 1. Default 8192.
-    pub queue_capacity: usize,
-    /// Delays between the attempts of one publish. Default: 20 ms, doubling, at most 1 s,
-    /// 20 % jitter, no deadline (the attempt count bounds it).
-    pub retry: RetryPolicy,
-    /// Attempts of one publish (the first one included) before the event is dropped and
-    /// counted as failed. At least 1. Default 5.
-    pub max_publish_attempts: usize,
-    /// The most events the task takes from the queue before awaiting it again. Default 256.
-    pub max_batch: usize,
-    /// At most one warning per interval for dropped or failed events. Default 5 s.
-    pub warn_interval: Duration,
-    /// When the last handle is dropped without [`LeasePublisher::close`], the task drains the
-    /// queue and then waits at most this long for the client to flush. Default 5 s.
-    pub drop_flush_timeout: Duration,
-    /// Several events of one worker subject in one message (wire 1.2, see
-    /// [`crate::wire::BatchWriter`]), or `None`: one message per event, which every router
-    /// version reads. Default `None`: turn it on once every router reads batches.
-    pub batching: Option<Batching>,
+    queue_capacity: usize,
+    retry: RetryPolicy,
+    max_publish_attempts: usize,
+    max_batch: usize,
+    warn_interval: Duration,
+    drop_flush_timeout: Duration,
+    batching: Option<Batching>,
 }
 
 /// How a [`LeasePublisher`] batches (wire 1.2).
@@ -144,43 +130,53 @@ impl Default for PublisherConfig {
 }
 
 impl PublisherConfig {
-    /// Sets [`queue_capacity`](Self::queue_capacity), the events waiting for the task.
+    /// Sets the events waiting for the background task; beyond that
+    /// [`LeasePublisher::publish`] drops the new event and returns
+    /// [`PublishEventError::QueueFull`]. Flush and close markers travel through the same
+    /// queue (they wait for room instead of being dropped). At least 1. Default 8192.
     pub fn with_queue_capacity(mut self, capacity: usize) -> Self {
         self.queue_capacity = capacity;
         self
     }
 
-    /// Sets the delays between the attempts of one publish ([`retry`](Self::retry)).
+    /// Sets the delays between the attempts of one publish. Default: 20 ms, doubling, at
+    /// most 1 s, 20 % jitter, no deadline (the attempt count bounds it).
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
         self
     }
 
-    /// Sets [`max_publish_attempts`](Self::max_publish_attempts), first attempt included.
+    /// Sets the attempts of one publish (the first one included) before the event is
+    /// dropped and counted as failed. At least 1. Default 5.
     pub fn with_max_publish_attempts(mut self, attempts: usize) -> Self {
         self.max_publish_attempts = attempts;
         self
     }
 
-    /// Sets [`max_batch`](Self::max_batch), the events taken from the queue at once.
+    /// Sets the most events the task takes from the queue before awaiting it again.
+    /// Default 256.
     pub fn with_max_batch(mut self, max_batch: usize) -> Self {
         self.max_batch = max_batch;
         self
     }
 
-    /// Sets [`warn_interval`](Self::warn_interval), at most one drop warning per interval.
+    /// Sets the interval of the warnings for dropped or failed events: at most one per
+    /// interval. Default 5 s.
     pub fn with_warn_interval(mut self, interval: Duration) -> Self {
         self.warn_interval = interval;
         self
     }
 
-    /// Sets [`drop_flush_timeout`](Self::drop_flush_timeout).
+    /// Sets how long the task waits for the client to flush when the last handle is dropped
+    /// without [`LeasePublisher::close`] (after draining the queue). Default 5 s.
     pub fn with_drop_flush_timeout(mut self, timeout: Duration) -> Self {
         self.drop_flush_timeout = timeout;
         self
     }
 
-    /// Turns on [`batching`](Self::batching) of events into wire 1.2 batch messages.
+    /// Sends several events of one worker subject in one message (wire 1.2, see
+    /// [`crate::wire::BatchWriter`]). Default: one message per event, which every router
+    /// version reads; turn batching on once every router reads batches.
     pub fn with_batching(mut self, batching: Batching) -> Self {
         self.batching = Some(batching);
         self

@@ -937,20 +937,18 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
             (DeploymentIngress::Durable(ingress), Some(catch_up))
         }
     };
-    let config = RouterConfig {
-        deployment: name.to_string(),
-        lease: LeaseConfig {
+    let config = RouterConfig::new(name.to_string())
+        .with_lease(LeaseConfig {
             scan_interval: settings.lease_scan_interval,
             max_active_leases: settings.max_active_leases,
             provisional_deadline: settings.provisional_deadline,
             ..LeaseConfig::default()
-        },
-        routing: crate::routing::RoutingConfig {
+        })
+        .with_routing(crate::routing::RoutingConfig {
             policy: settings.route_policy,
             worker_idle: settings.worker_idle,
             ..Default::default()
-        },
-    };
+        });
     // Bounded for both modes: dropping an unfinished start cancels whatever it spawned.
     let waited = inner.connection.connect_deadline();
     let started = tokio::time::timeout(

@@ -93,7 +93,7 @@ pub struct DemoArgs {
 pub async fn run(args: DemoArgs, signals: &Signals) -> Result<(), CliError> {
     let mut config = args.traffic.config(args.workers, args.rate, args.duration);
     // The demo's router reads batches (wire 1.2): its workers send them, as `simulate --batch`.
-    config.publisher.batching = Some(Batching::default());
+    config.publisher = config.publisher.with_batching(Batching::default());
     config.validate().map_err(CliError::usage)?;
     // NATS first, before logging is set up: a probe that finds nothing is expected here,
     // and says so below, not as a warning.
@@ -311,7 +311,7 @@ async fn policies_in_force(schedulers: &[SchedulerHandle]) -> String {
     let mut names = Vec::new();
     for scheduler in schedulers {
         if let Ok(routing) = scheduler.routing().await {
-            names.push(routing.policy.as_str());
+            names.push(routing.policy().as_str());
         }
     }
     names.dedup();
@@ -337,7 +337,7 @@ async fn find_or_start_nats(
     CliError,
 > {
     let urls: Vec<String> = nats
-        .urls
+        .urls()
         .iter()
         .map(|u| lease_router::redact_url(u))
         .collect();

@@ -119,7 +119,7 @@ pub async fn run(args: SimulateArgs, signals: &Signals) -> Result<(), CliError> 
     let mut config = args.traffic.config(args.workers, args.rate, args.duration);
     config.durable = args.durable;
     if args.batch {
-        config.publisher.batching = Some(Batching {
+        config.publisher = config.publisher.with_batching(Batching {
             linger: args.batch_linger,
             ..Batching::default()
         });
