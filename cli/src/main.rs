@@ -1,10 +1,10 @@
 //! The `lease-router` command. The router lives in the library (`lease_router::service`,
 //! `lease_router::publisher`); this package holds what only the command needs: the
 //! subcommands and what connects them to the terminal, the signals and the exit codes
-//! (`commands`), the `serve` settings from flags, environment and TOML (`config`), the NATS
-//! arguments every subcommand shares (`nats_args`), the simulated workers of `simulate` and
-//! `demo` (`sim_workers`) and the allocator setting (`allocator`, which the benches include
-//! too).
+//! (`commands`), the `serve` settings (`config`), the NATS arguments every subcommand shares
+//! (`nats_args`), where each setting's value comes from, flag, environment or TOML
+//! (`layering`), the simulated workers of `simulate` and `demo` (`sim_workers`) and the
+//! allocator setting (`allocator`, which the benches include too).
 //!
 //! Exit codes: 0 success (also after a first SIGINT/SIGTERM), 1 failure at run time, 2
 //! invalid arguments or configuration, 130 a second signal (exit at once).
@@ -12,6 +12,7 @@
 mod allocator;
 mod commands;
 mod config;
+mod layering;
 mod nats_args;
 mod sim_workers;
 
@@ -44,7 +45,7 @@ enum Command {
     /// Settings: flags, then environment, then the --config file, then defaults. A first
     /// SIGINT/SIGTERM stops taking events, shuts every router down and exits 0; a second one
     /// exits at once (130). Invalid settings exit 2.
-    Serve(Box<config::Sourced<config::ServeArgs>>),
+    Serve(Box<layering::Sourced<config::ServeArgs>>),
     /// Publish one lease event and wait until the NATS server has it.
     Publish(commands::publish::PublishArgs),
     /// Simulated workers publishing realistic request lifecycles at a target rate.
@@ -110,10 +111,11 @@ fn main() -> ExitCode {
 fn parse_command_line() -> Cli {
     let command = Cli::command().mut_subcommand("serve", config::document_file_keys);
     let argv: Vec<_> = std::env::args_os().collect();
-    let matches = config::parse_layered(command, &argv).unwrap_or_else(|error| {
-        eprintln!("error: {error}");
-        std::process::exit(2)
-    });
+    let matches =
+        layering::parse_layered(command, &argv, config::DEPLOYMENT_NAMES).unwrap_or_else(|error| {
+            eprintln!("error: {error}");
+            std::process::exit(2)
+        });
     Cli::from_arg_matches(&matches).unwrap_or_else(|error| error.exit())
 }
 

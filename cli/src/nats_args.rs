@@ -1,8 +1,16 @@
 //! The arguments every subcommand reaches NATS with ([`NatsArgs`]): the servers, the subject
 //! prefix, authentication, TLS and the ping interval. `serve` holds them among its settings
-//! (so they come from flags, environment or its config file, see [`crate::config`]);
+//! (so they come from flags, environment or its config file, see [`crate::layering`]);
 //! `publish`, `simulate` and `demo` flatten `Sourced<NatsArgs>` and take flags and
 //! environment alone.
+//!
+//! # Credentials
+//! At most one authentication method: user and password (both), a token, an NKey seed file
+//! or a credentials file. Any TLS setting makes TLS required; the client certificate and key
+//! go together. Files are checked to be readable when the settings are parsed, and read
+//! when connecting. Secrets never appear in `Debug` output, in logs or in errors: a bad
+//! password or token is shown as `<redacted>`, a file by its path only. Prefer files or the
+//! environment over flags for secrets (flags show in the process list).
 
 use std::fmt;
 use std::path::PathBuf;
@@ -11,8 +19,11 @@ use std::time::Duration;
 use lease_router::{NatsAuth, NatsConnectConfig, NatsTls, SubjectPrefix};
 use lease_router::{DEFAULT_NATS_URL, DEFAULT_SUBJECT_PREFIX};
 
-use crate::config::{duration, get, secret, setting, ConfigError, Origins, Parsed, Refusal};
-use crate::config::{Sourced, DEFAULT_SUBSCRIPTION_CAPACITY, REDACTED};
+use crate::layering::{duration, get, secret, setting, ConfigError, Origins, Parsed, Refusal};
+use crate::layering::{Sourced, REDACTED};
+
+/// Four times async-nats' default: a router takes bursts from many workers at once.
+pub const DEFAULT_SUBSCRIPTION_CAPACITY: usize = 262_144;
 
 /// Below this, PINGs would be most of an idle connection's traffic.
 const MIN_PING_INTERVAL: Duration = Duration::from_millis(100);
@@ -314,7 +325,7 @@ mod tests {
         assert_eq!(nats.urls(), ["nats://h:1"]);
         assert_eq!(nats.ping_interval(), Some(Duration::from_secs(2)));
         assert_eq!(prefix.as_str(), "leases");
-        let capacity = Some(crate::config::DEFAULT_SUBSCRIPTION_CAPACITY);
+        let capacity = Some(DEFAULT_SUBSCRIPTION_CAPACITY);
         assert_eq!(nats.subscription_capacity(), capacity, "as serve's default");
     }
 

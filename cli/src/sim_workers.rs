@@ -400,10 +400,10 @@ fn plural(n: u64, word: &str) -> String {
 }
 
 // ---------------------------------------------------------------------------------------
-// Durations, for people. (Parsing is `crate::config::parse_duration`.)
+// Durations, for people. (Parsing is `crate::layering::parse_duration`.)
 // ---------------------------------------------------------------------------------------
 
-/// Writes a duration the way [`crate::config::parse_duration`] reads it, rounded for
+/// Writes a duration the way [`crate::layering::parse_duration`] reads it, rounded for
 /// people: `250ms`,
 /// `1.5s`, `5m`, `1h2m`.
 pub fn format_duration(d: Duration) -> String {
@@ -1220,7 +1220,10 @@ mod tests {
         assert_eq!(format_duration(Duration::from_secs(3723)), "1h2m3s");
         for d in [250, 1500, 30_000, 300_000, 3_723_000] {
             let d = Duration::from_millis(d);
-            assert_eq!(crate::config::parse_duration(&format_duration(d)), Some(d));
+            assert_eq!(
+                crate::layering::parse_duration(&format_duration(d)),
+                Some(d)
+            );
         }
     }
 

@@ -26,7 +26,7 @@ use super::simulate::TrafficArgs;
 use super::{
     bar, connect_or_cancel, duration_arg, init_logging, is_tty, rate_arg, CliError, Signals, Stream,
 };
-use crate::config::Sourced;
+use crate::layering::Sourced;
 use crate::nats_args::NatsArgs;
 use crate::sim_workers::{
     format_duration, run_placed_simulation, Placer, SimulationConfig, SimulationProgress,

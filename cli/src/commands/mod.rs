@@ -119,7 +119,7 @@ pub fn init_logging(format: LogFormat, default_filter: &str) {
 
 /// A duration argument: `500ms`, `30s`, `5m`, `1h`, `1m30s` (a bare number is seconds).
 pub fn duration_arg(value: &str) -> Result<Duration, String> {
-    crate::config::parse_duration(value).ok_or_else(|| {
+    crate::layering::parse_duration(value).ok_or_else(|| {
         "expected a duration such as 500ms, 30s, 5m or 1h (units ms, s, m, h; a bare number is \
          seconds)"
             .to_owned()

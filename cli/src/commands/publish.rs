@@ -9,7 +9,7 @@ use lease_router::wire::{
 use lease_router::{DeploymentName, Subjects};
 use lease_router::{LeasePublisher, PublisherConfig};
 
-use crate::config::Sourced;
+use crate::layering::Sourced;
 use crate::nats_args::NatsArgs;
 
 use super::{connect_or_cancel, duration_arg, init_logging, CliError, Signals};

@@ -12,7 +12,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
-use crate::config::{resolve, ServeArgs, Sourced};
+use crate::config::{resolve, ServeArgs};
+use crate::layering::Sourced;
 
 use super::{connect_or_cancel, init_logging, CliError, Signals};
 

@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use crate::config::Sourced;
+use crate::layering::Sourced;
 use crate::nats_args::NatsArgs;
 use crate::sim_workers::{format_duration, run_simulation, SimulationConfig, SimulationProgress};
 use clap::Args;
