@@ -8,7 +8,8 @@
 //! replica starts, loads the snapshot and replays what follows it.
 //!
 //! `CATCHUP_LIVE` (default 100000) and `CATCHUP_HISTORY` (events of the 1x history, default
-//! 500000) scale it down on a slow machine.
+//! 500000) scale it down on a slow machine; `DURABLE_COMPRESSION=0` makes the stream
+//! uncompressed (the default compresses where the server can, 2.10 and later).
 //!
 //! Pinned lines: `catchup_ready_s=` (the late replica at 16x, median of five starts) and
 //! `catchup_growth=` (ready at 16x / ready at 1x).
@@ -48,6 +49,7 @@ fn config() -> LeaseStreamConfig {
     LeaseStreamConfig::new()
         .with_snapshots(SNAPSHOT_INTERVAL, KEEP)
         .with_max_bytes(-1)
+        .with_compression(std::env::var("DURABLE_COMPRESSION").map_or(true, |v| v != "0"))
 }
 
 struct Replica {
@@ -228,6 +230,10 @@ fn main() {
         let live = env("CATCHUP_LIVE", 100_000);
         let history = env("CATCHUP_HISTORY", 500_000);
         println!("machine: {}", machine());
+        println!(
+            "stream compression where the server can: {}",
+            config().compression()
+        );
         println!("live leases: {live}; 1x history: {history} events");
         let server = NatsServerBuilder::new()
             .jetstream(true)

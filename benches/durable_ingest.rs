@@ -20,7 +20,9 @@
 //! `durable_batched_ratio=<c/a>` (router events/s against acknowledged messages/s).
 //!
 //! Environment: `DURABLE_EVENTS` (default 300000), `DURABLE_ROUNDS` (default 3),
-//! `DURABLE_WINDOW` (default 256).
+//! `DURABLE_WINDOW` (default 256), `DURABLE_COMPRESSION=0` for a stream without S2
+//! compression (the default compresses where the server can: 2.10 and later). Each run also
+//! prints the server's store on disk per event (`durable_disk_bytes_per_event=`, the median).
 
 mod common;
 
@@ -126,10 +128,17 @@ impl Run {
     }
 }
 
+/// The lease stream's settings: the routers' defaults, compression as `DURABLE_COMPRESSION`
+/// says.
+fn stream_config() -> LeaseStreamConfig {
+    let compress = std::env::var("DURABLE_COMPRESSION").map_or(true, |v| v != "0");
+    LeaseStreamConfig::new().with_compression(compress)
+}
+
 /// The lease stream as the routers create it, on a fresh server.
 async fn stream_ready(conn: &lease_router::NatsConnection) -> jetstream::Context {
     let js = jetstream::new(conn.client().clone());
-    ensure_stream(&js, &LeaseStreamConfig::new(), &subjects(DEPLOYMENT))
+    ensure_stream(&js, &stream_config(), &subjects(DEPLOYMENT))
         .await
         .expect("lease stream");
     js
@@ -186,7 +195,7 @@ async fn router(
     let ingress = JetStreamIngress::new(
         conn.client().clone(),
         subjects(DEPLOYMENT),
-        LeaseStreamConfig::new(),
+        stream_config(),
         ApplyConfig::default(),
         stats.clone(),
         catch_up.clone(),
@@ -272,7 +281,16 @@ async fn bench() {
         bytes(&batched) as f64 / batched.count() as f64,
     );
 
+    println!(
+        "stream compression: {}",
+        if stream_config().compression() {
+            "S2 where the server can (2.10 and later)"
+        } else {
+            "off"
+        }
+    );
     let mut rates = [Vec::new(), Vec::new(), Vec::new()];
+    let mut disk = Vec::new();
     for round in 0..rounds {
         for phase in 0..3 {
             let kind = (phase + round as usize) % 3;
@@ -312,6 +330,12 @@ async fn bench() {
                 run.server_cpu.as_secs_f64() * 1e6 / run.events as f64,
             );
             rates[kind].push(run.rate());
+            let stored = common::dir_bytes(server.store_dir());
+            println!(
+                "round {round} {name:>7}: the server's store on disk {stored} bytes, {:.1} per event",
+                stored as f64 / single.events as f64
+            );
+            disk.push(stored as f64 / single.events as f64);
             drop(clients);
             drop(server);
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -323,6 +347,7 @@ async fn bench() {
     println!("durable_batched_events_per_sec={batched:.0}");
     println!("durable_single_ratio={:.3}", single / raw);
     println!("durable_batched_ratio={:.3}", batched / raw);
+    println!("durable_disk_bytes_per_event={:.1}", median(disk));
 }
 
 fn main() {

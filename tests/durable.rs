@@ -15,7 +15,8 @@ use futures::StreamExt;
 use lease_router::ApplyConfig;
 use lease_router::NatsConnection;
 use lease_router::{
-    ensure_stream, CatchUpState, EnsureStreamError, JetStreamIngress, LeaseStreamConfig,
+    ensure_stream, stream_name, CatchUpState, EnsureStreamError, JetStreamIngress,
+    LeaseStreamConfig,
 };
 use lease_router::{DropReason, IngressStats};
 use lease_router::{Router, RouterConfig};
@@ -380,6 +381,47 @@ async fn retried_durable_publish_is_stored_once() {
     ensure_stream(&js, &stream_config(1), &subjects("retry"))
         .await
         .unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, 1);
+}
+
+/// Where the server compresses streams (2.10 and later) the lease stream is S2-compressed,
+/// and turning compression off or on again updates a stream that exists; an older server
+/// (Debian's 2.9.10) gets a stream without the setting, and ensuring it again changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_is_compressed_where_the_server_can() {
+    use async_nats::jetstream::stream::Compression;
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let js = jetstream::new(conn.client().clone());
+    let compresses = conn.client().is_server_compatible(2, 10, 0);
+    let on = stream_config(1);
+    assert!(on.compression(), "on by default");
+    let compression = |stream: &async_nats::jetstream::stream::Stream| {
+        stream
+            .cached_info()
+            .config
+            .compression
+            .clone()
+            .unwrap_or(Compression::None)
+    };
+    let created = ensure_stream(&js, &on, &subjects("s2")).await.unwrap();
+    let expected = if compresses {
+        Compression::S2
+    } else {
+        Compression::None
+    };
+    assert_eq!(compression(&created), expected);
+    let off = ensure_stream(&js, &on.clone().with_compression(false), &subjects("s2"))
+        .await
+        .unwrap();
+    assert_eq!(compression(&off), Compression::None);
+    let again = ensure_stream(&js, &on, &subjects("s2")).await.unwrap();
+    assert_eq!(compression(&again), expected, "updated back");
+    // Events go in and come out of a compressed stream alike.
+    let mut raw = RawPublisher::new(conn.client().clone(), "s2", 5);
+    let env = raw.envelope(admitted("squeezed", 1, 1));
+    publish_until_acked(&js, raw.subjects.worker_subject(1), &env).await;
+    let mut stream = js.get_stream(stream_name(&subjects("s2"))).await.unwrap();
     assert_eq!(stream.info().await.unwrap().state.messages, 1);
 }
 

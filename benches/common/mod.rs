@@ -62,6 +62,21 @@ pub fn uuid_like(space: u64, n: u64) -> String {
     )
 }
 
+/// Bytes of every file under `dir` (a nats-server's store), 0 for what cannot be read.
+pub fn dir_bytes(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(_) => e.metadata().map_or(0, |m| m.len()),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
 /// Resident set size of this process, from `/proc/self/status`.
 pub fn rss_bytes() -> u64 {
     let status = fs::read_to_string("/proc/self/status").expect("/proc/self/status");

@@ -25,6 +25,8 @@ pub struct LeaseStreamConfig {
     replicas: usize,
     snapshot_interval: Duration,
     snapshot_keep: u32,
+    /// S2-compress the stream's stored blocks where the server can (2.10 and later).
+    compress: bool,
 }
 
 /// Default interval between two snapshots of a deployment.
@@ -44,6 +46,7 @@ impl Default for LeaseStreamConfig {
             replicas: 1,
             snapshot_interval: DEFAULT_SNAPSHOT_INTERVAL,
             snapshot_keep: DEFAULT_SNAPSHOT_KEEP,
+            compress: true,
         }
     }
 }
@@ -81,6 +84,21 @@ impl LeaseStreamConfig {
         self
     }
 
+    /// Whether the stream's stored blocks are S2-compressed where the server can (2.10 and
+    /// later; an older server stores them as they are). On by default: lease events are
+    /// small MessagePack maps with the same keys, so the stream takes a fraction of the disk
+    /// (see BENCHMARKS.md), for some CPU on the server. Applies to blocks written after a
+    /// change.
+    pub fn with_compression(mut self, compress: bool) -> Self {
+        self.compress = compress;
+        self
+    }
+
+    /// Whether the stream is compressed where the server can.
+    pub fn compression(&self) -> bool {
+        self.compress
+    }
+
     /// How long events are kept: [`snapshot_keep`](Self::snapshot_keep) snapshot intervals,
     /// at least [`MIN_STREAM_MAX_AGE`].
     pub fn max_age(&self) -> Duration {
@@ -107,7 +125,8 @@ impl LeaseStreamConfig {
         self.snapshot_keep
     }
 
-    fn to_stream_config(&self, subjects: &Subjects) -> stream::Config {
+    /// `compresses`: whether the server takes a stream's `compression` (2.10 and later).
+    fn to_stream_config(&self, subjects: &Subjects, compresses: bool) -> stream::Config {
         stream::Config {
             name: stream_name(subjects),
             description: Some(format!(
@@ -122,6 +141,11 @@ impl LeaseStreamConfig {
             max_bytes: self.max_bytes,
             duplicate_window: self.duplicate_window.min(self.max_age),
             num_replicas: self.replicas,
+            compression: compresses.then_some(if self.compress {
+                stream::Compression::S2
+            } else {
+                stream::Compression::None
+            }),
             ..Default::default()
         }
     }
@@ -336,7 +360,8 @@ pub async fn ensure_stream(
     config: &LeaseStreamConfig,
     subjects: &Subjects,
 ) -> Result<stream::Stream, EnsureStreamError> {
-    let wanted = config.to_stream_config(subjects);
+    let compresses = js.client().is_server_compatible(2, 10, 0);
+    let wanted = config.to_stream_config(subjects, compresses);
     let name = wanted.name.clone();
     let create_error =
         |source: Box<dyn std::error::Error + Send + Sync>| EnsureStreamError::Create {
@@ -367,7 +392,11 @@ pub async fn ensure_stream(
     let differs = current.max_age != wanted.max_age
         || current.max_bytes != wanted.max_bytes
         || current.duplicate_window != wanted.duplicate_window
-        || current.num_replicas != wanted.num_replicas;
+        || current.num_replicas != wanted.num_replicas
+        // A server that does not say is one without compression (before 2.10).
+        || (compresses
+            && current.compression.as_ref().unwrap_or(&stream::Compression::None)
+                != wanted.compression.as_ref().unwrap_or(&stream::Compression::None));
     if differs {
         js.update_stream(wanted)
             .await
