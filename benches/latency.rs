@@ -36,7 +36,7 @@ use lease_router::wire::{self, Envelope, Message, MessageLimits};
 use lease_router::Subjects;
 use lease_router::{ApplyConfig, NatsIngress};
 use lease_router::{Batching, LeasePublisher, PublisherConfig};
-use lease_router::{IngressStats, LagSnapshot, LeaseConfig};
+use lease_router::{IngressStats, LagFigures, LeaseConfig};
 use lease_router::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
 use lease_router::{RequestLeaseManager, StepTime};
 use lease_router::{Router, RouterConfig};
@@ -156,12 +156,12 @@ async fn paced_publisher(
 struct Phase {
     /// `(send µs, latency µs)` of every matched event.
     samples: Vec<(u64, u64)>,
-    lag: LagSnapshot,
+    lag: LagFigures,
 }
 
 /// The lag histogram of the events applied between two snapshots.
-fn lag_delta(before: &LagSnapshot, after: &LagSnapshot) -> LagSnapshot {
-    LagSnapshot {
+fn lag_delta(before: &LagFigures, after: &LagFigures) -> LagFigures {
+    LagFigures {
         sum_seconds: after.sum_seconds - before.sum_seconds,
         count: after.count - before.count,
         buckets: after
@@ -174,7 +174,7 @@ fn lag_delta(before: &LagSnapshot, after: &LagSnapshot) -> LagSnapshot {
 }
 
 /// The smallest bucket bound (µs) under which at least a fraction `q` of the events fall.
-fn bucket_quantile(lag: &LagSnapshot, q: f64) -> String {
+fn bucket_quantile(lag: &LagFigures, q: f64) -> String {
     let want = (q * lag.count as f64).ceil() as u64;
     lag.buckets
         .iter()
@@ -266,7 +266,7 @@ fn report(
     name: &str,
     samples: &[(u64, u64)],
     keep: impl Fn(u64, u64) -> bool,
-    lag: Option<&LagSnapshot>,
+    lag: Option<&LagFigures>,
 ) {
     let mut l: Vec<u64> = samples
         .iter()

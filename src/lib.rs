@@ -92,7 +92,7 @@ pub use observer::{
 };
 pub use publisher::{
     Batching, FlushPublisherError, LeasePublisher, PublishEventError, PublisherConfig,
-    PublisherStatsSnapshot,
+    PublisherFigures,
 };
 pub use retry::RetryPolicy;
 pub use router::{
@@ -104,9 +104,9 @@ pub use routing::{
     RouteRequest, RouteRequestError, RoutingConfig,
 };
 pub use scheduler::{
-    QuerySchedulerError, ReleaseReason, SchedulerHandle, SchedulerStatsSnapshot, WorkerStatus,
+    QuerySchedulerError, ReleaseReason, SchedulerFigures, SchedulerHandle, WorkerStatus,
 };
-pub use stats::{DropReason, IngressStats, IngressStatsSnapshot, LagSnapshot};
+pub use stats::{DropReason, IngressFigures, IngressStats, LagFigures};
 pub use subject::{
     DeploymentName, InvalidSubjectError, SubjectPrefix, Subjects, DEFAULT_SUBJECT_PREFIX,
     MAX_TOKEN_LEN,

@@ -126,7 +126,7 @@ pub(crate) struct LagHistogram {
 
 /// A copy of the lag histogram, buckets cumulative as Prometheus wants them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct LagSnapshot {
+pub struct LagFigures {
     /// Sum of the lags observed, in seconds.
     pub sum_seconds: f64,
     /// Lags observed.
@@ -150,7 +150,7 @@ impl LagHistogram {
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub(crate) fn snapshot(&self) -> LagSnapshot {
+    pub(crate) fn snapshot(&self) -> LagFigures {
         let mut cumulative = 0;
         let buckets = LAG_BUCKETS
             .iter()
@@ -160,7 +160,7 @@ impl LagHistogram {
                 (*bound, cumulative)
             })
             .collect();
-        LagSnapshot {
+        LagFigures {
             sum_seconds: self.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
             count: self.count.load(Ordering::Relaxed),
             buckets,
@@ -281,7 +281,7 @@ pub struct IngressStats {
 
 /// A point-in-time copy of [`IngressStats`].
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct IngressStatsSnapshot {
+pub struct IngressFigures {
     /// Events received: one per single-event message, one per event a batch declares.
     pub received: u64,
     /// Batch messages received (wire 1.2), readable or not.
@@ -307,10 +307,10 @@ pub struct IngressStatsSnapshot {
     /// tracked: their duplicates are no longer recognised.
     pub publishers_evicted: u64,
     /// Publish-to-apply lag of live events (not recorded while replaying).
-    pub lag: LagSnapshot,
+    pub lag: LagFigures,
 }
 
-impl IngressStatsSnapshot {
+impl IngressFigures {
     /// Events of this kind applied.
     pub fn applied(&self, kind: EventKind) -> u64 {
         lookup(&self.applied, kind.as_str())
@@ -376,9 +376,9 @@ impl IngressStats {
     }
 
     /// A point-in-time copy of the counters.
-    pub fn snapshot(&self) -> IngressStatsSnapshot {
+    pub fn snapshot(&self) -> IngressFigures {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        IngressStatsSnapshot {
+        IngressFigures {
             received: get(&self.received),
             batches: get(&self.batches),
             batched_events: get(&self.batched_events),

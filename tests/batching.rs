@@ -16,7 +16,7 @@ use common::*;
 use futures::StreamExt;
 use lease_router::wire::{self, EventKind, Message, MessageLimits};
 use lease_router::{ensure_stream, CatchUpState, JetStreamIngress, LeaseStreamConfig};
-use lease_router::{ApplyConfig, DropReason, IngressStats, IngressStatsSnapshot};
+use lease_router::{ApplyConfig, DropReason, IngressFigures, IngressStats};
 use lease_router::{Batching, LeasePublisher, PublisherConfig, Router, RouterConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -36,7 +36,7 @@ fn ids(prefix: &str, range: impl IntoIterator<Item = usize>) -> impl Iterator<It
 }
 
 /// Waits until the stats received `events` and the identity holds; the snapshot then.
-async fn settled(stats: &Arc<IngressStats>, events: u64) -> IngressStatsSnapshot {
+async fn settled(stats: &Arc<IngressStats>, events: u64) -> IngressFigures {
     let reached = eventually(BOUND, || async {
         let s = stats.snapshot();
         s.received >= events && s.accounted() == s.received

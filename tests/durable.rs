@@ -781,7 +781,7 @@ async fn hosted_durable_deployment_is_not_ready_until_caught_up() {
     assert_eq!(view.manager().active_leases(), live.len());
     // A view holds the manager: let it go before shutting down.
     drop(view);
-    let metrics = host.metrics_snapshot();
+    let metrics = host.figures();
     let catch_up = metrics.deployments[0].catch_up.expect("durable");
     assert!(catch_up.done);
     assert_eq!(catch_up.replayed, EVENTS as u64);

@@ -222,7 +222,7 @@ pub(crate) struct PublisherStats {
 
 impl PublisherStats {
     /// A consistent-enough copy: `published + failed <= queued` always holds in it.
-    pub(crate) fn snapshot(&self) -> PublisherStatsSnapshot {
+    pub(crate) fn snapshot(&self) -> PublisherFigures {
         // Read the task's counters before `queued`: every event the task counted was counted
         // as queued before it was sent into the queue, so `queued` read last covers it.
         let published = self.published.load(Ordering::Acquire);
@@ -232,7 +232,7 @@ impl PublisherStats {
         let dropped_queue_full = self.dropped_queue_full.load(Ordering::Acquire);
         let rejected_invalid = self.rejected_invalid.load(Ordering::Acquire);
         let queued = self.queued.load(Ordering::Acquire);
-        PublisherStatsSnapshot {
+        PublisherFigures {
             queued,
             published,
             batches,
@@ -246,7 +246,7 @@ impl PublisherStats {
 
 /// A copy of the publisher's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PublisherStatsSnapshot {
+pub struct PublisherFigures {
     /// Events accepted into the queue.
     pub queued: u64,
     /// Events handed to the NATS client.
@@ -264,7 +264,7 @@ pub struct PublisherStatsSnapshot {
     pub rejected_invalid: u64,
 }
 
-impl PublisherStatsSnapshot {
+impl PublisherFigures {
     /// Accepted events not yet published nor failed: in the queue, or being sent. Zero once
     /// [`LeasePublisher::close`] has returned.
     pub fn pending(&self) -> u64 {
@@ -361,7 +361,7 @@ impl LeasePublisher {
     }
 
     /// Its counters, read now.
-    pub fn stats(&self) -> PublisherStatsSnapshot {
+    pub fn stats(&self) -> PublisherFigures {
         self.shared.stats.snapshot()
     }
 
@@ -516,7 +516,7 @@ impl LeasePublisher {
     /// Waits while the server is unreachable; bound it with `tokio::time::timeout` if needed
     /// (the task keeps draining after the timeout). `Err(Closed)` when the publisher was
     /// already closed through another handle.
-    pub async fn close(self) -> Result<PublisherStatsSnapshot, FlushPublisherError> {
+    pub async fn close(self) -> Result<PublisherFigures, FlushPublisherError> {
         self.shared.closing.store(true, Ordering::Release);
         let (reply, answer) = oneshot::channel();
         let result = match self.tx.send(Command::Close(reply)).await {

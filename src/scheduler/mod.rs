@@ -45,8 +45,8 @@ mod stats;
 mod tests;
 
 use state::SchedulerState;
+pub use stats::SchedulerFigures;
 pub(crate) use stats::SchedulerStats;
-pub use stats::SchedulerStatsSnapshot;
 
 /// How long a worker with no live booking may stay silent before the scheduler forgets it,
 /// unless set: one lease lifetime at the default scan interval (a silent lease dies one to
@@ -199,7 +199,7 @@ impl SchedulerHandle {
     }
 
     /// A point-in-time copy of the scheduler's counters.
-    pub fn stats(&self) -> SchedulerStatsSnapshot {
+    pub fn stats(&self) -> SchedulerFigures {
         self.mailbox.stats.snapshot()
     }
 

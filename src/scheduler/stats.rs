@@ -25,7 +25,7 @@ pub(crate) struct SchedulerStats {
 
 /// A point-in-time copy of the scheduler's counters.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Serialize)]
-pub struct SchedulerStatsSnapshot {
+pub struct SchedulerFigures {
     /// Times the actor woke to apply queued bookings and releases.
     pub wakeups: u64,
     /// Bookings applied, provisional ones (route decisions) and admissions alike.
@@ -48,7 +48,7 @@ pub struct SchedulerStatsSnapshot {
     pub decisions: [[u64; RouteOutcome::ALL.len()]; RoutePolicy::ALL.len()],
 }
 
-impl SchedulerStatsSnapshot {
+impl SchedulerFigures {
     /// Route decisions of `policy` that ended as `outcome`.
     pub fn decisions(&self, policy: RoutePolicy, outcome: RouteOutcome) -> u64 {
         self.decisions[policy as usize][outcome as usize]
@@ -56,9 +56,9 @@ impl SchedulerStatsSnapshot {
 }
 
 impl SchedulerStats {
-    pub(crate) fn snapshot(&self) -> SchedulerStatsSnapshot {
+    pub(crate) fn snapshot(&self) -> SchedulerFigures {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        SchedulerStatsSnapshot {
+        SchedulerFigures {
             wakeups: get(&self.wakeups),
             booked: get(&self.booked),
             released_completed: get(&self.released_completed),

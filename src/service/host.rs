@@ -38,7 +38,7 @@ use crate::lease::{LeaseConfig, RequestLeaseManager};
 use crate::router::{IngressContext, IngressStart, RouterTask};
 use crate::router::{Router, RouterConfig, ShutdownRouterError, StartRouterError};
 use crate::scheduler::SchedulerHandle;
-use crate::stats::{IngressStats, IngressStatsSnapshot};
+use crate::stats::{IngressFigures, IngressStats};
 use crate::subject::{DeploymentName, SubjectPrefix, Subjects};
 
 /// How long [`DeploymentHost::remove`] waits for a removed router's tasks after its shutdown.
@@ -263,11 +263,11 @@ impl fmt::Debug for DeploymentView {
 
 /// The figures of one deployment name (live or removed) for the metrics exporter.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct DeploymentMetrics {
+pub struct DeploymentFigures {
     /// The deployment name.
     pub name: String,
     /// Its ingress counters.
-    pub ingress: IngressStatsSnapshot,
+    pub ingress: IngressFigures,
     /// Leases now; `None` when no router runs for this name.
     pub active_leases: Option<u64>,
     /// The bound of `active_leases` (`HostSettings::max_active_leases`), so an alert can
@@ -283,12 +283,12 @@ pub struct DeploymentMetrics {
     /// Provisional bookings cancelled by gateways, over every router this name has had.
     pub routes_cancelled: u64,
     /// Durable mode only: the replay of the running router.
-    pub catch_up: Option<CatchUpMetrics>,
+    pub catch_up: Option<CatchUpFigures>,
 }
 
 /// Where a durable router's replay stands, and its stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct CatchUpMetrics {
+pub struct CatchUpFigures {
     /// True once catch-up has finished.
     pub done: bool,
     /// Events applied during catch-up.
@@ -305,9 +305,9 @@ pub struct CatchUpMetrics {
 
 /// Everything the metrics exporter reads, taken at scrape time.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct HostMetricsSnapshot {
+pub struct HostFigures {
     /// Every name ever hosted, by name.
-    pub deployments: Vec<DeploymentMetrics>,
+    pub deployments: Vec<DeploymentFigures>,
     /// Deployments hosted now (running, starting or stopping).
     pub hosted: usize,
     /// Tasks of every router of this host still running ([`DeploymentHost::live_tasks`]).
@@ -771,7 +771,7 @@ impl DeploymentHost {
     }
 
     /// Everything the metrics exporter needs, read now.
-    pub fn metrics_snapshot(&self) -> HostMetricsSnapshot {
+    pub fn figures(&self) -> HostFigures {
         struct Entry {
             name: String,
             stats: Arc<IngressStats>,
@@ -812,7 +812,7 @@ impl DeploymentHost {
                     .manager
                     .and_then(|weak| weak.upgrade())
                     .map(|manager| manager.stats());
-                DeploymentMetrics {
+                DeploymentFigures {
                     name: entry.name,
                     ingress: entry.stats.snapshot(),
                     active_leases: lease_stats.as_ref().map(|s| s.active),
@@ -826,7 +826,7 @@ impl DeploymentHost {
                         + lease_stats.as_ref().map_or(0, |s| s.provisional_expired),
                     routes_cancelled: entry.before.routes_cancelled
                         + lease_stats.as_ref().map_or(0, |s| s.routes_cancelled),
-                    catch_up: entry.catch_up.map(|c| CatchUpMetrics {
+                    catch_up: entry.catch_up.map(|c| CatchUpFigures {
                         done: c.is_caught_up(),
                         replayed: c.replayed(),
                         seconds: c.duration().as_secs_f64(),
@@ -838,7 +838,7 @@ impl DeploymentHost {
             })
             .collect();
         let connection = self.inner.connection.stats();
-        HostMetricsSnapshot {
+        HostFigures {
             deployments,
             hosted,
             live_tasks: self.live_tasks(),

@@ -530,7 +530,7 @@ async fn get_deployment(
     let stats = state.host.ingress_stats(&name).map(|s| s.snapshot());
     let catch_up = state
         .host
-        .metrics_snapshot()
+        .figures()
         .deployments
         .into_iter()
         .find(|d| d.name == name.as_str())

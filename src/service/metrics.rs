@@ -21,11 +21,11 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, NoLabelSet}
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use super::host::{DeploymentHost, HostMetricsSnapshot};
+use super::host::{DeploymentHost, HostFigures};
 use crate::load::WorkerLoad;
 use crate::routing::{RouteOutcome, RoutePolicy};
-use crate::scheduler::SchedulerStatsSnapshot;
-use crate::stats::LagSnapshot;
+use crate::scheduler::SchedulerFigures;
+use crate::stats::LagFigures;
 use crate::types::WorkerWithDpRank;
 
 /// The prefix of every metric name.
@@ -41,12 +41,12 @@ const WORKER_LOAD_TIMEOUT: Duration = Duration::from_secs(2);
 /// Where the collector reads its figures.
 pub trait MetricsSource: fmt::Debug + Send + Sync + 'static {
     /// The figures now, read at each scrape.
-    fn snapshot(&self) -> HostMetricsSnapshot;
+    fn snapshot(&self) -> HostFigures;
 }
 
 impl MetricsSource for DeploymentHost {
-    fn snapshot(&self) -> HostMetricsSnapshot {
-        self.metrics_snapshot()
+    fn snapshot(&self) -> HostFigures {
+        self.figures()
     }
 }
 
@@ -123,7 +123,7 @@ impl Collector for WorkerLoads {
 
 /// The scheduler counters of the running deployments, at one scrape.
 #[derive(Debug, Default)]
-struct SchedulerCounters(Vec<(String, SchedulerStatsSnapshot)>);
+struct SchedulerCounters(Vec<(String, SchedulerFigures)>);
 
 impl Collector for SchedulerCounters {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
@@ -151,7 +151,7 @@ impl Collector for SchedulerCounters {
             "Route decisions of each running deployment, by policy and outcome.",
             &decisions,
         )?;
-        type Pick = fn(&SchedulerStatsSnapshot) -> u64;
+        type Pick = fn(&SchedulerFigures) -> u64;
         let counters: [(&str, &str, Pick); 2] = [
             (
                 "workers_left",
@@ -349,7 +349,7 @@ fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) ->
 
 /// Per-bucket counts as the encoder wants them (it accumulates), from the cumulative
 /// snapshot; the last bucket is +Inf (`f64::MAX` to the encoder).
-fn histogram_buckets(lag: &LagSnapshot) -> Vec<(f64, u64)> {
+fn histogram_buckets(lag: &LagFigures) -> Vec<(f64, u64)> {
     let mut previous = 0;
     let mut buckets: Vec<(f64, u64)> = lag
         .buckets
@@ -366,11 +366,11 @@ fn histogram_buckets(lag: &LagSnapshot) -> Vec<(f64, u64)> {
 
 /// Writes every metric of `snapshot`.
 pub(super) fn encode_snapshot(
-    snapshot: &HostMetricsSnapshot,
+    snapshot: &HostFigures,
     encoder: &mut DescriptorEncoder,
 ) -> fmt::Result {
     let deps = &snapshot.deployments;
-    let by_deployment = |value: fn(&super::host::DeploymentMetrics) -> u64| {
+    let by_deployment = |value: fn(&super::host::DeploymentFigures) -> u64| {
         deps.iter()
             .map(|d| ([("deployment", d.name.as_str())], value(d)))
             .collect::<Vec<_>>()
@@ -454,7 +454,7 @@ pub(super) fn encode_snapshot(
         "Tasks of the deployment's running router that ended on their own (0 when healthy).",
         &ended,
     )?;
-    let replay = |value: fn(&super::host::CatchUpMetrics) -> f64| {
+    let replay = |value: fn(&super::host::CatchUpFigures) -> f64| {
         deps.iter()
             .filter_map(|d| {
                 Some((
@@ -704,20 +704,20 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::service::host::DeploymentMetrics;
+    use crate::service::host::DeploymentFigures;
     use crate::stats::{DropReason, IngressStats, PendingCounts};
     use crate::wire::EventKind;
 
     #[derive(Debug)]
-    struct Fixed(HostMetricsSnapshot);
+    struct Fixed(HostFigures);
 
     impl MetricsSource for Fixed {
-        fn snapshot(&self) -> HostMetricsSnapshot {
+        fn snapshot(&self) -> HostFigures {
             self.0.clone()
         }
     }
 
-    fn sample() -> HostMetricsSnapshot {
+    fn sample() -> HostFigures {
         let live = Arc::new(IngressStats::new());
         let mut counts = PendingCounts::default();
         for _ in 0..5 {
@@ -740,9 +740,9 @@ mod tests {
         counts.received();
         counts.flush(&removed);
         removed.dropped(DropReason::Late);
-        HostMetricsSnapshot {
+        HostFigures {
             deployments: vec![
-                DeploymentMetrics {
+                DeploymentFigures {
                     name: "gone".into(),
                     ingress: removed.snapshot(),
                     active_leases: None,
@@ -753,7 +753,7 @@ mod tests {
                     provisional_expired: 3,
                     routes_cancelled: 2,
                 },
-                DeploymentMetrics {
+                DeploymentFigures {
                     name: "prod".into(),
                     ingress: live.snapshot(),
                     active_leases: Some(2),
@@ -863,7 +863,7 @@ mod tests {
 
     #[test]
     fn empty_host_still_describes_every_metric() {
-        let text = Metrics::from_source(Fixed(HostMetricsSnapshot::default())).encode();
+        let text = Metrics::from_source(Fixed(HostFigures::default())).encode();
         for name in [
             "events_received",
             "batches_received",
@@ -925,7 +925,7 @@ mod tests {
 
     /// Every metric the exporter writes (worker loads included), by name as scraped and type.
     fn exported_metrics() -> BTreeMap<String, String> {
-        let mut metrics = Metrics::from_source(Fixed(HostMetricsSnapshot::default()));
+        let mut metrics = Metrics::from_source(Fixed(HostFigures::default()));
         metrics
             .registry_mut()
             .register_collector(Box::new(WorkerLoads::default()));

@@ -42,8 +42,8 @@ mod http;
 mod metrics;
 
 pub use host::{
-    AddDeploymentError, AddOutcome, CatchUpMetrics, DeploymentHost, DeploymentMetrics,
-    DeploymentPhase, DeploymentSummary, DeploymentView, HostMetricsSnapshot, HostSettings,
+    AddDeploymentError, AddOutcome, CatchUpFigures, DeploymentFigures, DeploymentHost,
+    DeploymentPhase, DeploymentSummary, DeploymentView, HostFigures, HostSettings,
     RemoveDeploymentError, ShutdownAllError, StartDeploymentIngressError,
     DEFAULT_TASK_STOP_TIMEOUT,
 };

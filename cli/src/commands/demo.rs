@@ -11,13 +11,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use lease_router::service::DeploymentMetrics;
+use lease_router::service::DeploymentFigures;
 use lease_router::service::{DeploymentHost, HostSettings};
 use lease_router::NatsConnectConfig;
 use lease_router::{Batching, NatsConnection};
-use lease_router::{
-    RouteOutcome, RoutePolicy, RouteRequest, SchedulerHandle, SchedulerStatsSnapshot,
-};
+use lease_router::{RouteOutcome, RoutePolicy, RouteRequest, SchedulerFigures, SchedulerHandle};
 use lease_router_testkit::{NatsServer, NatsServerBuilder, StartNatsServerError};
 use parking_lot::Mutex;
 
@@ -462,8 +460,8 @@ impl LiveView {
         }
     }
 
-    fn metrics(&self, host: &DeploymentHost) -> DeploymentMetrics {
-        host.metrics_snapshot()
+    fn metrics(&self, host: &DeploymentHost) -> DeploymentFigures {
+        host.figures()
             .deployments
             .into_iter()
             .find(|d| d.name == self.deployment.as_str())
@@ -683,7 +681,7 @@ impl LiveView {
     }
 }
 
-fn drops_text(m: &DeploymentMetrics) -> String {
+fn drops_text(m: &DeploymentFigures) -> String {
     let parts: Vec<String> = DropReason::ALL
         .iter()
         .filter_map(|reason| {
@@ -742,7 +740,7 @@ fn router_summary(
     server_gone: bool,
 ) -> String {
     let m = host
-        .metrics_snapshot()
+        .figures()
         .deployments
         .into_iter()
         .find(|d| d.name == deployment.as_str())
@@ -802,7 +800,7 @@ fn router_summary(
 }
 
 /// Routed decisions of one replica, every policy together.
-fn routed_total(stats: &SchedulerStatsSnapshot) -> u64 {
+fn routed_total(stats: &SchedulerFigures) -> u64 {
     RoutePolicy::ALL
         .iter()
         .map(|p| stats.decisions(*p, RouteOutcome::Routed))
@@ -851,7 +849,7 @@ fn routing_summary(
     kv_averages: &BTreeMap<u64, f64>,
     simulation: Option<&SimulationSummary>,
 ) -> String {
-    let stats: Vec<SchedulerStatsSnapshot> = schedulers.iter().map(|s| s.stats()).collect();
+    let stats: Vec<SchedulerFigures> = schedulers.iter().map(|s| s.stats()).collect();
     let mut text = format!(
         "routing ({DEMO_DEPLOYMENT}): {} router replicas sharing the bus, each placing every \
          other request\n",
