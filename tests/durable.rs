@@ -417,12 +417,24 @@ async fn the_stream_is_compressed_where_the_server_can() {
     assert_eq!(compression(&off), Compression::None);
     let again = ensure_stream(&js, &on, &subjects("s2")).await.unwrap();
     assert_eq!(compression(&again), expected, "updated back");
-    // Events go in and come out of a compressed stream alike.
+    // Events go into a compressed stream alike, and its byte count (what `max_bytes` and the
+    // `stream_bytes` metric compare) is of the events as published, not of the compressed
+    // blocks: README's sizing arithmetic holds either way.
     let mut raw = RawPublisher::new(conn.client().clone(), "s2", 5);
-    let env = raw.envelope(admitted("squeezed", 1, 1));
-    publish_until_acked(&js, raw.subjects.worker_subject(1), &env).await;
+    let mut payload_bytes = 0;
+    for i in 0..200 {
+        let env = raw.envelope(admitted(&format!("squeezed-{i}"), 1, 1));
+        payload_bytes += wire::encode(&env).unwrap().len() as u64;
+        publish_until_acked(&js, raw.subjects.worker_subject(1), &env).await;
+    }
     let mut stream = js.get_stream(stream_name(&subjects("s2"))).await.unwrap();
-    assert_eq!(stream.info().await.unwrap().state.messages, 1);
+    let state = &stream.info().await.unwrap().state;
+    assert_eq!(state.messages, 200);
+    assert!(
+        state.bytes > payload_bytes,
+        "{} bytes counted for {payload_bytes} bytes of events",
+        state.bytes
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
