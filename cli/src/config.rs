@@ -1,18 +1,16 @@
 //! The settings of `lease-router serve` ([`ServeArgs`]), resolved into the library's settings
 //! structs ([`resolve`]).
 //!
-//! Each setting is declared once, as a field of [`ServeArgs`] (or of [`NatsArgs`]): the
-//! field's name is its TOML key, its `long` the flag, its `env` the environment variable, its
-//! doc comment the help, its `value_parser` what it accepts. The keys a config file accepts,
-//! and the `--config` help that lists them ([`document_file_keys`]), are read from that
-//! declaration; a test checks that README's settings table names the same keys, flags and
-//! variables. Where each value comes from (flag, environment, file, default) and how a value
-//! that cannot be used is reported: [`crate::layering`].
+//! Each setting is declared once, as a field of [`ServeArgs`] (or of [`NatsArgs`]): its name
+//! is the TOML key, its `long` the flag, its `env` the variable, its doc comment the help, its
+//! `value_parser` what it accepts. The file's keys and the `--config` help that lists them
+//! ([`document_file_keys`]) are read from it; a test holds README's settings table to it.
+//! Where each value comes from and how a bad one is reported: [`crate::layering`].
 //!
-//! Keep the default `max_event_bytes` (4096) well below the server's `max_payload` (1 MB by
-//! default), so that an oversized event is dropped and counted by the router.
+//! The default `max_event_bytes` (4096) is well below the server's `max_payload` (1 MB by
+//! default), so that the router drops and counts an oversized event.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -20,35 +18,33 @@ use std::time::Duration;
 
 use lease_router::service::{ApiAuth, BearerToken, HostSettings};
 use lease_router::wire::{DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_EVENT_BYTES};
-use lease_router::DeploymentName;
-use lease_router::NatsConnectConfig;
-use lease_router::{ApplyConfig, LeaseStreamConfig, RoutePolicy, DEFAULT_MAX_ACTIVE_LEASES};
+use lease_router::{ApplyConfig, DeploymentName, LeaseStreamConfig, NatsConnectConfig};
+use lease_router::{RoutePolicy, DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_SNAPSHOT_INTERVAL};
+use lease_router::{DEFAULT_SNAPSHOT_KEEP, DEFAULT_STREAM_MAX_BYTES};
 
-use crate::layering::{duration, get, secret, setting, ConfigError, Parsed, Refusal, Sourced};
+use crate::layering::{declared, duration, get, secret, setting};
+use crate::layering::{ConfigError, Origins, Parsed, Refused, Sourced};
 use crate::nats_args::{NatsArgs, DEFAULT_SUBSCRIPTION_CAPACITY};
 
 /// The default HTTP listen address.
-pub const DEFAULT_HTTP_ADDR: SocketAddr =
-    SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 9464);
+pub const DEFAULT_HTTP_ADDR: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9464);
 
 /// The smallest accepted `max_event_bytes`: an `admitted` event with a short request id.
 pub const MIN_MAX_EVENT_BYTES: usize = 64;
 /// The largest accepted `max_event_bytes`: the NATS server's hard payload limit.
 pub const MAX_MAX_EVENT_BYTES: usize = 64 * 1024 * 1024;
-
 /// The largest accepted memory limit: any more is not a limit.
 pub const MAX_LIMIT: usize = 100_000_000;
-
 /// The largest accepted `stream_replicas`: JetStream's limit.
 const MAX_STREAM_REPLICAS: usize = 5;
-
 /// The smallest accepted `stream_max_bytes`: below it a stream holds a few thousand events.
 const MIN_STREAM_MAX_BYTES: i64 = 1 << 20;
+/// Any duration but zero.
+const POSITIVE: RangeInclusive<Duration> = Duration::from_nanos(1)..=Duration::MAX;
 
 /// What a deployment name may be (the file's lists are held to it too).
-pub(crate) const DEPLOYMENT_NAMES: &str =
-    "a deployment name may hold only ASCII letters, digits, '-' \
-                                and '_' (1 to 128 characters), such as llama-70b_prod";
+pub(crate) const DEPLOYMENT_NAMES: &str = "a deployment name may hold only ASCII letters, \
+    digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod";
 
 /// The flags of `lease-router serve` (flatten `Sourced<ServeArgs>` into the subcommand).
 ///
@@ -58,243 +54,168 @@ pub(crate) const DEPLOYMENT_NAMES: &str =
 #[derive(Clone, Debug, clap::Args)]
 pub struct ServeArgs {
     /// TOML file with settings (`document_file_keys` lists its keys here).
-    #[arg(long = "config", value_name = "FILE", env = "LEASE_ROUTER_CONFIG")]
+    #[arg(long, value_name = "FILE", env = "LEASE_ROUTER_CONFIG")]
     pub config: Option<PathBuf>,
-
     /// A deployment to host from the start; repeat the flag for several (comma-separated in
     /// the environment). More can be added over HTTP.
     #[arg(long = "deployment", value_name = "NAME", env = "LEASE_ROUTER_DEPLOYMENTS",
           value_delimiter = ',', value_parser = setting(parse_deployment))]
     pub deployments: Option<Vec<Parsed<Option<DeploymentName>>>>,
-
     /// Address of the HTTP API and /metrics, HOST:PORT (port 0: any free port)
     /// [default: 127.0.0.1:9464].
-    #[arg(long = "http-addr", value_name = "HOST:PORT", env = "LEASE_ROUTER_HTTP_ADDR",
+    #[arg(long, value_name = "HOST:PORT", env = "LEASE_ROUTER_HTTP_ADDR",
           value_parser = setting(parse_http_addr))]
     pub http_addr: Option<Parsed<SocketAddr>>,
-
     /// Bearer token the HTTP API asks of PUT and DELETE (and, with --http-protect-reads, of
     /// the reads); prefer --http-token-file or the environment: flags show in the process
     /// list [default: none, the API is open].
-    #[arg(long = "http-token", value_name = "TOKEN", env = "LEASE_ROUTER_HTTP_TOKEN",
-          hide_env_values = true, value_parser = secret(parse_token))]
+    #[arg(long, value_name = "TOKEN", env = "LEASE_ROUTER_HTTP_TOKEN", hide_env_values = true,
+          value_parser = secret(parse_token))]
     pub http_token: Option<Parsed<BearerToken>>,
-
     /// File holding the HTTP API's bearer token (whitespace around it is trimmed); instead of
     /// --http-token.
-    #[arg(long = "http-token-file", value_name = "FILE", env = "LEASE_ROUTER_HTTP_TOKEN_FILE",
+    #[arg(long, value_name = "FILE", env = "LEASE_ROUTER_HTTP_TOKEN_FILE",
           value_parser = setting(|s: &str| Ok::<_, String>(PathBuf::from(s.trim()))))]
     pub http_token_file: Option<Parsed<PathBuf>>,
-
     /// The reads need the token too: /metrics, the GETs of /v1 and POST .../route (not the
     /// probes /healthz and /readyz, nor the status page's HTML) [default: off;
     /// `--http-protect-reads` alone means true].
-    #[arg(long = "http-protect-reads", value_name = "BOOL",
-          env = "LEASE_ROUTER_HTTP_PROTECT_READS", num_args = 0..=1,
+    #[arg(long, value_name = "BOOL", env = "LEASE_ROUTER_HTTP_PROTECT_READS", num_args = 0..=1,
           default_missing_value = "true", value_parser = setting(parse_bool))]
     pub http_protect_reads: Option<Parsed<bool>>,
-
     /// How often leases are scanned; a silent lease expires after one to two intervals.
     /// Seconds, or with a unit: 300s, 5m, 1h [default: 300s].
-    #[arg(long = "lease-scan-interval", value_name = "DURATION",
-          env = "LEASE_ROUTER_LEASE_SCAN_INTERVAL", value_parser = setting(duration(
-              Duration::from_nanos(1)..=Duration::MAX,
-              "expected a positive duration: seconds (300) or a number with a unit ms, s, m \
-               or h (300s, 5m, 1m30s)")))]
+    #[arg(long, value_name = "DURATION", env = "LEASE_ROUTER_LEASE_SCAN_INTERVAL",
+          value_parser = setting(duration(POSITIVE, 300, "5m, 1m30s")))]
     pub lease_scan_interval: Option<Parsed<Duration>>,
-
     /// Log line format: text or json [default: text].
-    #[arg(long = "log-format", value_name = "FORMAT", env = "LEASE_ROUTER_LOG_FORMAT",
-          value_parser = setting(|s: &str| s.parse::<LogFormat>()
-              .map_err(|()| "expected text or json".to_owned())))]
+    #[arg(long, value_name = "FORMAT", env = "LEASE_ROUTER_LOG_FORMAT",
+          value_parser = setting(parse_log_format))]
     pub log_format: Option<Parsed<LogFormat>>,
-
     /// How long to keep trying to reach NATS at startup [default: 30s].
-    #[arg(long = "connect-deadline", value_name = "DURATION",
-          env = "LEASE_ROUTER_CONNECT_DEADLINE", value_parser = setting(duration(
-              Duration::ZERO..=Duration::MAX,
-              "expected a duration: seconds (30) or a number with a unit ms, s, m or h (30s, \
-               2m)")))]
+    #[arg(long, value_name = "DURATION", env = "LEASE_ROUTER_CONNECT_DEADLINE",
+          value_parser = setting(duration(Duration::ZERO..=Duration::MAX, 30, "2m")))]
     pub connect_deadline: Option<Parsed<Duration>>,
-
     /// Events larger than this many bytes are dropped as oversized [default: 4096].
-    #[arg(long = "max-event-bytes", value_name = "BYTES", env = "LEASE_ROUTER_MAX_EVENT_BYTES",
+    #[arg(long, value_name = "BYTES", env = "LEASE_ROUTER_MAX_EVENT_BYTES",
           value_parser = setting(whole(MIN_MAX_EVENT_BYTES..=MAX_MAX_EVENT_BYTES, false, format!(
               "expected a whole number of bytes from {MIN_MAX_EVENT_BYTES} to \
                {MAX_MAX_EVENT_BYTES} (default {DEFAULT_MAX_EVENT_BYTES}); keep it below the \
                NATS server's max_payload"))))]
     pub max_event_bytes: Option<Parsed<usize>>,
-
     /// Batch messages (several events in one, wire 1.2) larger than this many bytes are
     /// dropped as oversized; each event inside is held to --max-event-bytes [default: 1048576].
-    #[arg(long = "max-batch-bytes", value_name = "BYTES", env = "LEASE_ROUTER_MAX_BATCH_BYTES",
+    #[arg(long, value_name = "BYTES", env = "LEASE_ROUTER_MAX_BATCH_BYTES",
           value_parser = setting(whole(MIN_MAX_EVENT_BYTES..=MAX_MAX_EVENT_BYTES, false, format!(
               "expected a whole number of bytes from {MIN_MAX_EVENT_BYTES} to \
                {MAX_MAX_EVENT_BYTES} (default {DEFAULT_MAX_BATCH_BYTES}); keep it at or below \
                the NATS server's max_payload"))))]
     pub max_batch_bytes: Option<Parsed<usize>>,
-
     /// Live leases per deployment; past it new admissions are refused and counted
     /// [default: 1000000].
-    #[arg(long = "max-active-leases", value_name = "N", env = "LEASE_ROUTER_MAX_ACTIVE_LEASES",
+    #[arg(long, value_name = "N", env = "LEASE_ROUTER_MAX_ACTIVE_LEASES",
           value_parser = setting(limit(DEFAULT_MAX_ACTIVE_LEASES)))]
     pub max_active_leases: Option<Parsed<usize>>,
-
     /// Completions kept for late admissions, per deployment; the oldest is evicted and
     /// counted past it [default: 100000].
-    #[arg(long = "max-tombstones", value_name = "N", env = "LEASE_ROUTER_MAX_TOMBSTONES",
+    #[arg(long, value_name = "N", env = "LEASE_ROUTER_MAX_TOMBSTONES",
           value_parser = setting(limit(ApplyConfig::default().max_tombstones)))]
     pub max_tombstones: Option<Parsed<usize>>,
-
     /// Progress events held for their admission, per deployment; the oldest is evicted and
     /// counted past it [default: 100000].
-    #[arg(long = "max-held-progress", value_name = "N", env = "LEASE_ROUTER_MAX_HELD_PROGRESS",
+    #[arg(long, value_name = "N", env = "LEASE_ROUTER_MAX_HELD_PROGRESS",
           value_parser = setting(limit(ApplyConfig::default().max_held_progress)))]
     pub max_held_progress: Option<Parsed<usize>>,
-
     /// Publishers whose sequence windows are tracked, per deployment; the least recent is
     /// forgotten past it [default: 10000].
-    #[arg(long = "max-publishers", value_name = "N", env = "LEASE_ROUTER_MAX_PUBLISHERS",
+    #[arg(long, value_name = "N", env = "LEASE_ROUTER_MAX_PUBLISHERS",
           value_parser = setting(limit(ApplyConfig::default().max_publishers)))]
     pub max_publishers: Option<Parsed<usize>>,
-
     /// Messages a deployment's subscription buffers before the client drops them and counts a
     /// slow-consumer event; bursts beyond what the ingress applies at once wait here
     /// [default: 262144].
-    #[arg(long = "subscription-capacity", value_name = "N",
-          env = "LEASE_ROUTER_SUBSCRIPTION_CAPACITY",
+    #[arg(long, value_name = "N", env = "LEASE_ROUTER_SUBSCRIPTION_CAPACITY",
           value_parser = setting(limit(DEFAULT_SUBSCRIPTION_CAPACITY)))]
     pub subscription_capacity: Option<Parsed<usize>>,
-
     /// Durable mode: each deployment replays the JetStream lease stream (created or updated
     /// by the router) before following live events; `/readyz` is 503 until then
     /// [default: off; `--durable` alone means true].
-    #[arg(long = "durable", value_name = "BOOL", env = "LEASE_ROUTER_DURABLE", num_args = 0..=1,
+    #[arg(long, value_name = "BOOL", env = "LEASE_ROUTER_DURABLE", num_args = 0..=1,
           default_missing_value = "true", value_parser = setting(parse_bool))]
     pub durable: Option<Parsed<bool>>,
-
     /// Copies of the lease stream kept by a NATS cluster in durable mode (1 to 5; 3 on a
     /// three-node cluster) [default: 1].
-    #[arg(long = "stream-replicas", value_name = "N", env = "LEASE_ROUTER_STREAM_REPLICAS",
+    #[arg(long, value_name = "N", env = "LEASE_ROUTER_STREAM_REPLICAS",
           value_parser = setting(whole(1..=MAX_STREAM_REPLICAS, false, format!(
               "expected a whole number from 1 to {MAX_STREAM_REPLICAS} (JetStream's limit), at \
                most the number of NATS servers in the cluster"))))]
     pub stream_replicas: Option<Parsed<usize>>,
-
     /// Bytes each deployment's lease stream keeps in durable mode; past it the oldest events
     /// are discarded (and a replica that needed them says so). Size it with README's
     /// arithmetic: events/s x ~170 bytes x the stream's age limit [default: 1073741824].
-    #[arg(long = "stream-max-bytes", value_name = "BYTES", env = "LEASE_ROUTER_STREAM_MAX_BYTES",
+    #[arg(long, value_name = "BYTES", env = "LEASE_ROUTER_STREAM_MAX_BYTES",
           value_parser = setting(whole(MIN_STREAM_MAX_BYTES..=i64::MAX, true, format!(
-              "expected a whole number of bytes, at least {MIN_STREAM_MAX_BYTES} (default {}): \
-               events/s x ~170 bytes x the stream's age limit",
-              lease_router::DEFAULT_STREAM_MAX_BYTES))))]
+              "expected a whole number of bytes, at least {MIN_STREAM_MAX_BYTES} (default \
+               {DEFAULT_STREAM_MAX_BYTES}): events/s x ~170 bytes x the stream's age limit"))))]
     pub stream_max_bytes: Option<Parsed<i64>>,
-
     /// How often one replica per deployment (the holder of the writer entry) snapshots the
     /// deployment's state to JetStream in durable mode; a late replica loads the newest and
     /// replays only what follows. Seconds, or with a unit: 60s, 1m [default: 60s].
-    #[arg(long = "snapshot-interval", value_name = "DURATION",
-          env = "LEASE_ROUTER_SNAPSHOT_INTERVAL", value_parser = setting(duration(
-              Duration::from_secs(1)..=Duration::MAX,
-              "expected a duration of at least 1s: seconds (60) or a number with a unit s, m \
-               or h (60s, 5m)")))]
+    #[arg(long, value_name = "DURATION", env = "LEASE_ROUTER_SNAPSHOT_INTERVAL",
+          value_parser = setting(duration(Duration::from_secs(1)..=Duration::MAX, 60, "5m")))]
     pub snapshot_interval: Option<Parsed<Duration>>,
-
     /// Snapshot intervals each deployment's stream keeps in durable mode (its age limit is
     /// this many intervals, at least 60 s) [default: 4].
-    #[arg(long = "snapshot-keep", value_name = "N", env = "LEASE_ROUTER_SNAPSHOT_KEEP",
+    #[arg(long, value_name = "N", env = "LEASE_ROUTER_SNAPSHOT_KEEP",
           value_parser = setting(whole(2..=1000u32, false, format!(
-              "expected a whole number from 2 to 1000 (default {}): snapshot intervals the \
-               stream keeps", lease_router::DEFAULT_SNAPSHOT_KEEP))))]
+              "expected a whole number from 2 to 1000 (default {DEFAULT_SNAPSHOT_KEEP}): \
+               snapshot intervals the stream keeps"))))]
     pub snapshot_keep: Option<Parsed<u32>>,
-
     /// How new deployments choose a worker for `POST .../route`: weighted_cost,
     /// power_of_two, round_robin or random (a PUT body may set one per deployment)
     /// [default: weighted_cost].
-    #[arg(long = "route-policy", value_name = "POLICY", env = "LEASE_ROUTER_ROUTE_POLICY",
+    #[arg(long, value_name = "POLICY", env = "LEASE_ROUTER_ROUTE_POLICY",
           value_parser = setting(|s: &str| s.trim().parse::<RoutePolicy>().map_err(|_| {
               "expected weighted_cost, power_of_two, round_robin, random or least_bookings"
                   .to_owned()
           })))]
     pub route_policy: Option<Parsed<RoutePolicy>>,
-
     /// A worker with no live lease that says nothing this long is forgotten. Seconds, or with
     /// a unit: 600s, 10m [default: twice the lease scan interval].
-    #[arg(long = "worker-idle", value_name = "DURATION", env = "LEASE_ROUTER_WORKER_IDLE",
-          value_parser = setting(duration(
-              Duration::from_nanos(1)..=Duration::MAX,
-              "expected a positive duration: seconds (600) or a number with a unit ms, s, m \
-               or h (600s, 10m)")))]
+    #[arg(long, value_name = "DURATION", env = "LEASE_ROUTER_WORKER_IDLE",
+          value_parser = setting(duration(POSITIVE, 600, "10m")))]
     pub worker_idle: Option<Parsed<Duration>>,
-
     /// A route decision's provisional booking whose worker's admitted has not come this long
     /// after the decision is released and counted (provisional_expired_total). Seconds, or
     /// with a unit: 5s, 1500ms [default: 5s].
-    #[arg(long = "provisional-deadline", value_name = "DURATION",
-          env = "LEASE_ROUTER_PROVISIONAL_DEADLINE",
-          value_parser = setting(duration(
-              Duration::from_millis(10)..=Duration::from_secs(3600),
-              "expected a duration from 10ms to 1h: seconds (5) or a number with a unit ms, s, \
-               m or h (5s, 1500ms)")))]
+    #[arg(long, value_name = "DURATION", env = "LEASE_ROUTER_PROVISIONAL_DEADLINE",
+          value_parser = setting(duration(Duration::from_millis(10)..=Duration::from_secs(3600),
+              5, "1500ms")))]
     pub provisional_deadline: Option<Parsed<Duration>>,
-
     /// The NATS servers, subject prefix, authentication and TLS, as for every subcommand.
     #[command(flatten)]
     pub nats: NatsArgs,
 }
 
-/// How log lines are written.
+/// How log lines are written: for people, or one JSON object per line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LogFormat {
-    /// Human-readable lines.
     #[default]
     Text,
-    /// One JSON object per line.
     Json,
-}
-
-impl FromStr for LogFormat {
-    type Err = ();
-
-    fn from_str(s: &str) -> Result<Self, ()> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "text" => Ok(LogFormat::Text),
-            "json" => Ok(LogFormat::Json),
-            _ => Err(()),
-        }
-    }
-}
-
-/// The settings as declared: the arguments of [`ServeArgs`], whose ids are the file keys.
-fn declared() -> clap::Command {
-    <ServeArgs as clap::Args>::augment_args(clap::Command::new("serve"))
-}
-
-/// The declared settings but `--config` itself.
-fn declared_settings() -> Vec<clap::Arg> {
-    declared()
-        .get_arguments()
-        .filter(|arg| arg.get_id() != "config")
-        .cloned()
-        .collect()
 }
 
 /// The keys a config file may hold, in the order of the declaration.
 pub fn file_keys() -> Vec<String> {
-    declared_settings()
-        .iter()
-        .map(|arg| arg.get_id().to_string())
-        .collect()
+    let settings = declared::<ServeArgs>().into_iter();
+    settings.map(|arg| arg.get_id().to_string()).collect()
 }
 
 /// Adds the accepted file keys to the help of `--config` of the `serve` command: generated
 /// from the declaration, so the list cannot drift from what the file accepts.
 pub fn document_file_keys(serve: clap::Command) -> clap::Command {
-    let help = format!(
-        "TOML file with settings; its keys: {}",
-        file_keys().join(", ")
-    );
+    let keys = file_keys().join(", ");
+    let help = format!("TOML file with settings; its keys: {keys}");
     serve.mut_arg("config", |arg| arg.help(help.clone()).long_help(help))
 }
 
@@ -319,8 +240,7 @@ pub struct ServeSettings {
 /// the defaults for the rest, and checks the settings that go together.
 ///
 /// # Errors
-/// [`ConfigError`] naming the first setting that is invalid, the bad value, its origin and
-/// the accepted values.
+/// [`ConfigError`] naming the first setting that is invalid.
 pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError> {
     let o = &given.origins;
     // Every field, so that a setting declared but not resolved does not compile.
@@ -366,23 +286,18 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
     let protect_reads = get!(o, http_protect_reads);
     if let (Some(_), Some(path)) = (http_token, get!(o, http_token_file)) {
         let give_once = "give the token once: http_token or http_token_file, not both";
-        return Err(o.invalid("http_token_file", path.display().to_string(), give_once));
+        return Err(o.invalid("http_token_file", path.display(), give_once));
     }
     let token = match (get!(o, http_token), get!(o, http_token_file)) {
         (Some(token), _) => Some(token),
-        (None, Some(path)) => Some(read_token(&path).map_err(|expected| {
-            o.invalid("http_token_file", path.display().to_string(), expected)
-        })?),
+        (None, Some(path)) => Some(read_token(o, &path)?),
         (None, None) => None,
     };
     let http_auth = match (token, protect_reads) {
         (Some(token), protect) => Some(ApiAuth::new(token).protect_reads(protect == Some(true))),
         (None, Some(true)) => {
-            return Err(o.invalid(
-                "http_protect_reads",
-                "true",
-                "protecting the reads needs a token: give http_token or http_token_file",
-            ))
+            let needs = "protecting the reads needs a token: give http_token or http_token_file";
+            return Err(o.invalid("http_protect_reads", "true", needs));
         }
         (None, _) => None,
     };
@@ -392,47 +307,35 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
             *slot = value;
         }
     }
-    let mut host = HostSettings {
+    let mut h = HostSettings {
         subject_prefix,
         ..HostSettings::default()
     };
-    set(&mut host.route_policy, get!(o, route_policy));
-    set(&mut host.worker_idle, get!(o, worker_idle).map(Some));
-    set(
-        &mut host.provisional_deadline,
-        get!(o, provisional_deadline),
-    );
-    set(&mut host.lease_scan_interval, get!(o, lease_scan_interval));
-    set(&mut host.apply.max_event_bytes, get!(o, max_event_bytes));
-    set(&mut host.apply.max_batch_bytes, get!(o, max_batch_bytes));
-    set(&mut host.max_active_leases, get!(o, max_active_leases));
-    set(&mut host.apply.max_tombstones, get!(o, max_tombstones));
-    set(
-        &mut host.apply.max_held_progress,
-        get!(o, max_held_progress),
-    );
-    set(&mut host.apply.max_publishers, get!(o, max_publishers));
-    let stream = LeaseStreamConfig::new()
-        .with_snapshots(
-            get!(o, snapshot_interval).unwrap_or(lease_router::DEFAULT_SNAPSHOT_INTERVAL),
-            get!(o, snapshot_keep).unwrap_or(lease_router::DEFAULT_SNAPSHOT_KEEP),
-        )
-        .with_replicas(get!(o, stream_replicas).unwrap_or(1))
-        .with_max_bytes(
-            get!(o, stream_max_bytes).unwrap_or(lease_router::DEFAULT_STREAM_MAX_BYTES),
-        );
-    host.durable = get!(o, durable).unwrap_or(false).then_some(stream);
+    set(&mut h.route_policy, get!(o, route_policy));
+    set(&mut h.worker_idle, get!(o, worker_idle).map(Some));
+    set(&mut h.provisional_deadline, get!(o, provisional_deadline));
+    set(&mut h.lease_scan_interval, get!(o, lease_scan_interval));
+    set(&mut h.apply.max_event_bytes, get!(o, max_event_bytes));
+    set(&mut h.apply.max_batch_bytes, get!(o, max_batch_bytes));
+    set(&mut h.max_active_leases, get!(o, max_active_leases));
+    set(&mut h.apply.max_tombstones, get!(o, max_tombstones));
+    set(&mut h.apply.max_held_progress, get!(o, max_held_progress));
+    set(&mut h.apply.max_publishers, get!(o, max_publishers));
+    let interval = get!(o, snapshot_interval).unwrap_or(DEFAULT_SNAPSHOT_INTERVAL);
+    let keep = get!(o, snapshot_keep).unwrap_or(DEFAULT_SNAPSHOT_KEEP);
+    let stream = LeaseStreamConfig::new().with_snapshots(interval, keep);
+    let stream = stream.with_replicas(get!(o, stream_replicas).unwrap_or(1));
+    let max_bytes = get!(o, stream_max_bytes).unwrap_or(DEFAULT_STREAM_MAX_BYTES);
+    let stream = stream.with_max_bytes(max_bytes);
+    h.durable = get!(o, durable).unwrap_or(false).then_some(stream);
 
     let capacity = get!(o, subscription_capacity).unwrap_or(DEFAULT_SUBSCRIPTION_CAPACITY);
-    let mut nats = nats
-        .with_name("lease-router serve")
-        .with_subscription_capacity(capacity);
-    if let Some(deadline) = get!(o, connect_deadline) {
-        nats = nats.with_connect_deadline(deadline);
-    }
+    let nats = nats.with_name("lease-router serve");
+    let nats = nats.with_subscription_capacity(capacity);
+    let deadline = get!(o, connect_deadline).unwrap_or(nats.connect_deadline());
     Ok(ServeSettings {
-        nats,
-        host,
+        nats: nats.with_connect_deadline(deadline),
+        host: h,
         deployments: names,
         http_addr,
         http_auth,
@@ -440,21 +343,23 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
     })
 }
 
-/// The token in the file at `path`, or what is wrong with the file.
-fn read_token(path: &Path) -> Result<BearerToken, String> {
-    let text = std::fs::read_to_string(path).map_err(|err| {
-        format!(
-            "expected a readable file holding the token ({})",
-            err.kind()
-        )
-    })?;
-    BearerToken::new(&text).map_err(|err| {
-        format!("the file holds no usable token: {err}; an empty token would leave the API open")
-    })
+/// Why an empty token is refused.
+const OPEN: &str = "an empty token would leave the API open";
+
+/// The token in the file at `path`, else the error naming the file and what is wrong with it.
+fn read_token(o: &Origins, path: &Path) -> Result<BearerToken, ConfigError> {
+    let why = match std::fs::read_to_string(path).map_err(|err| err.kind()) {
+        Err(kind) => format!("expected a readable file holding the token ({kind})"),
+        Ok(text) => match BearerToken::new(&text) {
+            Ok(token) => return Ok(token),
+            Err(err) => format!("the file holds no usable token: {err}; {OPEN}"),
+        },
+    };
+    Err(o.invalid("http_token_file", path.display(), &why))
 }
 
 fn parse_token(value: &str) -> Result<BearerToken, String> {
-    BearerToken::new(value).map_err(|err| format!("{err}; an empty token would leave the API open"))
+    BearerToken::new(value).map_err(|err| format!("{err}; {OPEN}"))
 }
 
 fn parse_bool(value: &str) -> Result<bool, String> {
@@ -465,6 +370,14 @@ fn parse_bool(value: &str) -> Result<bool, String> {
     }
 }
 
+fn parse_log_format(value: &str) -> Result<LogFormat, String> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "text" => Ok(LogFormat::Text),
+        "json" => Ok(LogFormat::Json),
+        _ => Err("expected text or json".to_owned()),
+    }
+}
+
 /// A whole number in `range` (with `_` between digits if `underscores`), else `expected`.
 fn whole<T: FromStr + PartialOrd + Clone + Send + Sync + 'static>(
     range: RangeInclusive<T>,
@@ -472,50 +385,40 @@ fn whole<T: FromStr + PartialOrd + Clone + Send + Sync + 'static>(
     expected: String,
 ) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
     move |value| {
-        let digits = if underscores {
-            value.trim().replace('_', "")
-        } else {
-            value.trim().to_owned()
-        };
-        digits
-            .parse::<T>()
-            .ok()
-            .filter(|n| range.contains(n))
-            .ok_or_else(|| expected.clone())
+        let digits = value.trim().chars().filter(|&c| !underscores || c != '_');
+        let digits: String = digits.collect();
+        let n = digits.parse::<T>().ok().filter(|n| range.contains(n));
+        n.ok_or_else(|| expected.clone())
     }
 }
 
 /// A memory limit: a whole number from 1 to [`MAX_LIMIT`].
 fn limit(default: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
-    whole(
-        1..=MAX_LIMIT,
-        true,
-        format!(
-        "expected a whole number from 1 to {MAX_LIMIT} (default {default}); past it new entries \
-         are refused or the oldest evicted, and counted"
-    ),
-    )
+    let past = "past it new entries are refused or the oldest evicted, and counted";
+    let expected =
+        format!("expected a whole number from 1 to {MAX_LIMIT} (default {default}); {past}");
+    whole(1..=MAX_LIMIT, true, expected)
 }
 
 /// One deployment name; nothing for an empty item (`LEASE_ROUTER_DEPLOYMENTS=`, a trailing
 /// comma).
-fn parse_deployment(value: &str) -> Result<Option<DeploymentName>, Refusal> {
+fn parse_deployment(value: &str) -> Result<Option<DeploymentName>, Refused> {
     match value.trim() {
         "" => Ok(None),
-        name => DeploymentName::new(name).map(Some).map_err(|_| Refusal {
-            shown: Some(name.to_owned()),
+        name => DeploymentName::new(name).map(Some).map_err(|_| Refused {
+            value: Some(name.to_owned()),
             expected: DEPLOYMENT_NAMES.to_owned(),
         }),
     }
 }
 
 fn parse_http_addr(value: &str) -> Result<SocketAddr, String> {
-    let trimmed = value.trim();
-    let parsed = trimmed.parse::<SocketAddr>().ok().or_else(|| {
-        let port = trimmed.strip_prefix("localhost:")?.parse::<u16>().ok()?;
-        Some(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port))
-    });
-    parsed.ok_or_else(|| {
+    let value = value.trim();
+    let port = value
+        .strip_prefix("localhost:")
+        .and_then(|p| p.parse().ok());
+    let localhost = port.map(|port| SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port));
+    value.parse().ok().or(localhost).ok_or_else(|| {
         "expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; port 0 picks a \
          free port)"
             .to_owned()
@@ -524,19 +427,14 @@ fn parse_http_addr(value: &str) -> Result<SocketAddr, String> {
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use std::ffi::OsString;
     use std::io::Write;
 
-    use std::ffi::OsString;
-
-    use clap::{CommandFactory, FromArgMatches, Parser};
+    use clap::{Args, CommandFactory, FromArgMatches};
 
     use super::*;
     use crate::layering::parse_layered;
-
-    #[derive(Parser, Debug)]
-    pub(crate) enum Cli {
-        Serve(Sourced<ServeArgs>),
-    }
+    pub(crate) use crate::Cli;
 
     pub(crate) fn file(text: &str) -> tempfile::NamedTempFile {
         let mut f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
@@ -550,11 +448,9 @@ pub(crate) mod tests {
 
     /// `serve ARGV` as `command` parses it, with the file `--config` names beneath.
     fn args_of(command: clap::Command, argv: &[&str]) -> Result<Sourced<ServeArgs>, ConfigError> {
-        let argv = ["lease-router", "serve"]
-            .iter()
-            .chain(argv)
-            .map(OsString::from);
-        let matches = parse_layered(command, &argv.collect::<Vec<_>>(), DEPLOYMENT_NAMES)?;
+        let argv = [&["lease-router", "serve"], argv].concat();
+        let argv: Vec<OsString> = argv.into_iter().map(OsString::from).collect();
+        let matches = parse_layered(command, &argv, DEPLOYMENT_NAMES)?;
         Ok(Sourced::from_arg_matches(matches.subcommand().unwrap().1).unwrap())
     }
 
@@ -569,17 +465,30 @@ pub(crate) mod tests {
         resolve(&args(&line.split_whitespace().collect::<Vec<_>>())?)
     }
 
+    /// The settings of `serve --config FILE LINE`, FILE holding `toml`.
+    pub(crate) fn with_file(toml: &str, line: &str) -> Result<ServeSettings, ConfigError> {
+        let f = file(toml);
+        settings(&format!("--config {} {line}", path(&f)))
+    }
+
     pub(crate) fn message(line: &str) -> String {
         settings(line).unwrap_err().to_string()
     }
 
-    /// `serve ARGV` is refused with a message that starts with `start`, and no secret shows in
-    /// the message, the error's `Debug` or the arguments' `Debug`.
-    pub(crate) fn refused(argv: &[&str], start: &str) {
-        let given = args(argv).unwrap();
-        let err = resolve(&given).unwrap_err();
-        assert!(err.to_string().starts_with(start), "{err}\nwanted: {start}");
-        assert_no_secret(&format!("{err} {err:?} {given:?}"));
+    /// The message `serve --config FILE` is refused with, FILE holding `toml`.
+    pub(crate) fn file_message(toml: &str) -> String {
+        with_file(toml, "").unwrap_err().to_string()
+    }
+
+    /// Each `serve ARGV` is refused with a message that starts with its `start`, and no secret
+    /// shows in the message, the error's `Debug` or the arguments' `Debug`.
+    pub(crate) fn refused<S: AsRef<str>>(cases: &[(&[&str], S)]) {
+        for (argv, start) in cases {
+            let (given, start) = (args(argv).unwrap(), start.as_ref());
+            let err = resolve(&given).unwrap_err();
+            assert!(err.to_string().starts_with(start), "{err}\nwanted: {start}");
+            assert_no_secret(&format!("{err} {err:?} {given:?}"));
+        }
     }
 
     pub(crate) const SECRETS: [&str; 2] = ["hunter2-pass", "tok-3f9a-secret"];
@@ -590,77 +499,56 @@ pub(crate) mod tests {
         }
     }
 
+    fn names(s: &ServeSettings) -> Vec<&str> {
+        s.deployments.iter().map(|d| d.as_str()).collect()
+    }
+
     #[test]
     fn durable_mode_settings() {
-        let f = file("durable = true\nstream_replicas = 3\nsnapshot_interval = \"2m\"\n");
-        let stream = settings(&format!("--config {}", path(&f)))
-            .unwrap()
-            .host
-            .durable;
+        let toml = "durable = true\nstream_replicas = 3\nsnapshot_interval = \"2m\"\n";
+        let stream = with_file(toml, "").unwrap().host.durable;
         let stream = stream.expect("durable from the file");
         assert_eq!(stream.replicas(), 3);
         let four = Duration::from_secs(480);
         assert_eq!(stream.max_age(), four, "four snapshot intervals by default");
-
-        // The flag wins over the file.
-        let off = settings(&format!("--config {} --durable false", path(&f)));
-        assert!(off.unwrap().host.durable.is_none());
+        let off = with_file(toml, "--durable false").unwrap().host;
+        assert!(off.durable.is_none(), "the flag wins over the file");
         assert!(settings("").unwrap().host.durable.is_none());
-
-        refused(
-            &["--durable", "maybe"],
-            "invalid setting durable = \"maybe\" from --durable: expected true or false",
-        );
-        let m = message("--stream-replicas 9");
-        assert!(
-            m.contains("stream_replicas = \"9\"") && m.contains("1 to 5"),
-            "{m}"
-        );
-        let m = message("--stream-max-bytes 1000");
-        assert!(
-            m.contains("stream_max_bytes = \"1000\"") && m.contains("at least 1048576"),
-            "{m}"
-        );
-        let host = settings("--durable true").unwrap().host;
-        assert_eq!(
-            host.durable.unwrap().max_bytes(),
-            1 << 30,
-            "1 GiB by default"
-        );
+        let durable = settings("--durable true").unwrap().host.durable;
+        assert_eq!(durable.unwrap().max_bytes(), 1 << 30, "1 GiB by default");
+        refused(&[
+            (&["--durable", "maybe"], "invalid setting durable = \"maybe\" from --durable: expected true or false"),
+            (&["--stream-replicas", "9"], "invalid setting stream_replicas = \"9\" from --stream-replicas: expected a whole number from 1 to 5"),
+            (&["--stream-max-bytes", "1000"], "invalid setting stream_max_bytes = \"1000\" from --stream-max-bytes: expected a whole number of bytes, at least 1048576"),
+        ]);
     }
 
     #[test]
     fn defaults() {
         let s = settings("").unwrap();
-        assert_eq!(s.nats.urls(), vec!["nats://127.0.0.1:4222".to_string()]);
+        let (h, a) = (&s.host, &s.host.apply);
+        assert_eq!(s.nats.urls(), ["nats://127.0.0.1:4222"]);
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:9464");
-        assert_eq!(s.host.subject_prefix.as_str(), "leases");
-        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(300));
+        assert_eq!(h.subject_prefix.as_str(), "leases");
+        assert_eq!(h.lease_scan_interval, Duration::from_secs(300));
         assert_eq!(s.log_format, LogFormat::Text);
         assert_eq!(s.nats.connect_deadline(), Duration::from_secs(30));
-        assert_eq!(
-            s.nats.ping_interval(),
-            Some(lease_router::DEFAULT_PING_INTERVAL)
-        );
+        let ping = Some(lease_router::DEFAULT_PING_INTERVAL);
+        assert_eq!(s.nats.ping_interval(), ping);
         assert!(s.deployments.is_empty());
-        assert_eq!(s.host.apply.max_event_bytes, 4096);
-        assert_eq!(s.host.apply.max_batch_bytes, 1 << 20);
-        assert_eq!(
-            s.nats.subscription_capacity(),
-            Some(DEFAULT_SUBSCRIPTION_CAPACITY)
-        );
-        assert_eq!(s.host.max_active_leases, DEFAULT_MAX_ACTIVE_LEASES);
-        let apply = &s.host.apply;
-        assert_eq!(apply.max_tombstones, ApplyConfig::default().max_tombstones);
-        assert_eq!(s.host.route_policy, RoutePolicy::WeightedCost);
-        assert_eq!(s.host.worker_idle, None);
+        assert_eq!((a.max_event_bytes, a.max_batch_bytes), (4096, 1 << 20));
+        let capacity = Some(DEFAULT_SUBSCRIPTION_CAPACITY);
+        assert_eq!(s.nats.subscription_capacity(), capacity);
+        assert_eq!(h.max_active_leases, DEFAULT_MAX_ACTIVE_LEASES);
+        assert_eq!(a.max_tombstones, ApplyConfig::default().max_tombstones);
+        assert_eq!(h.route_policy, RoutePolicy::WeightedCost);
+        assert_eq!(h.worker_idle, None);
         assert!(s.http_auth.is_none(), "no token: the API is open");
     }
 
     #[test]
     fn file_overrides_defaults_and_flags_override_file() {
-        let f = file(
-            r#"
+        let toml = r#"
             nats_url = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]
             deployments = ["a", "b", "a"]
             http_addr = "0.0.0.0:0"
@@ -669,15 +557,11 @@ pub(crate) mod tests {
             log_format = "json"
             connect_deadline = 10
             max_event_bytes = 8192
-            "#,
-        );
-        let s = settings(&format!("--config {}", path(&f))).unwrap();
-        assert_eq!(
-            s.nats.urls(),
-            vec!["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]
-        );
-        let names: Vec<&str> = s.deployments.iter().map(|d| d.as_str()).collect();
-        assert_eq!(names, ["a", "b"], "duplicates are dropped");
+            "#;
+        let s = with_file(toml, "").unwrap();
+        let urls = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"];
+        assert_eq!(s.nats.urls(), urls);
+        assert_eq!(names(&s), ["a", "b"], "duplicates are dropped");
         assert_eq!(s.http_addr.to_string(), "0.0.0.0:0");
         assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
         assert_eq!(s.host.lease_scan_interval, Duration::from_secs(300));
@@ -686,14 +570,11 @@ pub(crate) mod tests {
         assert_eq!(s.host.apply.max_event_bytes, 8192);
 
         // Flags (or the environment: clap puts both in the same field) beat the file.
-        let s = settings(&format!(
-            "--config {} --nats-url nats://a:1,nats://b:2 --deployment c --http-addr \
-             localhost:8080 --lease-scan-interval 1m30s --log-format TEXT",
-            path(&f)
-        ))
-        .unwrap();
-        assert_eq!(s.nats.urls(), vec!["nats://a:1", "nats://b:2"]);
-        assert_eq!(s.deployments, vec![DeploymentName::new("c").unwrap()]);
+        let flags = "--nats-url nats://a:1,nats://b:2 --deployment c --http-addr localhost:8080 \
+                     --lease-scan-interval 1m30s --log-format TEXT";
+        let s = with_file(toml, flags).unwrap();
+        assert_eq!(s.nats.urls(), ["nats://a:1", "nats://b:2"]);
+        assert_eq!(s.deployments, [DeploymentName::new("c").unwrap()]);
         assert_eq!(s.http_addr.to_string(), "127.0.0.1:8080");
         assert_eq!(s.host.lease_scan_interval, Duration::from_secs(90));
         assert_eq!(s.log_format, LogFormat::Text);
@@ -702,12 +583,9 @@ pub(crate) mod tests {
         assert_eq!(s.host.apply.max_event_bytes, 8192);
 
         // A list in the file is a list of names: clap's comma split does not reach into one.
-        let f = file("deployments = [\"a\", \"b,c\"]\n");
-        let m = message(&format!("--config {}", path(&f)));
-        assert!(
-            m.starts_with("invalid setting deployments = \"b,c\" in config file"),
-            "{m}"
-        );
+        let m = file_message("deployments = [\"a\", \"b,c\"]\n");
+        let start = "invalid setting deployments = \"b,c\" in config file";
+        assert!(m.starts_with(start), "{m}");
     }
 
     /// The one test that reads the process environment, and only variables that nothing
@@ -724,65 +602,55 @@ pub(crate) mod tests {
         // A bad value from the environment is named as such.
         std::env::set_var("LEASE_ROUTER_LOG_FORMAT", "yaml");
         let bad_env = with_env(&[]);
-        std::env::remove_var("LEASE_ROUTER_LOG_FORMAT");
-        std::env::remove_var("LEASE_ROUTER_HTTP_ADDR");
-        std::env::remove_var("LEASE_ROUTER_LEASE_SCAN_INTERVAL");
+        for name in ["LOG_FORMAT", "HTTP_ADDR", "LEASE_SCAN_INTERVAL"] {
+            std::env::remove_var(format!("LEASE_ROUTER_{name}"));
+        }
         assert_eq!(
             resolve(&bad_env).unwrap_err().to_string(),
             "invalid setting log_format = \"yaml\" from environment variable \
              LEASE_ROUTER_LOG_FORMAT: expected text or json"
         );
         let file_only = with_env(&["--config", path(&f)]);
-
-        let s = resolve(&file_only).unwrap();
-        assert_eq!(s.http_addr.to_string(), "127.0.0.1:1111");
-        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(3600));
-
-        let s = resolve(&env_only).unwrap();
-        assert_eq!(s.http_addr.to_string(), "127.0.0.1:2222", "env beats file");
-        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(120));
-
-        let s = resolve(&flag_and_env).unwrap();
-        assert_eq!(s.http_addr.to_string(), "127.0.0.1:3333", "flag beats env");
-        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(120));
+        let cases = [
+            (file_only, 1111, 3600, "from the file"),
+            (env_only, 2222, 120, "env beats file"),
+            (flag_and_env, 3333, 120, "flag beats env"),
+        ];
+        for (given, port, secs, why) in cases {
+            let s = resolve(&given).unwrap();
+            let got = (s.http_addr.to_string(), s.host.lease_scan_interval);
+            let want = (format!("127.0.0.1:{port}"), Duration::from_secs(secs));
+            assert_eq!(got, want, "{why}");
+        }
     }
 
     #[test]
     fn repeated_and_comma_separated_deployment_flags() {
         let s = settings("--deployment a --deployment b,c --nats-url nats://x:1").unwrap();
-        let names: Vec<&str> = s.deployments.iter().map(|d| d.as_str()).collect();
-        assert_eq!(names, ["a", "b", "c"]);
+        assert_eq!(names(&s), ["a", "b", "c"]);
     }
 
     #[test]
     fn error_messages_name_setting_value_and_fix() {
-        assert_eq!(
-            message("--http-addr abc"),
-            "invalid setting http_addr = \"abc\" from --http-addr: expected HOST:PORT such as \
-             127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)"
-        );
-        assert_eq!(
-            message("--deployment ok --deployment a.b"),
-            "invalid setting deployments = \"a.b\" from --deployment: a deployment name may hold \
-             only ASCII letters, digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod"
-        );
-        assert_eq!(
-            message("--log-format xml"),
-            "invalid setting log_format = \"xml\" from --log-format: expected text or json"
-        );
-        let cases: [(&[&str], &str); 6] = [
+        for (line, want) in [
+            ("--http-addr abc", "invalid setting http_addr = \"abc\" from --http-addr: expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)"),
+            ("--deployment ok --deployment a.b", "invalid setting deployments = \"a.b\" from --deployment: a deployment name may hold only ASCII letters, digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod"),
+            ("--log-format xml", "invalid setting log_format = \"xml\" from --log-format: expected text or json"),
+        ] {
+            assert_eq!(message(line), want);
+        }
+        refused(&[
             (&["--lease-scan-interval", "0s"], "invalid setting lease_scan_interval = \"0s\" from --lease-scan-interval: expected a positive"),
             (&["--lease-scan-interval", "5 minutes"], "invalid setting lease_scan_interval = \"5 minutes\" from --lease-scan-interval: expected a positive duration: seconds (300) or a number with a unit ms, s, m or h (300s, 5m"),
             (&["--connect-deadline", "soon"], "invalid setting connect_deadline = \"soon\" from --connect-deadline: expected a duration"),
+            (&["--snapshot-interval", "500ms"], "invalid setting snapshot_interval = \"500ms\" from --snapshot-interval: expected a duration of at least 1s: seconds (60)"),
+            (&["--provisional-deadline", "2h"], "invalid setting provisional_deadline = \"2h\" from --provisional-deadline: expected a duration from 10ms to 1h: seconds (5)"),
             (&["--max-event-bytes", "10"], "invalid setting max_event_bytes = \"10\" from --max-event-bytes: expected a whole number of bytes from 64 to 67108864"),
             (&["--subject-prefix", "a.*"], "invalid setting subject_prefix = \"a.*\" from --subject-prefix: one or more tokens"),
             // The bad URL is named, its password is not.
             (&["--nats-url", "nats://ok:4222,http://u:secret@bad:1"], "invalid setting nats_url = \"http://***@bad:1\" from --nats-url: expected nats://"),
-        ];
-        for (argv, start) in cases {
-            refused(argv, start);
-        }
-        refused(&["--nats-url", " , "], "invalid setting nats_url = \" , \"");
+            (&["--nats-url", " , "], "invalid setting nats_url = \" , \""),
+        ]);
     }
 
     #[test]
@@ -799,85 +667,57 @@ pub(crate) mod tests {
                      max_event_bytes, max_batch_bytes, max_active_leases, max_tombstones, \
                      max_held_progress, max_publishers, subscription_capacity, durable, \
                      stream_replicas, stream_max_bytes, snapshot_interval, snapshot_keep, \
-                     route_policy, worker_idle, provisional_deadline, nats_url, subject_prefix, nats_user, \
-                     nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, \
+                     route_policy, worker_idle, provisional_deadline, nats_url, subject_prefix, \
+                     nats_user, nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, \
                      nats_tls_cert, nats_tls_key, nats_ping_interval"
                 ),
             "{m}"
         );
-
         let f = file("http_addr = \"nope\"\n");
-        assert_eq!(
-            message(&format!("--config {}", path(&f))),
-            format!(
-                "invalid setting http_addr = \"nope\" in config file {}: expected HOST:PORT such \
-                 as 127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)",
-                path(&f)
-            )
+        let want = format!(
+            "invalid setting http_addr = \"nope\" in config file {}: expected HOST:PORT such as \
+             127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)",
+            path(&f)
         );
-
-        let f = file("max_event_bytes = true\n");
-        let m = message(&format!("--config {}", path(&f)));
-        assert!(
-            m.starts_with("invalid setting max_event_bytes = \"true\" in config file")
-                && m.ends_with("expected a string or a number, not boolean"),
-            "{m}"
-        );
-
-        let f = file("http_addr = \n");
-        let m = message(&format!("--config {}", path(&f)));
-        assert!(
-            m.contains("is not valid TOML") && m.contains("line 1"),
-            "{m}"
-        );
-
+        assert_eq!(message(&format!("--config {}", path(&f))), want);
+        let m = file_message("max_event_bytes = true\n");
+        let start = "invalid setting max_event_bytes = \"true\" in config file";
+        let end = "expected a string or a number, not boolean";
+        assert!(m.starts_with(start) && m.ends_with(end), "{m}");
+        let m = file_message("http_addr = \n");
+        let (toml, line) = (m.contains("is not valid TOML"), m.contains("line 1"));
+        assert!(toml && line, "{m}");
         let m = message("--config /nonexistent/lease-router.toml");
-        assert!(
-            m.starts_with("cannot read config file /nonexistent/lease-router.toml: "),
-            "{m}"
-        );
-    }
-
-    /// The settings named in README's table, row by row: (flag, variable, file key).
-    fn readme_settings() -> Vec<(String, String, String)> {
-        let code = |cell: &str| -> String {
-            let inner = cell.split('`').nth(1).unwrap_or_default();
-            inner
-                .split_whitespace()
-                .next()
-                .unwrap_or_default()
-                .to_owned()
-        };
-        include_str!("../../README.md")
-            .lines()
-            .skip_while(|line| !line.starts_with("| flag | environment | TOML key | default |"))
-            .skip(2)
-            .take_while(|line| line.starts_with('|'))
-            .map(|row| {
-                let cells: Vec<&str> = row.split('|').collect();
-                (code(cells[1]), code(cells[2]), code(cells[3]))
-            })
-            .collect()
+        let start = "cannot read config file /nonexistent/lease-router.toml: ";
+        assert!(m.starts_with(start), "{m}");
     }
 
     /// Fails when README documents other settings (keys, flags or variables) than `serve`
     /// accepts, or in another order.
     #[test]
     fn readme_documents_exactly_the_declared_settings() {
-        let declared: Vec<(String, String, String)> = declared_settings()
-            .iter()
-            .map(|arg| {
-                (
-                    format!("--{}", arg.get_long().unwrap()),
-                    arg.get_env().unwrap().to_str().unwrap().to_owned(),
-                    arg.get_id().to_string(),
-                )
-            })
+        // README's settings table, row by row: the code in each of its first three cells
+        // (flag, variable, file key), without what follows a space.
+        let code = |cell: &'static str| {
+            let inner = cell.split('`').nth(1).unwrap_or_default();
+            inner.split_whitespace().next().unwrap_or_default()
+        };
+        let readme: Vec<Vec<&str>> = include_str!("../../README.md")
+            .lines()
+            .skip_while(|line| !line.starts_with("| flag | environment | TOML key | default |"))
+            .skip(2)
+            .take_while(|line| line.starts_with('|'))
+            .map(|row| row.split('|').skip(1).take(3).map(code).collect())
             .collect();
+        let declared = declared::<ServeArgs>().into_iter().map(|arg| {
+            let (long, env) = (arg.get_long().unwrap(), arg.get_env().unwrap());
+            let env = env.to_str().unwrap().to_owned();
+            vec![format!("--{long}"), env, arg.get_id().to_string()]
+        });
+        let declared: Vec<Vec<String>> = declared.collect();
         assert_eq!(declared.len(), 34);
         assert_eq!(
-            readme_settings(),
-            declared,
+            readme, declared,
             "README's settings table (flag, environment, TOML key) must list exactly the \
              settings declared in ServeArgs, in their order"
         );
@@ -886,27 +726,13 @@ pub(crate) mod tests {
     /// The `--config` help is generated from the declaration: every key, in order.
     #[test]
     fn config_help_lists_every_file_key() {
-        let serve = document_file_keys(declared());
-        let config = serve
-            .get_arguments()
-            .find(|arg| arg.get_id() == "config")
-            .unwrap();
-        let help = config.get_help().unwrap().to_string();
-        assert_eq!(
-            help,
-            format!(
-                "TOML file with settings; its keys: {}",
-                file_keys().join(", ")
-            )
-        );
-        for key in [
-            "subscription_capacity",
-            "durable",
-            "stream_replicas",
-            "nats_tls_key",
-        ] {
-            assert!(help.contains(key), "{help}");
-        }
+        let serve = document_file_keys(ServeArgs::augment_args(clap::Command::new("serve")));
+        let config = serve.get_arguments().find(|arg| arg.get_id() == "config");
+        let help = config.unwrap().get_help().unwrap().to_string();
+        let keys = file_keys().join(", ");
+        assert_eq!(help, format!("TOML file with settings; its keys: {keys}"));
+        let some = "subscription_capacity durable stream_replicas nats_tls_key";
+        assert!(some.split(' ').all(|key| help.contains(key)), "{help}");
     }
 
     /// A file may hold every declared setting, and each one lands where it belongs (that
@@ -914,73 +740,59 @@ pub(crate) mod tests {
     #[test]
     fn a_file_with_every_setting_resolves() {
         let ca = file("-----BEGIN CERTIFICATE-----\n");
+        let ca = format!("{:?}", ca.path());
         let mut text = String::new();
         for key in file_keys() {
             let value = match key.as_str() {
-                "nats_url" => "\"nats://10.0.0.1:4222\"".to_owned(),
-                "deployments" => "[\"a\", \"b\"]".to_owned(),
-                "http_addr" => "\"0.0.0.0:9000\"".to_owned(),
-                "subject_prefix" => "\"acme.leases\"".to_owned(),
-                "lease_scan_interval"
-                | "connect_deadline"
-                | "nats_ping_interval"
-                | "worker_idle"
-                | "provisional_deadline"
-                | "snapshot_interval" => "\"7s\"".to_owned(),
-                "log_format" => "\"json\"".to_owned(),
-                "durable" => "true".to_owned(),
-                "stream_replicas" => "3".to_owned(),
-                "stream_max_bytes" => "2_000_000".to_owned(),
-                "snapshot_keep" => "5".to_owned(),
-                "route_policy" => "\"round_robin\"".to_owned(),
+                "nats_url" => "\"nats://10.0.0.1:4222\"",
+                "deployments" => "[\"a\", \"b\"]",
+                "http_addr" => "\"0.0.0.0:9000\"",
+                "subject_prefix" => "\"acme.leases\"",
+                "lease_scan_interval" | "connect_deadline" | "nats_ping_interval" => "\"7s\"",
+                "worker_idle" | "provisional_deadline" | "snapshot_interval" => "\"7s\"",
+                "log_format" => "\"json\"",
+                "durable" | "http_protect_reads" => "true",
+                "stream_replicas" => "3",
+                "stream_max_bytes" => "2_000_000",
+                "snapshot_keep" => "5",
+                "route_policy" => "\"round_robin\"",
                 // One way to authenticate: user and password; the other ways stay unset.
-                "nats_user" | "nats_password" => "\"router\"".to_owned(),
+                "nats_user" | "nats_password" => "\"router\"",
                 "nats_token" | "nats_nkey" | "nats_creds" | "nats_tls_cert" | "nats_tls_key" => {
                     continue
                 }
-                "nats_tls_ca" => format!("{:?}", ca.path()),
+                "nats_tls_ca" => &ca,
                 // The token inline; the file is the other way to give it.
-                "http_token" => "\"s3cret-token\"".to_owned(),
+                "http_token" => "\"s3cret-token\"",
                 "http_token_file" => continue,
-                "http_protect_reads" => "true".to_owned(),
-                _ => "4242".to_owned(),
+                _ => "4242",
             };
             text.push_str(&format!("{key} = {value}\n"));
         }
-        let f = file(&text);
-        let s = settings(&format!("--config {}", path(&f))).unwrap();
+        let s = with_file(&text, "").unwrap();
+        let (h, a, seven) = (&s.host, &s.host.apply, Duration::from_secs(7));
         assert_eq!(s.nats.urls(), ["nats://10.0.0.1:4222"]);
-        let names: Vec<&str> = s.deployments.iter().map(|d| d.as_str()).collect();
-        assert_eq!(names, ["a", "b"]);
+        assert_eq!(names(&s), ["a", "b"]);
         assert_eq!(s.http_addr.to_string(), "0.0.0.0:9000");
-        assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
-        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(7));
-        assert_eq!(s.host.worker_idle, Some(Duration::from_secs(7)));
-        assert_eq!(s.host.provisional_deadline, Duration::from_secs(7));
-        assert_eq!(s.host.route_policy, RoutePolicy::RoundRobin);
+        assert_eq!(h.subject_prefix.as_str(), "acme.leases");
+        let durations = (h.lease_scan_interval, h.worker_idle, h.provisional_deadline);
+        assert_eq!(durations, (seven, Some(seven), seven));
+        assert_eq!(h.route_policy, RoutePolicy::RoundRobin);
         assert_eq!(s.log_format, LogFormat::Json);
-        let apply = &s.host.apply;
-        assert_eq!((apply.max_event_bytes, apply.max_batch_bytes), (4242, 4242));
-        let held = (
-            apply.max_tombstones,
-            apply.max_held_progress,
-            apply.max_publishers,
-        );
+        assert_eq!((a.max_event_bytes, a.max_batch_bytes), (4242, 4242));
+        let held = (a.max_tombstones, a.max_held_progress, a.max_publishers);
         assert_eq!(held, (4242, 4242, 4242));
-        assert_eq!(s.host.max_active_leases, 4242);
+        assert_eq!(h.max_active_leases, 4242);
         assert_eq!(s.nats.subscription_capacity(), Some(4242));
-        let durable = s.host.durable.unwrap();
+        let durable = h.durable.as_ref().unwrap();
         assert_eq!((durable.replicas(), durable.max_bytes()), (3, 2_000_000));
-        assert_eq!(durable.snapshot_interval(), Duration::from_secs(7));
+        assert_eq!(durable.snapshot_interval(), seven);
         let max_age = Duration::from_secs(60);
         assert_eq!(durable.max_age(), max_age, "5 x 7 s, at least 60 s");
-        assert_eq!(s.nats.connect_deadline(), Duration::from_secs(7));
-        assert_eq!(s.nats.ping_interval(), Some(Duration::from_secs(7)));
-        assert!(matches!(
-            s.nats.auth(),
-            lease_router::NatsAuth::UserPassword { .. }
-        ));
-        assert!(s.nats.tls().is_some());
+        assert_eq!(s.nats.connect_deadline(), seven);
+        assert_eq!(s.nats.ping_interval(), Some(seven));
+        let user_password = matches!(s.nats.auth(), lease_router::NatsAuth::UserPassword { .. });
+        assert!(user_password && s.nats.tls().is_some());
         assert!(s.http_auth.expect("a token").reads_protected());
     }
 
@@ -988,30 +800,20 @@ pub(crate) mod tests {
     fn http_token_from_a_flag_or_a_file_trimmed_and_never_shown() {
         let given = args(&["--http-token", SECRETS[1]]).unwrap();
         assert_no_secret(&format!("{given:?}"));
-        let s = resolve(&given).unwrap();
-        assert_no_secret(&format!("{s:?}"));
-        let auth = s.http_auth.expect("a token");
-        assert!(auth.token().matches(SECRETS[1]));
-        assert!(!auth.reads_protected());
-
         // A file, with the newline an editor leaves; `--http-protect-reads` alone is true.
         let token_file = file(&format!("  {}\n\n", SECRETS[1]));
         let token_path = path(&token_file);
-        let s = settings(&format!(
-            "--http-token-file {token_path} --http-protect-reads"
-        ));
-        let auth = s.unwrap().http_auth.expect("a token");
-        assert!(auth.token().matches(SECRETS[1]));
-        assert!(auth.reads_protected());
-
+        let flags = format!("--http-token-file {token_path} --http-protect-reads");
         // The config file's keys.
-        let conf = file(&format!(
-            "http_token_file = {token_path:?}\nhttp_protect_reads = false\n"
-        ));
-        let s = settings(&format!("--config {}", path(&conf))).unwrap();
-        let auth = s.http_auth.expect("a token");
-        assert!(auth.token().matches(SECRETS[1]));
-        assert!(!auth.reads_protected());
+        let toml = format!("http_token_file = {token_path:?}\nhttp_protect_reads = false\n");
+        let cases = [(resolve(&given), false), (settings(&flags), true)];
+        for (s, protected) in cases.into_iter().chain([(with_file(&toml, ""), false)]) {
+            let s = s.unwrap();
+            assert_no_secret(&format!("{s:?}"));
+            let auth = s.http_auth.expect("a token");
+            assert!(auth.token().matches(SECRETS[1]));
+            assert_eq!(auth.reads_protected(), protected);
+        }
     }
 
     #[test]
@@ -1019,7 +821,7 @@ pub(crate) mod tests {
         let token = SECRETS[1];
         let (blank, token_file) = (file(" \n\t\n"), file(token));
         let (blank, token_file) = (path(&blank), path(&token_file));
-        let cases: [(&[&str], String); 7] = [
+        refused::<String>(&[
             (&["--http-token", ""], "invalid setting http_token = \"\" from --http-token: the token is empty".into()),
             (&["--http-token-file", blank], format!("invalid setting http_token_file = {blank:?} from --http-token-file: the file holds no usable token: the token is empty")),
             (&["--http-token-file", "/nonexistent/token"], "invalid setting http_token_file = \"/nonexistent/token\" from --http-token-file: expected a readable file".into()),
@@ -1027,45 +829,27 @@ pub(crate) mod tests {
             (&["--http-token", token, "--http-token-file", token_file], format!("invalid setting http_token_file = {token_file:?} from --http-token-file: give the token once")),
             (&["--http-protect-reads", "true"], "invalid setting http_protect_reads = \"true\" from --http-protect-reads: protecting the reads needs a token".into()),
             (&["--http-token", token, "--http-protect-reads", "maybe"], "invalid setting http_protect_reads = \"maybe\" from --http-protect-reads: expected true or false".into()),
-        ];
-        for (argv, start) in cases {
-            refused(argv, &start);
-        }
+        ]);
         // A token of the wrong type in the config file: not echoed.
-        let f = file("http_token = 987654321\n");
-        let m = message(&format!("--config {}", path(&f)));
-        assert!(
-            m.starts_with("invalid setting http_token = \"<redacted>\""),
-            "{m}"
-        );
-        assert!(!m.contains("987654321"), "{m}");
+        let m = file_message("http_token = 987654321\n");
+        let start = "invalid setting http_token = \"<redacted>\"";
+        assert!(m.starts_with(start) && !m.contains("987654321"), "{m}");
     }
 
     #[test]
     fn memory_limits() {
-        let f = file("max_tombstones = 10\nmax_publishers = \"20\"\nmax_active_leases = 5\n");
-        let line = format!(
-            "--config {} --max-held-progress 1_000 --max-publishers 30",
-            path(&f)
-        );
-        let s = settings(&line).unwrap();
+        let toml = "max_tombstones = 10\nmax_publishers = \"20\"\nmax_active_leases = 5\n";
+        let s = with_file(toml, "--max-held-progress 1_000 --max-publishers 30").unwrap();
+        let a = &s.host.apply;
         assert_eq!(s.host.max_active_leases, 5);
-        let apply = &s.host.apply;
-        let limits = (
-            apply.max_tombstones,
-            apply.max_held_progress,
-            apply.max_publishers,
-        );
+        let limits = (a.max_tombstones, a.max_held_progress, a.max_publishers);
         assert_eq!(limits, (10, 1000, 30));
-        for bad in ["0", "-1", "many", "100000001"] {
-            refused(
-                &[&format!("--max-tombstones={bad}")],
-                &format!(
-                    "invalid setting max_tombstones = {bad:?} from --max-tombstones: expected a \
-                     whole number from 1"
-                ),
-            );
-        }
+        refused(&[
+            (&["--max-tombstones=0"], "invalid setting max_tombstones = \"0\" from --max-tombstones: expected a whole number from 1"),
+            (&["--max-tombstones=-1"], "invalid setting max_tombstones = \"-1\" from --max-tombstones: expected a whole number from 1"),
+            (&["--max-tombstones=many"], "invalid setting max_tombstones = \"many\" from --max-tombstones: expected a whole number from 1"),
+            (&["--max-tombstones=100000001"], "invalid setting max_tombstones = \"100000001\" from --max-tombstones: expected a whole number from 1"),
+        ]);
     }
 
     #[test]
@@ -1073,9 +857,9 @@ pub(crate) mod tests {
         let s = settings("--route-policy round_robin --worker-idle 90s").unwrap();
         assert_eq!(s.host.route_policy, RoutePolicy::RoundRobin);
         assert_eq!(s.host.worker_idle, Some(Duration::from_secs(90)));
-        let m = message("--route-policy fastest");
-        assert!(m.contains("route_policy = \"fastest\""), "{m}");
-        let m = message("--worker-idle 0s");
-        assert!(m.contains("worker_idle = \"0s\""), "{m}");
+        refused(&[
+            (&["--route-policy", "fastest"], "invalid setting route_policy = \"fastest\" from --route-policy: expected weighted_cost"),
+            (&["--worker-idle", "0s"], "invalid setting worker_idle = \"0s\" from --worker-idle: expected a positive duration"),
+        ]);
     }
 }

@@ -2,38 +2,23 @@
 //! the layering that `serve`'s settings ([`crate::config`]) and every subcommand's NATS
 //! arguments ([`crate::nats_args`]) share.
 //!
-//! A setting can be given in four places; the first one that has it wins:
-//!
-//! 1. a command-line flag (`--http-addr 0.0.0.0:9464`),
-//! 2. an environment variable (`LEASE_ROUTER_HTTP_ADDR`, or `NATS_URL` for the NATS servers),
-//!    which clap reads into the same field,
-//! 3. the TOML file named by `--config FILE` (or `LEASE_ROUTER_CONFIG`),
-//! 4. the default (the library's, for what the library runs).
-//!
-//! clap does the layering: [`parse_layered`] reads the command line once to learn the file,
-//! then again with the file's values as the flags' defaults, so that clap takes a flag, else
-//! its variable, else the file, and its `ArgMatches::value_source` tells which ([`Sourced`]).
-//! Each value is parsed once, by its setting's `value_parser` ([`setting`]), into the
-//! setting's type; a value it refuses is kept ([`Refused`]) until the settings are resolved
-//! and it is known where it came from ([`Origins::get`]), so that every mistake reads the
-//! same way, naming the setting, the value, its origin and what is accepted:
+//! A setting is taken from a flag, else its environment variable (clap reads both into one
+//! field), else the TOML file `--config` names, else the default; a flag or variable replaces a
+//! list of the file. [`parse_layered`] lays the file beneath the flags as clap's defaults, so
+//! that `ArgMatches::value_source` tells each value's origin ([`Sourced`]). Each value is
+//! parsed once, by its setting's `value_parser` ([`setting`]); a value it refuses waits
+//! ([`Refused`]) until its origin is known ([`Origins::get`]), so that every mistake names the
+//! setting, the value, its origin and what is accepted:
 //!
 //! ```text
 //! invalid setting http_addr = "abc" from --http-addr: expected HOST:PORT such as 127.0.0.1:9464
 //! ```
-//!
-//! A key of the file that is not a setting is an error naming the key.
 //!
 //! Why not figment: figment 0.10 (its last release in May 2024) records which provider gave
 //! each value, but it would read the environment a second time beside clap's `env` (which the
 //! flags need anyway for `--help` and precedence), could still not tell a flag from its
 //! variable without clap, and words its errors in serde's terms. clap's own default layer
 //! gives the same precedence and every value's origin with no crate added.
-//!
-//! Durations are a number of seconds (`300`) or a number with a unit, `ms`, `s`, `m` or `h`,
-//! possibly several (`5m`, `1m30s`, `250ms`): [`parse_duration`], for every subcommand. A
-//! flag or variable given replaces the list of the file, it does not add to it (that holds
-//! for `--deployment` too).
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -51,39 +36,31 @@ pub(crate) const REDACTED: &str = "<redacted>";
 /// A setting's value as clap read it: of the setting's type, or refused.
 pub type Parsed<T> = Result<T, Refused>;
 
-/// A value a setting does not take (`<redacted>` for a secret), and what it does take.
+/// A value a setting does not take, and what it takes; a parser gives `value` to show other
+/// than the whole value (one URL of a list, without its password; `<redacted>`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refused {
-    value: String,
-    expected: String,
+    pub(crate) value: Option<String>,
+    pub(crate) expected: String,
 }
 
-/// Why a parser refused a value: what is accepted, and the part of the value to show when it
-/// is not all of it (one URL of a list, without its password).
-pub struct Refusal {
-    pub shown: Option<String>,
-    pub expected: String,
-}
-
-impl From<String> for Refusal {
+impl From<String> for Refused {
     fn from(expected: String) -> Self {
-        Self {
-            shown: None,
-            expected,
-        }
+        let value = None;
+        Self { value, expected }
     }
 }
 
 /// clap's value parser for a setting: `parse` gives the setting's type; what it refuses does
 /// not fail clap's parse, it waits in the value until [`Origins::get`] can name its origin.
-pub(crate) fn setting<T, E: Into<Refusal>>(
+pub(crate) fn setting<T, E: Into<Refused>>(
     parse: impl Fn(&str) -> Result<T, E> + Clone + Send + Sync + 'static,
 ) -> impl Fn(&str) -> Result<Parsed<T>, std::convert::Infallible> + Clone + Send + Sync + 'static {
     move |raw| {
-        Ok(parse(raw).map_err(|refusal| {
-            let Refusal { shown, expected } = refusal.into();
-            let value = shown.unwrap_or_else(|| raw.to_owned());
-            Refused { value, expected }
+        Ok(parse(raw).map_err(|refused| {
+            let mut refused = refused.into();
+            refused.value.get_or_insert_with(|| raw.to_owned());
+            refused
         }))
     }
 }
@@ -93,10 +70,8 @@ pub(crate) fn secret<T>(
     parse: impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static,
 ) -> impl Fn(&str) -> Result<Parsed<T>, std::convert::Infallible> + Clone + Send + Sync + 'static {
     setting(move |raw: &str| {
-        parse(raw).map_err(|expected| Refusal {
-            shown: Some(if raw.is_empty() { "" } else { REDACTED }.to_owned()),
-            expected,
-        })
+        let value = Some(if raw.is_empty() { "" } else { REDACTED }.to_owned());
+        parse(raw).map_err(|expected| Refused { value, expected })
     })
 }
 
@@ -108,9 +83,10 @@ pub struct Sourced<T> {
     pub origins: Origins,
 }
 
-/// Where each given setting's value came from, by setting.
+/// Where each given setting's value came from, by setting, as an error says it: " from
+/// --http-addr", " from environment variable NAME" or " in config file PATH".
 #[derive(Clone, Debug, Default)]
-pub struct Origins(BTreeMap<String, ValueOrigin>);
+pub struct Origins(BTreeMap<String, String>);
 
 impl<T: clap::Args> clap::Args for Sourced<T> {
     fn augment_args(cmd: clap::Command) -> clap::Command {
@@ -125,21 +101,19 @@ impl<T: clap::Args> clap::Args for Sourced<T> {
 impl<T: clap::Args> FromArgMatches for Sourced<T> {
     fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
         let file = matches.try_get_one::<PathBuf>("config").ok().flatten();
-        let declared = T::augment_args(clap::Command::new("settings"));
-        let origins = declared.get_arguments().filter_map(|arg| {
+        let origins = declared::<T>().into_iter().filter_map(|arg| {
             let origin = match matches.value_source(arg.get_id().as_str())? {
-                ValueSource::CommandLine => ValueOrigin::Flag(format!("--{}", arg.get_long()?)),
+                ValueSource::CommandLine => format!(" from --{}", arg.get_long()?),
                 ValueSource::EnvVariable => {
-                    ValueOrigin::Environment(arg.get_env()?.to_string_lossy().into_owned())
+                    let name = arg.get_env()?.to_string_lossy();
+                    format!(" from environment variable {name}")
                 }
-                _ => ValueOrigin::File(file?.clone()),
+                _ => in_file(file?),
             };
             Some((arg.get_id().to_string(), origin))
         });
-        Ok(Self {
-            origins: Origins(origins.collect()),
-            args: T::from_arg_matches(matches)?,
-        })
+        let (args, origins) = (T::from_arg_matches(matches)?, Origins(origins.collect()));
+        Ok(Self { args, origins })
     }
 
     fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
@@ -148,23 +122,26 @@ impl<T: clap::Args> FromArgMatches for Sourced<T> {
     }
 }
 
+/// The settings `T` declares, in order.
+pub(crate) fn declared<T: clap::Args>() -> Vec<clap::Arg> {
+    settings_of(&T::augment_args(clap::Command::new("settings")))
+}
+
+/// The settings `command` declares, in order: every argument but `--config` itself.
+fn settings_of(command: &clap::Command) -> Vec<clap::Arg> {
+    let settings = command.get_arguments().filter(|a| a.get_id() != "config");
+    settings.cloned().collect()
+}
+
 impl Origins {
     /// An error about the value of `setting`, which was given.
-    pub(crate) fn invalid(
-        &self,
-        setting: &str,
-        value: impl Into<String>,
-        expected: impl Into<String>,
-    ) -> ConfigError {
+    pub(crate) fn invalid(&self, setting: &str, value: impl ToString, why: &str) -> ConfigError {
+        let origin = self.0.get(setting).cloned();
         ConfigError::Invalid {
             setting: setting.to_owned(),
-            value: value.into(),
-            origin: self
-                .0
-                .get(setting)
-                .cloned()
-                .expect("a given setting has an origin"),
-            expected: expected.into(),
+            value: value.to_string(),
+            origin: origin.expect("a given setting has an origin"),
+            expected: why.to_owned(),
         }
     }
 
@@ -177,7 +154,9 @@ impl Origins {
         match value {
             None => Ok(None),
             Some(Ok(value)) => Ok(Some(value.clone())),
-            Some(Err(Refused { value, expected })) => Err(self.invalid(setting, value, expected)),
+            Some(Err(Refused { value, expected })) => {
+                Err(self.invalid(setting, value.clone().unwrap_or_default(), expected))
+            }
         }
     }
 }
@@ -190,25 +169,9 @@ macro_rules! get {
 }
 pub(crate) use get;
 
-/// Where a rejected value came from.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ValueOrigin {
-    /// The command-line flag of this name (`--http-addr`).
-    Flag(String),
-    /// The environment variable of this name.
-    Environment(String),
-    /// The config file at this path.
-    File(PathBuf),
-}
-
-impl fmt::Display for ValueOrigin {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ValueOrigin::Flag(flag) => write!(f, " from {flag}"),
-            ValueOrigin::Environment(name) => write!(f, " from environment variable {name}"),
-            ValueOrigin::File(path) => write!(f, " in config file {}", path.display()),
-        }
-    }
+/// The origin of a value from the config file at `path`.
+fn in_file(path: &Path) -> String {
+    format!(" in config file {}", path.display())
 }
 
 /// A setting that cannot be used. The message names the setting, the value, where it came
@@ -219,7 +182,7 @@ pub enum ConfigError {
     Invalid {
         setting: String,
         value: String,
-        origin: ValueOrigin,
+        origin: String,
         expected: String,
     },
     #[error("cannot read config file {}: {source}", path.display())]
@@ -242,15 +205,32 @@ pub enum ConfigError {
     },
 }
 
-/// A duration in `range`, else `expected`.
+/// A duration in `range`, else what it takes, written from the range with `seconds` (which
+/// is also the first example with a unit) and `more` as examples.
 pub(crate) fn duration(
     range: RangeInclusive<Duration>,
-    expected: &'static str,
+    seconds: u64,
+    more: &str,
 ) -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync + 'static {
+    let text = |d: Duration| match d.as_millis() {
+        ms if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
+        ms if ms % 60_000 == 0 => format!("{}m", ms / 60_000),
+        ms if ms % 1000 == 0 => format!("{}s", ms / 1000),
+        ms => format!("{ms}ms"),
+    };
+    let what = match (*range.start(), *range.end()) {
+        (Duration::ZERO, Duration::MAX) => "duration".to_owned(),
+        (min, Duration::MAX) if min == Duration::from_nanos(1) => "positive duration".to_owned(),
+        (min, Duration::MAX) => format!("duration of at least {}", text(min)),
+        (min, max) => format!("duration from {} to {}", text(min), text(max)),
+    };
+    let expected = format!(
+        "expected a {what}: seconds ({seconds}) or a number with a unit ms, s, m or h \
+         ({seconds}s, {more})"
+    );
     move |value| {
-        parse_duration(value)
-            .filter(|d| range.contains(d))
-            .ok_or_else(|| expected.to_owned())
+        let d = parse_duration(value).filter(|d| range.contains(d));
+        d.ok_or_else(|| expected.clone())
     }
 }
 
@@ -258,49 +238,35 @@ pub(crate) fn duration(
 /// parser of every subcommand (humantime takes neither `300` nor `1.5s`).
 pub fn parse_duration(value: &str) -> Option<Duration> {
     let s = value.trim();
-    if s.is_empty() {
-        return None;
-    }
     if let Ok(secs) = s.parse::<u64>() {
         return Some(Duration::from_secs(secs));
     }
-    let mut total = Duration::ZERO;
-    let mut rest = s;
+    // Numbers (digits and a dot inside), each followed by its unit.
+    fn split(s: &str, number: bool) -> (&str, &str) {
+        let end = s.find(|c: char| (c.is_ascii_digit() || c == '.') != number);
+        s.split_at(end.unwrap_or(s.len()))
+    }
+    let units = [("ms", 0.001), ("s", 1.0), ("m", 60.0), ("h", 3600.0)];
+    let (mut total, mut rest) = (Duration::ZERO, s);
     while !rest.is_empty() {
-        let number_len = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(rest.len());
-        let (number, tail) = rest.split_at(number_len);
-        if number.is_empty() || number.starts_with('.') || number.ends_with('.') {
-            return None;
-        }
-        let unit_len = tail
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(tail.len());
-        let (unit, tail) = tail.split_at(unit_len);
-        let unit_secs = match unit {
-            "ms" => 0.001,
-            "s" => 1.0,
-            "m" => 60.0,
-            "h" => 3600.0,
-            _ => return None,
-        };
-        let number: f64 = number.parse().ok()?;
+        let (number, tail) = split(rest, true);
+        let (unit, tail) = split(tail, false);
+        let (_, unit_secs) = units.into_iter().find(|(name, _)| *name == unit)?;
+        let inside = !number.starts_with('.') && !number.ends_with('.');
+        let number: f64 = number.parse().ok().filter(|_| inside)?;
         total = total.checked_add(Duration::try_from_secs_f64(number * unit_secs).ok()?)?;
         rest = tail;
     }
-    Some(total)
+    (!s.is_empty()).then_some(total)
 }
 
 /// Parses `argv` with `command`; if the subcommand given has a `config` argument that names a
 /// file, parses again with the file's values as the defaults of that subcommand's flags,
 /// beneath the flags and the environment. clap's own errors (and `--help`) exit as with
-/// `get_matches`. An item of a list setting may hold no comma (clap would split it there):
-/// `list_item` says what an item is.
+/// `get_matches`. `list_item` says what an item of a list setting is (it holds no comma).
 ///
 /// # Errors
-/// [`ConfigError`] for a file that cannot be read or parsed, holds an unknown key or a value
-/// of a type its setting cannot take.
+/// [`ConfigError`] for a file that cannot be read or parsed, or holds a setting it cannot.
 pub fn parse_layered(
     command: clap::Command,
     argv: &[OsString],
@@ -314,7 +280,7 @@ pub fn parse_layered(
         return Ok(matches);
     };
     let declared = command.find_subcommand(name).expect("the subcommand given");
-    let file = read_file(path, declared, list_item)?;
+    let file = read_file(path, &settings_of(declared), list_item)?;
     let command = command.mut_subcommand(name, |mut subcommand| {
         for (key, values) in file {
             subcommand = subcommand.mut_arg(key, |arg| arg.default_values(values));
@@ -324,11 +290,11 @@ pub fn parse_layered(
     Ok(command.get_matches_from(argv))
 }
 
-/// Reads the config file: a TOML table whose keys are settings `declared` (but `config`), each
-/// value as the strings a flag would give (one, or the items of a list setting).
+/// Reads the config file: a TOML table whose keys are `settings`, each value as the strings a
+/// flag would give (one, or the items of a list setting).
 fn read_file(
     path: &Path,
-    declared: &clap::Command,
+    settings: &[clap::Arg],
     list_item: &str,
 ) -> Result<Vec<(String, Vec<String>)>, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
@@ -339,20 +305,15 @@ fn read_file(
         path: path.to_owned(),
         message: err.message().to_owned() + &location(&text, err.span()),
     })?;
-    let settings: Vec<_> = declared
-        .get_arguments()
-        .filter(|arg| arg.get_id() != "config")
-        .collect();
     let mut values = Vec::with_capacity(table.len());
     for (key, value) in table {
         let Some(arg) = settings.iter().find(|arg| arg.get_id() == key.as_str()) else {
+            let accepted = settings.iter().map(|a| a.get_id().to_string()).collect();
+            let path = path.to_owned();
             return Err(ConfigError::UnknownKey {
-                path: path.to_owned(),
+                path,
                 key,
-                accepted: settings
-                    .iter()
-                    .map(|arg| arg.get_id().to_string())
-                    .collect(),
+                accepted,
             });
         };
         // The declaration says what the setting takes: a list (a value delimiter), a switch
@@ -368,7 +329,7 @@ fn read_file(
             } else {
                 value.to_string()
             },
-            origin: ValueOrigin::File(path.to_owned()),
+            origin: in_file(path),
             expected,
         };
         let strings = match value {
@@ -376,38 +337,32 @@ fn read_file(
             toml::Value::Integer(n) if !is_secret => vec![n.to_string()],
             toml::Value::Boolean(b) if is_switch => vec![b.to_string()],
             toml::Value::Array(items) if !is_secret => {
-                let items = items
-                    .into_iter()
-                    .map(|item| match item {
-                        // clap splits a list's items at commas: an item holds none.
-                        toml::Value::String(s) if is_list && s.contains(',') => {
-                            Err(invalid(&s.trim(), list_item.to_owned()))
-                        }
-                        toml::Value::String(s) => Ok(s),
-                        other => Err(invalid(
-                            &other,
-                            format!("expected a list of strings, not of {}", other.type_str()),
-                        )),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                if is_list {
-                    items
-                } else {
-                    vec![items.join(",")]
+                let mut strings = Vec::with_capacity(items.len());
+                for item in items {
+                    let toml::Value::String(s) = item else {
+                        let of = item.type_str();
+                        let expected = format!("expected a list of strings, not of {of}");
+                        return Err(invalid(&item, expected));
+                    };
+                    // clap splits a list's items at commas: an item holds none.
+                    if is_list && s.contains(',') {
+                        return Err(invalid(&s.trim(), list_item.to_owned()));
+                    }
+                    strings.push(s);
                 }
+                if !is_list {
+                    strings = vec![strings.join(",")];
+                }
+                strings
             }
             other => {
-                let expected = if is_secret {
-                    format!("expected a string, not {}", other.type_str())
-                } else if is_list {
-                    format!(
-                        "expected a list of names, such as [\"llama-70b\", \"mixtral\"], not {}",
-                        other.type_str()
-                    )
-                } else {
-                    format!("expected a string or a number, not {}", other.type_str())
+                let expected = match (is_secret, is_list) {
+                    (true, _) => "expected a string",
+                    (_, true) => "expected a list of names, such as [\"llama-70b\", \"mixtral\"]",
+                    _ => "expected a string or a number",
                 };
-                return Err(invalid(&other, expected));
+                let of = other.type_str();
+                return Err(invalid(&other, format!("{expected}, not {of}")));
             }
         };
         values.push((key, strings));
@@ -415,7 +370,7 @@ fn read_file(
     Ok(values)
 }
 
-/// " at line L, column C" for a byte span of `text`.
+/// " (at line L, column C)" for a byte span of `text`.
 fn location(text: &str, span: Option<std::ops::Range<usize>>) -> String {
     let Some(span) = span else {
         return String::new();
