@@ -177,3 +177,71 @@ async fn pump(
         _ = &mut writer => {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOUND: Duration = Duration::from_secs(5);
+
+    /// An upstream that hands each accepted connection to the test.
+    async fn upstream() -> (SocketAddr, mpsc::Receiver<TcpStream>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                if tx.send(stream).await.is_err() {
+                    return;
+                }
+            }
+        });
+        (addr, rx)
+    }
+
+    async fn read_exact(stream: &mut TcpStream, n: usize) -> Vec<u8> {
+        let mut buf = vec![0; n];
+        tokio::time::timeout(BOUND, stream.read_exact(&mut buf))
+            .await
+            .expect("in time")
+            .expect("read");
+        buf
+    }
+
+    #[tokio::test]
+    async fn forwards_holds_while_partitioned_and_closes_on_drop() {
+        let (addr, mut accepted) = upstream().await;
+        let proxy = TcpProxy::start(addr).await.unwrap();
+        let mut client = TcpStream::connect(proxy.addr()).await.unwrap();
+        client.write_all(b"ping").await.unwrap();
+        let mut server = tokio::time::timeout(BOUND, accepted.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(read_exact(&mut server, 4).await, b"ping");
+        server.write_all(b"pong").await.unwrap();
+        assert_eq!(read_exact(&mut client, 4).await, b"pong");
+
+        // Partitioned: what is sent waits, in order, and arrives once healed.
+        proxy.set_partitioned(true);
+        client.write_all(b"held").await.unwrap();
+        let mut byte = [0u8; 1];
+        let early = tokio::time::timeout(Duration::from_millis(200), server.read(&mut byte)).await;
+        assert!(early.is_err(), "nothing passes a partition: {early:?}");
+        proxy.set_partitioned(false);
+        assert_eq!(read_exact(&mut server, 4).await, b"held");
+
+        // A delay shifts the stream, it does not lose or reorder it.
+        proxy.set_upstream_delay(Duration::from_millis(50));
+        client.write_all(b"late").await.unwrap();
+        assert_eq!(read_exact(&mut server, 4).await, b"late");
+
+        // Dropping the proxy ends its tasks: both ends see the connection close.
+        drop(proxy);
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(BOUND, client.read_to_end(&mut rest)).await;
+        assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+        let closed = tokio::time::timeout(BOUND, server.read_to_end(&mut rest)).await;
+        assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "{closed:?}");
+    }
+}
