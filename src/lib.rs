@@ -80,6 +80,7 @@ pub use durable::{
 pub use durable::{snapshot_bucket, snapshot_lock_bucket};
 pub use ingress::{
     Applied, AppliedHook, ApplyConfig, BatchOutcome, EventApplier, NatsIngress, StartIngressError,
+    PROBE_SUBJECTS,
 };
 pub use lease::{
     LeaseConfig, LeaseRecord, LeaseState, LeaseStats, Reaper, RequestLeaseManager, ScanReport,

@@ -66,6 +66,16 @@ async fn workers_publish_only_as_themselves_and_routers_only_subscribe() {
     )
     .await;
 
+    // The start confirmed its subscription with a message to itself, which the router user
+    // may send: the server refused nothing.
+    let conf = std::fs::read_to_string(config_path()).unwrap();
+    assert!(
+        conf.contains(lease_router::PROBE_SUBJECTS),
+        "deploy/nats/permissions.conf grants {}",
+        lease_router::PROBE_SUBJECTS
+    );
+    assert_eq!(router_conn.stats().server_errors(), 0);
+
     // A raw subscription of the router user too: what the server delivers at all.
     let mut tap = router_conn
         .client()

@@ -39,7 +39,10 @@ pub(crate) const BURST: usize = 256;
 /// Bursts that may wait between receiving and applying.
 const PIPELINE_BATCHES: usize = 8;
 /// How long a start waits for the server to confirm its subscription.
-const CONFIRM_BOUND: Duration = Duration::from_secs(5);
+const CONFIRM_BOUND: Duration = Duration::from_secs(2);
+/// The subjects a core-mode router publishes to itself, once per start, to learn that the
+/// server has its subscription (a router's NATS user needs publish and subscribe on them).
+pub const PROBE_SUBJECTS: &str = "_LEASE_ROUTER.probe.*";
 
 /// Why the ingress could not start.
 #[derive(Debug, thiserror::Error)]
@@ -194,24 +197,28 @@ impl Pipe {
 /// Waits until the server has read everything `client` sent before: `flush` only empties the
 /// socket's buffer, so a publisher on another connection could still beat our SUB to the
 /// server. A message to a subject of our own comes back only once the server has read what
-/// came before it (it reads a connection in order). Needs echo (the NATS default) and the
-/// right to use `_INBOX.>`; without them the start goes on unconfirmed, as before.
+/// came before it (it reads a connection in order). It needs echo (the NATS default) and,
+/// under subject permissions, publish and subscribe rights on [`PROBE_SUBJECTS`]; without
+/// them the start goes on unconfirmed, as before, after `bound`.
 async fn confirm_read(client: &async_nats::Client, bound: Duration) -> Result<(), String> {
-    let probe = client.new_inbox();
+    let probe = PROBE_SUBJECTS.replace('*', &format!("{:016x}", rand::random::<u64>()));
     let mut echo = client
         .subscribe(probe.clone())
         .await
-        .map_err(|e| format!("subscribing to the probe failed: {e}"))?;
+        .map_err(|e| format!("subscribing to {probe} failed: {e}"))?;
     client
-        .publish(probe, bytes::Bytes::new())
+        .publish(probe.clone(), bytes::Bytes::new())
         .await
-        .map_err(|e| format!("publishing the probe failed: {e}"))?;
+        .map_err(|e| format!("publishing to {probe} failed: {e}"))?;
     let outcome = match tokio::time::timeout(bound, echo.next()).await {
         Ok(Some(_)) => Ok(()),
-        Ok(None) => Err("the probe's subscription closed".to_owned()),
-        Err(_) => Err(format!("the probe did not come back within {bound:?}")),
+        Ok(None) => Err(format!("the subscription to {probe} closed")),
+        Err(_) => Err(format!(
+            "nothing came back on {probe} within {bound:?} (a NATS user needs publish and \
+             subscribe rights on {PROBE_SUBJECTS}, see deploy/nats/permissions.conf)"
+        )),
     };
-    // Best effort: a failed unsubscribe leaves one idle inbox subscription behind.
+    // Best effort: a failed unsubscribe leaves one idle subscription behind.
     let _ = echo.unsubscribe().await;
     outcome
 }
