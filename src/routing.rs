@@ -527,3 +527,31 @@ fn cheapest<'a>(
     }
     (kept > 0).then(|| (best[0].worker, best[..kept].to_vec()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each policy's name is its JSON name, and it parses back; anything else is refused,
+    /// with the names that are accepted.
+    #[test]
+    fn policy_names_round_trip() {
+        for policy in RoutePolicy::ALL {
+            let json = serde_json::to_string(&policy).unwrap();
+            assert_eq!(json, format!("\"{}\"", policy.as_str()));
+            assert_eq!(policy.as_str().parse::<RoutePolicy>().unwrap(), policy);
+        }
+        let names: std::collections::HashSet<_> =
+            RoutePolicy::ALL.iter().map(|p| p.as_str()).collect();
+        assert_eq!(names.len(), RoutePolicy::ALL.len(), "distinct names");
+        let err = "fastest".parse::<RoutePolicy>().unwrap_err().to_string();
+        assert!(err.contains("\"fastest\""), "{err}");
+        for policy in RoutePolicy::ALL {
+            assert!(
+                err.contains(policy.as_str()),
+                "{err} lacks {}",
+                policy.as_str()
+            );
+        }
+    }
+}
