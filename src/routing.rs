@@ -554,4 +554,142 @@ mod tests {
             );
         }
     }
+
+    /// What each builder sets, each accessor reads back.
+    #[test]
+    fn builders_set_what_accessors_read() {
+        let weights = CostWeights::default().with_prefill(2.5).with_kv(0.75);
+        assert_eq!((weights.prefill(), weights.kv()), (2.5, 0.75));
+        let config = RoutingConfig::default()
+            .with_policy(RoutePolicy::RoundRobin)
+            .with_weights(weights)
+            .with_worker_idle(Duration::from_secs(7))
+            .with_seed(42);
+        assert_eq!(config.policy(), RoutePolicy::RoundRobin);
+        assert_eq!(config.weights(), weights);
+        assert_eq!(config.worker_idle(), Some(Duration::from_secs(7)));
+        assert_eq!(config.seed(), Some(42));
+        assert_eq!(RoutingConfig::default().seed(), None);
+    }
+
+    #[test]
+    fn weights_and_requests_are_checked_at_their_bounds() {
+        let w = CostWeights::default();
+        assert!(
+            w.with_prefill(0.0).with_kv(0.0).validate().is_ok(),
+            "0 is allowed"
+        );
+        for bad in [-0.1, f64::NAN, f64::INFINITY] {
+            assert!(w.with_prefill(bad).validate().is_err(), "prefill {bad}");
+            assert!(w.with_kv(bad).validate().is_err(), "kv {bad}");
+        }
+        let request = |prompt, cached| RouteRequest {
+            request_id: RequestId::from("r"),
+            prompt_tokens: prompt,
+            cached_tokens: Some(cached),
+            expected_output_tokens: None,
+        };
+        assert!(request(10, 10).validate().is_ok(), "all cached is fine");
+        assert!(request(10, 11).validate().is_err());
+    }
+
+    #[test]
+    fn outcome_labels() {
+        let labels: Vec<_> = RouteOutcome::ALL.iter().map(|o| o.as_str()).collect();
+        assert_eq!(labels, ["routed", "no_workers", "invalid", "refused"]);
+    }
+
+    /// The module docs' cost: weighted prefill waiting (with the request's uncached prompt)
+    /// plus weighted KV held (with its whole prompt).
+    #[test]
+    fn cost_adds_the_request_to_the_load() {
+        let load = WorkerLoad {
+            prefill_tokens: 100,
+            kv_tokens: 400,
+            ..WorkerLoad::default()
+        };
+        let request = RequestLoad::new(50, None).with_cached_tokens(10);
+        let weights = CostWeights::default().with_prefill(1.0).with_kv(0.25);
+        assert_eq!(cost(weights, &load, &request), 140.0 + 0.25 * 450.0);
+    }
+
+    fn sums(prefill: u32) -> LoadSums {
+        let mut sums = LoadSums::default();
+        sums.add(1, RequestLoad::new(prefill, None).into());
+        sums
+    }
+
+    fn chooser(policy: RoutePolicy) -> Chooser {
+        let mut chooser = Chooser::new();
+        chooser.set_config(RoutingConfig::default().with_policy(policy).with_seed(7));
+        chooser
+    }
+
+    #[test]
+    fn no_member_no_choice_and_one_member_is_chosen_by_every_policy() {
+        let request = RequestLoad::new(10, None);
+        let one = [(WorkerWithDpRank::new(3, 0), sums(5))];
+        for policy in RoutePolicy::ALL {
+            let mut c = chooser(policy);
+            let none = c.choose(std::iter::empty(), |_| WorkerLoad::default(), &request);
+            assert!(none.is_none(), "{policy:?}");
+            c.members_changed();
+            let (worker, candidates) = c
+                .choose(
+                    one.iter().map(|(w, s)| (w, s)),
+                    |_| sums(5).load(),
+                    &request,
+                )
+                .unwrap();
+            assert_eq!(worker, one[0].0, "{policy:?}");
+            assert_eq!(candidates.len(), 1, "{policy:?}");
+        }
+    }
+
+    /// Power of two compares two different members, cheaper first, and over many draws
+    /// every member is compared.
+    #[test]
+    fn power_of_two_compares_two_distinct_members() {
+        let members: Vec<_> = (0..3)
+            .map(|w| (WorkerWithDpRank::new(w, 0), sums(100 * (w as u32 + 1))))
+            .collect();
+        let load_of = |w: &WorkerWithDpRank| sums(100 * (w.worker_id.0 as u32 + 1)).load();
+        let mut c = chooser(RoutePolicy::PowerOfTwo);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..200 {
+            let (worker, candidates) = c
+                .choose(
+                    members.iter().map(|(w, s)| (w, s)),
+                    load_of,
+                    &RequestLoad::new(1, None),
+                )
+                .unwrap();
+            assert_eq!(candidates.len(), 2);
+            assert_ne!(candidates[0].worker, candidates[1].worker);
+            assert!(candidates[0].cost <= candidates[1].cost);
+            assert_eq!(worker, candidates[0].worker);
+            seen.extend(candidates.iter().map(|c| c.worker));
+        }
+        assert_eq!(seen.len(), 3, "every member drawn: {seen:?}");
+    }
+
+    /// Weighted cost keeps the cheapest few in order; on a tie the lower worker wins.
+    #[test]
+    fn weighted_cost_orders_by_cost_then_worker() {
+        let members: Vec<_> = [(5, 300), (1, 100), (2, 100), (4, 200)]
+            .into_iter()
+            .map(|(w, prefill)| (WorkerWithDpRank::new(w, 0), sums(prefill)))
+            .collect();
+        let mut c = chooser(RoutePolicy::WeightedCost);
+        let (worker, candidates) = c
+            .choose(
+                members.iter().map(|(w, s)| (w, s)),
+                |_| unreachable!("weighted cost reads the sums it is given"),
+                &RequestLoad::new(1, None),
+            )
+            .unwrap();
+        let order: Vec<u64> = candidates.iter().map(|c| c.worker.worker_id.0).collect();
+        assert_eq!(order, [1, 2, 4, 5]);
+        assert_eq!(worker.worker_id.0, 1);
+    }
 }
