@@ -467,6 +467,23 @@ async fn round_robin_takes_members_in_turn_and_random_only_members() {
     }
 }
 
+/// A worker that speaks after the first decision is in the next turns at once.
+#[tokio::test]
+async fn round_robin_takes_in_a_member_that_joins_later() {
+    let handle = routed(RoutePolicy::RoundRobin, &[worker(1)]).await;
+    let mut turns = Vec::new();
+    let mut turn = async |i: usize| {
+        let decision = handle.route(request(&format!("j{i}"), 1)).await.unwrap();
+        turns.push(decision.worker());
+    };
+    turn(0).await;
+    submit(&handle.cleanup(), &[Op::Seen(worker(2))]);
+    turn(1).await;
+    turn(2).await;
+    drop(turn);
+    assert_eq!(turns, [1, 2, 1].map(worker));
+}
+
 /// The same seed and the same state make the same draws; a different seed, and setting
 /// the seed again mid-run, restart them.
 #[tokio::test]
