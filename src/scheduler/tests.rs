@@ -480,7 +480,6 @@ async fn round_robin_takes_in_a_member_that_joins_later() {
     submit(&handle.cleanup(), &[Op::Seen(worker(2))]);
     turn(1).await;
     turn(2).await;
-    drop(turn);
     assert_eq!(turns, [1, 2, 1].map(worker));
 }
 
