@@ -467,6 +467,27 @@ async fn round_robin_takes_members_in_turn_and_random_only_members() {
     }
 }
 
+/// A leave of a worker never seen changes nothing: it does not become a member.
+#[tokio::test]
+async fn an_unknown_worker_leaving_is_no_member() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    actor.spawn(None, &tracker);
+    submit(
+        &handle.cleanup(),
+        &[
+            Op::Seen(worker(1)),
+            Op::Membership {
+                worker_id: WorkerId(9),
+                dp_rank: None,
+                leaving: true,
+            },
+        ],
+    );
+    assert_eq!(members(&handle.loads().await.unwrap()), vec![worker(1)]);
+    assert_eq!(handle.stats().workers_left, 0);
+}
+
 /// A worker that speaks after the first decision is in the next turns at once.
 #[tokio::test]
 async fn round_robin_takes_in_a_member_that_joins_later() {
