@@ -467,6 +467,45 @@ async fn round_robin_takes_members_in_turn_and_random_only_members() {
     }
 }
 
+/// The idle sweep takes a forgotten worker out of the index policies' turns at once, and
+/// keeps the load of a worker that left with a live booking.
+#[tokio::test]
+async fn the_idle_sweep_updates_the_turns_and_keeps_live_load() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    let idle = Duration::from_millis(200);
+    actor
+        .with_worker_idle(idle)
+        .with_routing(RoutingConfig::default().with_policy(RoutePolicy::RoundRobin))
+        .spawn(None, &tracker);
+    let cleanup = handle.cleanup();
+    let w = weight(10, None);
+    let leave = Op::Membership {
+        worker_id: WorkerId(3),
+        dp_rank: None,
+        leaving: true,
+    };
+    submit(&cleanup, &[Op::Seen(worker(1)), Op::Seen(worker(2))]);
+    submit(&cleanup, &[Op::Book(worker(3), w), leave]);
+    // The first turn goes to worker 1, whose booking keeps it a member.
+    let first = handle.route(request("i0", 1)).await.unwrap().worker();
+    assert_eq!(first, worker(1));
+    tokio::time::sleep(idle + idle / 2).await;
+    handle.loads().await.unwrap();
+    let turns: Vec<_> = [
+        handle.route(request("i1", 1)).await.unwrap().worker(),
+        handle.route(request("i2", 1)).await.unwrap().worker(),
+    ]
+    .into();
+    assert_eq!(turns, [1, 1].map(worker), "worker 2 was forgotten");
+    assert_eq!(handle.stats().workers_forgotten, 1);
+    assert_eq!(
+        handle.load(worker(3)).await.unwrap().active_bookings,
+        1,
+        "a worker that left keeps its live load through the sweep"
+    );
+}
+
 /// A leave of a worker never seen changes nothing: it does not become a member.
 #[tokio::test]
 async fn an_unknown_worker_leaving_is_no_member() {
