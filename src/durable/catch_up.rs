@@ -176,3 +176,57 @@ impl CatchUpState {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the ingress and the snapshot writer record is what the accessors read.
+    #[test]
+    fn the_accessors_read_what_was_recorded() {
+        let state = CatchUpState::new();
+        assert_eq!(state.since_truncation(), None);
+        assert_eq!(state.stream_figures(), None);
+        state.replayed.store(7, Ordering::Relaxed);
+        state.last_stream_sequence.store(42, Ordering::Relaxed);
+        state.truncated(3);
+        state.truncated(2);
+        let figures = StreamFigures {
+            bytes: 100,
+            messages: 5,
+            ..StreamFigures::default()
+        };
+        *state.stream.lock() = Some(figures);
+        state.snapshots.written.store(2, Ordering::Relaxed);
+        state.snapshots.loaded_leases.store(9, Ordering::Relaxed);
+        assert_eq!(state.replayed(), 7);
+        assert_eq!(state.last_stream_sequence(), 42);
+        assert_eq!(state.truncated_events(), 5);
+        assert!(state
+            .since_truncation()
+            .is_some_and(|d| d < Duration::from_secs(60)));
+        assert_eq!(state.stream_figures(), Some(figures));
+        let snapshots = state.snapshot_figures();
+        assert_eq!((snapshots.written, snapshots.loaded_leases), (2, 9));
+    }
+
+    /// `wait` returns once catch-up is done, also for a waiter that came first.
+    #[tokio::test]
+    async fn wait_ends_when_caught_up() {
+        let state = std::sync::Arc::new(CatchUpState::new());
+        let waiter = tokio::spawn({
+            let state = state.clone();
+            async move { state.wait().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        assert!(!state.is_caught_up());
+        state.finish(Instant::now());
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("the waiter ends")
+            .unwrap();
+        assert!(state.is_caught_up());
+        state.wait().await;
+    }
+}
