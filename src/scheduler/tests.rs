@@ -506,6 +506,31 @@ async fn the_idle_sweep_updates_the_turns_and_keeps_live_load() {
     );
 }
 
+/// Setting the routing keeps the idle time; a request refused before it was read is
+/// counted under the policy in force.
+#[tokio::test]
+async fn set_routing_keeps_the_idle_time_and_unread_requests_are_counted() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    let idle = Duration::from_secs(42);
+    actor
+        .with_routing(RoutingConfig::default().with_worker_idle(idle))
+        .spawn(None, &tracker);
+    let routing = RoutingConfig::default()
+        .with_policy(RoutePolicy::RoundRobin)
+        .with_worker_idle(Duration::from_secs(1));
+    handle.set_routing(routing).await.unwrap();
+    let now = handle.routing().await.unwrap();
+    assert_eq!(now.policy(), RoutePolicy::RoundRobin);
+    assert_eq!(now.worker_idle(), Some(idle), "the idle time is kept");
+    handle.count_invalid_request().await;
+    let stats = handle.stats();
+    assert_eq!(
+        stats.decisions(RoutePolicy::RoundRobin, RouteOutcome::Invalid),
+        1
+    );
+}
+
 /// A leave of a worker never seen changes nothing: it does not become a member.
 #[tokio::test]
 async fn an_unknown_worker_leaving_is_no_member() {
