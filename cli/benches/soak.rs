@@ -7,9 +7,11 @@
 //! SOAK_MINUTES=2 SOAK_SEED=7 cargo bench -p lease-router-cli --bench soak
 //! ```
 //!
-//! Not run in CI. It prints the machine first, a line per fault as it happens, a table per
-//! rest and pinned `soak_*=value` lines at the end; it exits 1 when a check fails (the logs
-//! of the replicas and of the NATS nodes are then kept and their directory printed).
+//! Not run in CI, nor by a plain `cargo bench` (`bench = false`: only `--bench soak` runs
+//! it). It prints the machine first, a line per fault as it happens, a table per rest and
+//! pinned `soak_*=value` lines at the end; it exits 1 when a check fails (the logs of the
+//! replicas and of the NATS nodes are then kept and their directory printed; `SOAK_LOG_DIR`
+//! keeps them anyway).
 //!
 //! # What runs
 //!
@@ -24,16 +26,20 @@
 //!   replica), `--nats-ping-interval 2s`.
 //! - **Workers** (`SOAK_WORKERS`, 8, with `SOAK_DP_RANKS`, 2, ranks each), in process: each
 //!   stamps and encodes its own envelopes (publisher id, sequence) and publishes them to the
-//!   stream with `Nats-Msg-Id` = publisher id and sequence, awaiting every acknowledgement
-//!   and re-sending the same bytes until it comes (at most 60 s; a give-up is counted as
-//!   `unacked`). Core subscribers get the same messages. Requests arrive at `SOAK_RATE`
+//!   stream with `Nats-Msg-Id` = publisher id and sequence, one at a time: each is
+//!   acknowledged (the same bytes re-sent until it is, at most 60 s; a give-up is counted as
+//!   `unacked`) before the worker's next goes, so the stream holds each worker's events in
+//!   the order the references applied them (a re-send that lands behind later events could
+//!   outlast the routers' 10 s hold of progress before its admission, a difference of the
+//!   publisher's making). Core subscribers get the same messages. Requests arrive at `SOAK_RATE`
 //!   (50/s) over all workers: `admitted`, `progressed` at prefill and every
 //!   `SOAK_PROGRESS_EVERY` (500 ms), `completed` after an exponential life (mean 2 s, at
 //!   most 10 s); 3% crash (never completed), 2% send their `admitted` or `completed` twice,
-//!   2% send their `admitted` 5-300 ms late (after their progress or even their
-//!   completion). Every `SOAK_WORKER_CRASH_EVERY` (30 s, over the fleet) a random worker
-//!   crashes: its live requests stop where they are, it is down 1-5 s, and it comes back as
-//!   a new publisher whose first event, a `worker_reset`, is acknowledged before it goes on.
+//!   `SOAK_REORDER_SHARE` (2%) send their `admitted` 5 ms to `SOAK_LATE_ADMISSION` (300 ms)
+//!   late (after their progress or even their completion). Every `SOAK_WORKER_CRASH_EVERY`
+//!   (30 s, over the fleet) a random worker crashes: its live requests stop where they are,
+//!   it is down 1-5 s, and it comes back as a new publisher whose first event, a
+//!   `worker_reset`, is acknowledged before it goes on.
 //! - **References**: two in-process `lease_router::Router`s fed every event the moment a
 //!   worker hands it to the client, by `EventApplier::apply` on the same subject and bytes
 //!   (duplicates included), never over the network: `reference-durable` with the durable
@@ -88,6 +94,10 @@
 //! references, `events_received_total = sum(events_applied_total) + sum(events_dropped_total)
 //! + events_held`, exactly (nothing is in flight when it is read).
 //!
+//! **Consumers**: after the comparison, the lease stream's consumers (stream info, over the
+//! cluster) must come down to one per durable replica within 120 s (a killed or reconnected
+//! replica's ordered consumer goes once idle for 30 s).
+//!
 //! **Flat**: each replica's RSS (`/proc/<pid>/status`), threads and `lease_router_live_tasks`
 //! at the second rest against the first. The live tasks must be equal on every replica. RSS
 //! is held to `SOAK_MAX_RSS_GROWTH` (1.5x) on `durable-a`, whose process is the same at both
@@ -125,7 +135,7 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
-use tokio::sync::{mpsc, oneshot, Mutex as AsyncMutex, OwnedMutexGuard, Semaphore};
+use tokio::sync::{mpsc, oneshot, Mutex as AsyncMutex, OwnedMutexGuard};
 use tokio::task::JoinSet;
 use tokio::time::{sleep, sleep_until, timeout, Instant};
 
@@ -142,14 +152,11 @@ const ACK_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long one event is re-sent before it is given up (inside the stream's 120 s
 /// duplicate window, so a late copy is still stored once).
 const SETTLE_DEADLINE: Duration = Duration::from_secs(60);
-/// Events awaiting their acknowledgement, over all workers, at most.
-const MAX_IN_FLIGHT: usize = 50_000;
 /// Longest request life (the drain at rest waits for the longest).
 const MAX_REQUEST_LIFE: Duration = Duration::from_secs(10);
 const MEAN_REQUEST_LIFE: Duration = Duration::from_secs(2);
 const CRASH_SHARE: f64 = 0.03;
 const DUPLICATE_SHARE: f64 = 0.02;
-const REORDER_SHARE: f64 = 0.02;
 const HTTP_TIMEOUT: Duration = Duration::from_secs(5);
 const READY_TIMEOUT: Duration = Duration::from_secs(180);
 const SAMPLE_EVERY: Duration = Duration::from_secs(10);
@@ -171,6 +178,8 @@ struct Settings {
     progress_every: Duration,
     core_scan: Duration,
     cohort: usize,
+    reorder_share: f64,
+    late_admission: Duration,
     max_rss_growth: f64,
     log_dir: Option<PathBuf>,
 }
@@ -251,6 +260,8 @@ impl Settings {
             progress_every: env_duration("SOAK_PROGRESS_EVERY", Duration::from_millis(500)),
             core_scan: env_duration("SOAK_CORE_SCAN", Duration::from_secs(15)),
             cohort: env_u64("SOAK_COHORT", 3) as usize,
+            reorder_share: env_f64("SOAK_REORDER_SHARE", 0.02),
+            late_admission: env_duration("SOAK_LATE_ADMISSION", Duration::from_millis(300)),
             max_rss_growth: env_f64("SOAK_MAX_RSS_GROWTH", 1.5),
             log_dir: env_str("SOAK_LOG_DIR").map(PathBuf::from),
         };
@@ -262,8 +273,10 @@ impl Settings {
             || s.progress_every.is_zero()
             || s.core_scan < Duration::from_secs(2)
             || s.cohort == 0
+            || !(0.0..=1.0).contains(&s.reorder_share)
+            || s.late_admission < Duration::from_millis(6)
         {
-            die("SOAK_FAULT_EVERY, SOAK_WORKER_CRASH_EVERY and SOAK_PROGRESS_EVERY > 0, SOAK_CORE_SCAN >= 2s, SOAK_COHORT > 0");
+            die("SOAK_FAULT_EVERY, SOAK_WORKER_CRASH_EVERY and SOAK_PROGRESS_EVERY > 0, SOAK_CORE_SCAN >= 2s, SOAK_COHORT > 0, SOAK_REORDER_SHARE in 0..=1, SOAK_LATE_ADMISSION >= 6ms");
         }
         s
     }
@@ -692,7 +705,6 @@ struct Bus {
     js: jetstream::Context,
     subjects: Subjects,
     refs: parking_lot::Mutex<References>,
-    permits: Arc<Semaphore>,
     pending: AtomicU64,
     /// Events stamped (one sequence number each).
     events: AtomicU64,
@@ -749,24 +761,16 @@ impl Bus {
         msg_id: String,
         inc_pending: &Arc<AtomicU64>,
     ) {
-        let permit = self
-            .permits
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the semaphore is never closed");
         self.messages.fetch_add(1, Ordering::Relaxed);
         self.pending.fetch_add(1, Ordering::AcqRel);
         inc_pending.fetch_add(1, Ordering::AcqRel);
+        // One at a time: the next event of this worker goes once this one is stored, so a
+        // re-send never lands behind a later event and the stream holds each worker's events
+        // in the order the references applied them.
         let first = self.try_send(&subject, &payload, &msg_id).await;
-        let bus = self.clone();
-        let inc_pending = inc_pending.clone();
-        tokio::spawn(async move {
-            bus.settle(subject, payload, msg_id, first).await;
-            inc_pending.fetch_sub(1, Ordering::AcqRel);
-            bus.pending.fetch_sub(1, Ordering::AcqRel);
-            drop(permit);
-        });
+        self.settle(subject, payload, msg_id, first).await;
+        inc_pending.fetch_sub(1, Ordering::AcqRel);
+        self.pending.fetch_sub(1, Ordering::AcqRel);
     }
 
     async fn try_send(
@@ -932,8 +936,8 @@ impl Worker {
         let dup_admitted = rng.random_bool(DUPLICATE_SHARE / 2.0);
         let dup_completed = rng.random_bool(DUPLICATE_SHARE / 2.0);
         let late_admission = rng
-            .random_bool(REORDER_SHARE)
-            .then(|| uniform(rng, Duration::from_millis(5), Duration::from_millis(300)));
+            .random_bool(self.settings.reorder_share)
+            .then(|| uniform(rng, Duration::from_millis(5), self.settings.late_admission));
         let prefill = uniform(rng, Duration::from_millis(20), Duration::from_millis(300));
         let end = now + life;
         let crash_at = crash.then(|| now + life.mul_f64(rng.random::<f64>()));
@@ -1486,6 +1490,7 @@ struct ReplicaAtRest {
     truncated: u64,
     fallbacks: u64,
     snapshots: u64,
+    snapshot_failures: u64,
     reconnects: u64,
     catchup_s: f64,
     replayed: u64,
@@ -1502,7 +1507,12 @@ struct RestReport {
     reference_core_leases: usize,
     cohort: usize,
     identity_ok: bool,
+    /// Every replica's state equal to its reference's, and the references what the at-rest
+    /// definition says (reference-core: the cohort alone).
+    identical: bool,
     consumers: Option<u64>,
+    /// Seconds until the stream's consumers were one per durable replica.
+    consumers_wait: f64,
 }
 
 struct Soak {
@@ -1655,7 +1665,9 @@ impl Soak {
         let want_core = reference_state(&self.ref_core).await?;
         report.reference_durable_leases = want_durable.0.len();
         report.reference_core_leases = want_core.0.len();
+        let mut definition_ok = true;
         if want_core.0 != cohort_ids {
+            definition_ok = false;
             report.problems.push(format!(
                 "reference-core holds {} leases, the cohort is {}: the quiet wait was too short",
                 want_core.0.len(),
@@ -1663,6 +1675,7 @@ impl Soak {
             ));
         }
         if !cohort_ids.is_subset(&want_durable.0) {
+            definition_ok = false;
             report
                 .problems
                 .push("reference-durable lacks part of the cohort".into());
@@ -1729,6 +1742,8 @@ impl Soak {
             row.truncated = metric_sum(&metrics, "lease_router_stream_truncated_events_total");
             row.fallbacks = metric_sum(&metrics, "lease_router_catchup_snapshot_fallbacks_total");
             row.snapshots = metric_sum(&metrics, "lease_router_snapshots_written_total");
+            row.snapshot_failures =
+                metric_sum(&metrics, "lease_router_snapshot_write_failures_total");
             row.reconnects = metric_plain(&metrics, "lease_router_nats_reconnects_total");
             row.catchup_s = metric_values(
                 &metrics,
@@ -1760,12 +1775,33 @@ impl Soak {
             }
         }
         report.identity_ok = identity_ok;
-        report.consumers = self.consumers().await;
+        report.identical = definition_ok
+            && report.replicas.len() == self.replicas.len()
+            && report.replicas.iter().all(|r| r.identical);
         clock.line(format!(
             "rest {}: compared {:.1}s after the cohort",
             report.label,
             cohort_at.elapsed().as_secs_f64()
         ));
+        // The stream's consumers come down to one per durable replica: those of killed or
+        // reconnected replicas go once idle for the client's inactive threshold (30 s).
+        let durables = self.replicas.iter().filter(|r| r.durable).count() as u64;
+        let since = Instant::now();
+        loop {
+            report.consumers = self.consumers().await;
+            if report.consumers == Some(durables) || since.elapsed() >= Duration::from_secs(120) {
+                break;
+            }
+            sleep(Duration::from_secs(1)).await;
+        }
+        report.consumers_wait = since.elapsed().as_secs_f64();
+        if report.consumers != Some(durables) {
+            report.problems.push(format!(
+                "the stream has {:?} consumers 120 s on, {durables} durable replicas: {}",
+                report.consumers,
+                self.consumer_details().await
+            ));
+        }
         // The cohort ends: traffic can resume on an empty slate of cohort leases.
         let mut ends: BTreeMap<u64, Vec<(LeaseEvent, bool)>> = BTreeMap::new();
         for (request_id, worker_id, dp_rank) in cohort_ids {
@@ -1864,16 +1900,56 @@ impl Soak {
         Some(info.state.consumer_count as u64)
     }
 
-    /// RSS, threads and live tasks now, for the timeline and the maxima.
-    async fn sample(&self, max_rss: &mut BTreeMap<&'static str, u64>) -> String {
+    /// Each consumer of the deployment's stream: name, node, creation, last delivery.
+    async fn consumer_details(&self) -> String {
+        use futures::StreamExt;
+        let name = lease_router::stream_name(&self.bus.subjects);
+        let Ok(Ok(stream)) = timeout(HTTP_TIMEOUT, self.bus.js.get_stream(name)).await else {
+            return "stream info did not answer".into();
+        };
+        let list = timeout(HTTP_TIMEOUT, stream.consumers().collect::<Vec<_>>()).await;
+        let Ok(list) = list else {
+            return "consumer list did not answer".into();
+        };
+        list.into_iter()
+            .map(|c| match c {
+                Ok(c) => format!(
+                    "{} on {:?}: created {}, delivered up to {}, last active {:?}, {} pending, {} pulls waiting",
+                    c.name,
+                    c.cluster.and_then(|k| k.leader),
+                    c.created,
+                    c.delivered.stream_sequence,
+                    c.delivered.last_active.map(|t| t.to_string()),
+                    c.num_pending,
+                    c.num_waiting
+                ),
+                Err(e) => format!("(unreadable: {e})"),
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
+    /// RSS, threads and live tasks now, for the timeline and the maxima; and whether the
+    /// deployment has a newer snapshot.
+    async fn sample(&self, samples: &mut Samples) -> String {
         let mut parts = Vec::new();
+        let now = Instant::now();
         for r in &self.replicas {
             let pid = r.pid.load(Ordering::Acquire);
             let (rss, threads) = proc_status(pid).unwrap_or((0, 0));
-            let max = max_rss.entry(r.name).or_default();
+            let max = samples.max_rss.entry(r.name).or_default();
             *max = (*max).max(rss);
             let tasks = match r.metrics().await {
-                Ok(m) => metric_plain(&m, "lease_router_live_tasks").to_string(),
+                Ok(m) => {
+                    let sequence = metric_sum(&m, "lease_router_snapshot_sequence");
+                    if sequence > samples.snapshot_sequence {
+                        samples.snapshot_sequence = sequence;
+                        let gap = now - samples.snapshot_at;
+                        samples.snapshot_gap_max = samples.snapshot_gap_max.max(gap);
+                        samples.snapshot_at = now;
+                    }
+                    metric_plain(&m, "lease_router_live_tasks").to_string()
+                }
                 Err(_) => "?".into(),
             };
             parts.push(format!(
@@ -1886,26 +1962,38 @@ impl Soak {
     }
 }
 
+/// What the samples during the faults keep.
+struct Samples {
+    max_rss: BTreeMap<&'static str, u64>,
+    /// The newest snapshot's stream sequence any replica reported, and when it first did.
+    snapshot_sequence: u64,
+    snapshot_at: Instant,
+    /// The longest the deployment went without a newer snapshot (to within a sample).
+    snapshot_gap_max: Duration,
+}
+
 fn print_rest(report: &RestReport) {
     println!(
-        "rest {}: {} (cohort {} leases; reference-durable {} leases, reference-core {}; JetStream consumers {})",
+        "rest {}: {}{} (cohort {} leases; reference-durable {} leases, reference-core {}; stream consumers {} after {:.0}s)",
         report.label,
-        if report.ok { "identical" } else { "PROBLEMS" },
+        if report.identical { "identical" } else { "DIFFERENT" },
+        if report.ok { "" } else { ", with problems" },
         report.cohort,
         report.reference_durable_leases,
         report.reference_core_leases,
         report
             .consumers
-            .map_or_else(|| "?".into(), |c| c.to_string())
+            .map_or_else(|| "?".into(), |c| c.to_string()),
+        report.consumers_wait
     );
     println!(
-        "  {:<10} {:>6} {:>7} {:>9} {:>10} {:>10} {:>6} {:>8} {:>7} {:>6} {:>5} {:>6} {:>5} {:>6} {:>5} {:>13}  drops",
+        "  {:<10} {:>6} {:>7} {:>9} {:>10} {:>10} {:>6} {:>8} {:>7} {:>6} {:>5} {:>6} {:>5} {:>6} {:>6} {:>5} {:>13}  drops",
         "replica", "starts", "leases", "identical", "received", "accounted", "held", "rss_MiB",
-        "threads", "tasks", "gaps", "trunc", "fallb", "snaps", "recon", "catchup"
+        "threads", "tasks", "gaps", "trunc", "fallb", "snaps", "snapfl", "recon", "catchup"
     );
     for r in &report.replicas {
         println!(
-            "  {:<10} {:>6} {:>7} {:>9} {:>10} {:>10} {:>6} {:>8.1} {:>7} {:>6} {:>5} {:>6} {:>5} {:>6} {:>5} {:>13}  {}",
+            "  {:<10} {:>6} {:>7} {:>9} {:>10} {:>10} {:>6} {:>8.1} {:>7} {:>6} {:>5} {:>6} {:>5} {:>6} {:>6} {:>5} {:>13}  {}",
             r.name,
             r.starts,
             r.leases,
@@ -1920,6 +2008,7 @@ fn print_rest(report: &RestReport) {
             r.truncated,
             r.fallbacks,
             r.snapshots,
+            r.snapshot_failures,
             r.reconnects,
             format!("{}/{:.2}s", r.replayed, r.catchup_s),
             r.drops
@@ -2010,12 +2099,15 @@ async fn soak(settings: Settings, log_dir: &Path) -> Result<bool, String> {
     let clock = Arc::new(Clock(Instant::now()));
     let mut rng = StdRng::seed_from_u64(settings.seed);
 
-    // The cluster, with its node logs linked where the replicas' logs are.
+    // The cluster; its node logs are copied beside the replicas' at the end, however it
+    // ends (the guard drops before the cluster, which removes their directories).
     let cluster = Arc::new(Cluster::start().await?);
+    let mut copies = Vec::new();
     for node in &cluster.nodes {
         let path = node.server.lock().await.log_path().to_path_buf();
-        let _ = std::os::unix::fs::symlink(path, log_dir.join(format!("nats-n{}.log", node.index)));
+        copies.push((path, log_dir.join(format!("nats-n{}.log", node.index))));
     }
+    let _nats_logs = CopyOnDrop(copies);
     clock.line(format!("cluster formed: {}", cluster.urls().join(",")));
 
     // The replicas, each behind three proxies of its own.
@@ -2144,7 +2236,6 @@ async fn soak(settings: Settings, log_dir: &Path) -> Result<bool, String> {
         js: jetstream::new(connection.client().clone()),
         subjects,
         refs: parking_lot::Mutex::new(references),
-        permits: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
         pending: AtomicU64::new(0),
         events: AtomicU64::new(0),
         messages: AtomicU64::new(0),
@@ -2189,7 +2280,12 @@ async fn soak(settings: Settings, log_dir: &Path) -> Result<bool, String> {
         ref_core_stats,
         rests: 0,
     };
-    let mut max_rss = BTreeMap::new();
+    let mut samples = Samples {
+        max_rss: BTreeMap::new(),
+        snapshot_sequence: 0,
+        snapshot_at: Instant::now(),
+        snapshot_gap_max: Duration::ZERO,
+    };
 
     // Warm-up: traffic and worker crashes, no faults.
     clock.line(format!(
@@ -2233,6 +2329,7 @@ async fn soak(settings: Settings, log_dir: &Path) -> Result<bool, String> {
         settings.fault_every.as_secs_f64()
     ));
     let phase_end = Instant::now() + phase;
+    samples.snapshot_at = Instant::now();
     let mut fault_tasks = JoinSet::new();
     let mut next_fault = Instant::now()
         + exponential(&mut rng, settings.fault_every)
@@ -2255,7 +2352,7 @@ async fn soak(settings: Settings, log_dir: &Path) -> Result<bool, String> {
         }
         if now >= next_sample {
             next_sample = now + SAMPLE_EVERY;
-            let line = soak.sample(&mut max_rss).await;
+            let line = soak.sample(&mut samples).await;
             for r in &replicas {
                 if let Ok(mut state) = r.state.try_lock() {
                     if let Some(status) = state.exited() {
@@ -2320,7 +2417,7 @@ async fn soak(settings: Settings, log_dir: &Path) -> Result<bool, String> {
             a.name,
             mib(a.rss),
             mib(b.rss),
-            mib(max_rss.get(a.name).copied().unwrap_or(0)),
+            mib(samples.max_rss.get(a.name).copied().unwrap_or(0)),
             a.threads,
             b.threads,
             a.live_tasks,
@@ -2353,6 +2450,10 @@ async fn soak(settings: Settings, log_dir: &Path) -> Result<bool, String> {
     println!("soak_fault_errors={}", log.errors.len());
     println!("soak_recovery_max_s={recovery_max:.1}");
     println!(
+        "soak_snapshot_gap_max_s={:.0}",
+        samples.snapshot_gap_max.as_secs_f64()
+    );
+    println!(
         "soak_partitions_seen={} soak_partition_seen_max_s={seen_max:.1}",
         log.partitions_seen.len()
     );
@@ -2374,8 +2475,12 @@ async fn soak(settings: Settings, log_dir: &Path) -> Result<bool, String> {
         "soak_rest_leases_durable={} soak_rest_leases_core={}",
         second.reference_durable_leases, second.reference_core_leases
     );
-    println!("soak_at_rest_identical_before={}", first.ok);
-    println!("soak_at_rest_identical_after={}", second.ok);
+    println!("soak_at_rest_identical_before={}", first.identical);
+    println!("soak_at_rest_identical_after={}", second.identical);
+    println!(
+        "soak_stream_consumers_after={}",
+        second.consumers.map_or(-1, |c| c as i64)
+    );
     println!(
         "soak_accounting_identity_exact={}",
         first.identity_ok && second.identity_ok
@@ -2411,6 +2516,17 @@ async fn soak(settings: Settings, log_dir: &Path) -> Result<bool, String> {
         r.state.lock().await.kill().await;
     }
     Ok(pass)
+}
+
+/// Copies each file to its destination when dropped.
+struct CopyOnDrop(Vec<(PathBuf, PathBuf)>);
+
+impl Drop for CopyOnDrop {
+    fn drop(&mut self) {
+        for (from, to) in &self.0 {
+            let _ = fs::copy(from, to);
+        }
+    }
 }
 
 /// Crashes a random worker every `worker_crash_every` on average until `stop`.
