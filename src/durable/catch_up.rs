@@ -189,6 +189,7 @@ mod tests {
         assert_eq!(state.stream_figures(), None);
         state.replayed.store(7, Ordering::Relaxed);
         state.last_stream_sequence.store(42, Ordering::Relaxed);
+        state.consumer_recreations.store(2, Ordering::Relaxed);
         state.truncated(3);
         state.truncated(2);
         let figures = StreamFigures {
@@ -201,6 +202,7 @@ mod tests {
         state.snapshots.loaded_leases.store(9, Ordering::Relaxed);
         assert_eq!(state.replayed(), 7);
         assert_eq!(state.last_stream_sequence(), 42);
+        assert_eq!(state.consumer_recreations(), 2);
         assert_eq!(state.truncated_events(), 5);
         assert!(state
             .since_truncation()
@@ -221,12 +223,14 @@ mod tests {
         tokio::task::yield_now().await;
         assert!(!waiter.is_finished());
         assert!(!state.is_caught_up());
-        state.finish(Instant::now());
+        assert_eq!(state.duration(), Duration::ZERO, "0 until done");
+        state.finish(Instant::now() - Duration::from_millis(5));
         tokio::time::timeout(Duration::from_secs(5), waiter)
             .await
             .expect("the waiter ends")
             .unwrap();
         assert!(state.is_caught_up());
+        assert!(state.duration() >= Duration::from_millis(5));
         state.wait().await;
     }
 }
