@@ -94,9 +94,11 @@
 //! references, `events_received_total = sum(events_applied_total) + sum(events_dropped_total)
 //! + events_held`, exactly (nothing is in flight when it is read).
 //!
-//! **Consumers**: after the comparison, the lease stream's consumers (stream info, over the
-//! cluster) must come down to one per durable replica within 120 s (a killed or reconnected
-//! replica's ordered consumer goes once idle for 30 s).
+//! **Consumers**: after the comparison, the lease stream's consumers (the consumer list, over
+//! the cluster) must come down to one per durable replica within 120 s (a killed or
+//! reconnected replica's ordered consumer goes once idle for 30 s). The stream state's
+//! `consumer_count` is printed beside it: on nats-server 2.9.10 it can stay above the list
+//! after node restarts.
 //!
 //! **Flat**: each replica's RSS (`/proc/<pid>/status`), threads and `lease_router_live_tasks`
 //! at the second rest against the first. The live tasks must be equal on every replica. RSS
@@ -1511,6 +1513,8 @@ struct RestReport {
     /// definition says (reference-core: the cohort alone).
     identical: bool,
     consumers: Option<u64>,
+    /// The stream state's `consumer_count`.
+    consumer_count: Option<u64>,
     /// Seconds until the stream's consumers were one per durable replica.
     consumers_wait: f64,
 }
@@ -1788,7 +1792,7 @@ impl Soak {
         let durables = self.replicas.iter().filter(|r| r.durable).count() as u64;
         let since = Instant::now();
         loop {
-            report.consumers = self.consumers().await;
+            (report.consumers, report.consumer_count) = self.consumers().await;
             if report.consumers == Some(durables) || since.elapsed() >= Duration::from_secs(120) {
                 break;
             }
@@ -1797,8 +1801,9 @@ impl Soak {
         report.consumers_wait = since.elapsed().as_secs_f64();
         if report.consumers != Some(durables) {
             report.problems.push(format!(
-                "the stream has {:?} consumers 120 s on, {durables} durable replicas: {}",
+                "the stream lists {:?} consumers 120 s on (its state counts {:?}), {durables} durable replicas: {}",
                 report.consumers,
+                report.consumer_count,
                 self.consumer_details().await
             ));
         }
@@ -1888,16 +1893,25 @@ impl Soak {
         out
     }
 
-    /// Consumers of the deployment's stream, over the cluster (the durable replicas' ordered
-    /// consumers; a killed replica's is deleted by the server once it has been idle).
-    async fn consumers(&self) -> Option<u64> {
+    /// Consumers of the deployment's stream as the consumer list names them (the durable
+    /// replicas' ordered consumers; a killed replica's is deleted by the server once it has
+    /// been idle), and as the stream's state counts them.
+    async fn consumers(&self) -> (Option<u64>, Option<u64>) {
+        use futures::StreamExt;
         let name = lease_router::stream_name(&self.bus.subjects);
-        let mut stream = timeout(HTTP_TIMEOUT, self.bus.js.get_stream(name))
+        let Ok(Ok(mut stream)) = timeout(HTTP_TIMEOUT, self.bus.js.get_stream(name)).await else {
+            return (None, None);
+        };
+        let listed = timeout(HTTP_TIMEOUT, stream.consumer_names().collect::<Vec<_>>())
             .await
-            .ok()?
-            .ok()?;
-        let info = timeout(HTTP_TIMEOUT, stream.info()).await.ok()?.ok()?;
-        Some(info.state.consumer_count as u64)
+            .ok()
+            .and_then(|names| names.into_iter().collect::<Result<Vec<_>, _>>().ok())
+            .map(|names| names.len() as u64);
+        let counted = match timeout(HTTP_TIMEOUT, stream.info()).await {
+            Ok(Ok(info)) => Some(info.state.consumer_count as u64),
+            _ => None,
+        };
+        (listed, counted)
     }
 
     /// Each consumer of the deployment's stream: name, node, creation, last delivery.
@@ -1974,7 +1988,7 @@ struct Samples {
 
 fn print_rest(report: &RestReport) {
     println!(
-        "rest {}: {}{} (cohort {} leases; reference-durable {} leases, reference-core {}; stream consumers {} after {:.0}s)",
+        "rest {}: {}{} (cohort {} leases; reference-durable {} leases, reference-core {}; stream consumers {} after {:.0}s, counted {})",
         report.label,
         if report.identical { "identical" } else { "DIFFERENT" },
         if report.ok { "" } else { ", with problems" },
@@ -1984,7 +1998,10 @@ fn print_rest(report: &RestReport) {
         report
             .consumers
             .map_or_else(|| "?".into(), |c| c.to_string()),
-        report.consumers_wait
+        report.consumers_wait,
+        report
+            .consumer_count
+            .map_or_else(|| "?".into(), |c| c.to_string())
     );
     println!(
         "  {:<10} {:>6} {:>7} {:>9} {:>10} {:>10} {:>6} {:>8} {:>7} {:>6} {:>5} {:>6} {:>5} {:>6} {:>6} {:>5} {:>13}  drops",
@@ -2478,8 +2495,9 @@ async fn soak(settings: Settings, log_dir: &Path) -> Result<bool, String> {
     println!("soak_at_rest_identical_before={}", first.identical);
     println!("soak_at_rest_identical_after={}", second.identical);
     println!(
-        "soak_stream_consumers_after={}",
-        second.consumers.map_or(-1, |c| c as i64)
+        "soak_stream_consumers_after={} soak_stream_consumer_count_after={}",
+        second.consumers.map_or(-1, |c| c as i64),
+        second.consumer_count.map_or(-1, |c| c as i64)
     );
     println!(
         "soak_accounting_identity_exact={}",
