@@ -1189,6 +1189,85 @@ async fn a_late_replica_loads_the_newest_snapshot_and_replays_only_what_follows(
     }
 }
 
+/// What the writer held for events out of order is in its snapshot: a replica started from
+/// it judges the late admissions as the writer does. A completion that came before its
+/// admission keeps the request ended (no lease revived), and progress that came before its
+/// admission is applied when the admission comes (its output count in the load).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_replica_keeps_the_writers_tombstones_and_held_progress() {
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let writer = durable_router_with(&conn, "held", snapshotting(), NO_EXPIRY).await;
+    let mut early_progress = progressed("progress-first", 2);
+    early_progress.output_tokens = 9;
+    let before: Vec<LeaseEvent> = vec![
+        admitted("steady", 1, 100).into(),
+        completed("completion-first", 1).into(),
+        early_progress.into(),
+    ];
+    let count = before.len() as u64;
+    let mut publisher = JsPublisher::new(conn.client().clone(), "held", 3);
+    publisher.publish_all(before).await;
+    let catch_up = writer.catch_up.clone();
+    assert!(
+        eventually(BOUND, || async {
+            catch_up.snapshot_figures().last_sequence == count
+        })
+        .await,
+        "a snapshot with both held: {:?}",
+        catch_up.snapshot_figures()
+    );
+    let late = durable_router_with(&conn, "held", snapshotting(), NO_EXPIRY).await;
+    tokio::time::timeout(BOUND, late.catch_up.wait())
+        .await
+        .expect("catches up");
+    assert_eq!(late.catch_up.snapshot_figures().loaded_sequence, count);
+    assert_eq!(
+        late.catch_up.replayed(),
+        0,
+        "everything came from the snapshot"
+    );
+
+    publisher
+        .publish_all(vec![
+            admitted("completion-first", 1, 100).into(),
+            admitted("progress-first", 2, 100).into(),
+        ])
+        .await;
+    let expected: HashSet<String> = ["steady", "progress-first"].map(String::from).into();
+    for (who, h) in [("writer", &writer), ("late", &late)] {
+        let stats = h.stats.clone();
+        assert!(
+            eventually(BOUND, || async { stats.snapshot().received >= 2 }).await,
+            "{who}: {:?}",
+            stats.snapshot()
+        );
+    }
+    let stats = late.stats.clone();
+    assert!(
+        eventually(BOUND, || async {
+            let s = stats.snapshot();
+            s.applied_total() + s.dropped_total() == 2
+        })
+        .await,
+        "late: {:?}",
+        stats.snapshot()
+    );
+    assert_eq!(live_ids(&writer.router), expected, "writer");
+    assert_eq!(live_ids(&late.router), expected, "late: no lease revived");
+    assert_eq!(
+        sorted_loads(&late.router),
+        sorted_loads(&writer.router),
+        "the held output count applied on both"
+    );
+    let s = late.stats.snapshot();
+    assert_eq!(
+        (s.received, s.dropped(DropReason::Stale), s.held),
+        (2, 1, 0),
+        "the revival refused as stale; the restored entries stood for no event here: {s:?}"
+    );
+}
+
 /// A snapshot that is garbage, or cut short, is not trusted: the replica replays the whole
 /// stream, says why and counts it. No snapshot at all is counted as missing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -362,6 +362,7 @@ impl Run {
                     let _ = reply.send(snapshot::Cut {
                         stream_sequence: self.catch_up.last_stream_sequence(),
                         sequences: self.applier.sequence_image(),
+                        reorder: self.applier.reorder_image(),
                     });
                     continue;
                 }
@@ -568,6 +569,7 @@ async fn load_snapshot(
     }
     batch.finish();
     applier.restore_sequences(snapshot.sequences);
+    applier.restore_reorder(snapshot.reorder);
     let header = snapshot.header;
     snapshot::log_loaded(&header);
     state

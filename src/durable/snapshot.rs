@@ -5,7 +5,8 @@
 //! # Layout
 //! Per deployment, a JetStream object store `LEASE_ROUTER_SNAP_{prefix}__{deployment}` holds
 //! one object, `snapshot`: the bytes `LRSNAP01` then MessagePack of [`Snapshot`] (header,
-//! sequence windows, live leases). The object store cuts it into 128 KiB chunks and checks
+//! sequence windows, live leases, then the tombstones and held progress of events that came
+//! out of order: a field that snapshots of earlier versions lack and are read without). The object store cuts it into 128 KiB chunks and checks
 //! its SHA-256 on read; a new snapshot becomes visible only once all its chunks are stored
 //! (its metadata is written last), so a writer killed mid-write leaves the previous one.
 //!
@@ -16,8 +17,8 @@
 //! entry has aged out.
 //!
 //! # A consistent cut without stalling ingest
-//! The ingress hands over, between two bursts, the last stream sequence it applied and its
-//! sequence windows (cheap); the leases are copied afterwards, one shard lock at a time, while
+//! The ingress hands over, between two bursts, the last stream sequence it applied, its
+//! sequence windows and its tombstones and held progress (cheap); the leases are copied afterwards, one shard lock at a time, while
 //! ingest goes on. A lease may so reflect a few events past the cut; replaying from the cut
 //! applies them again, in order, which ends in the same state (a re-sent admission renews, a
 //! completion of an ended lease is held and dropped).
@@ -36,7 +37,7 @@ use tracing::{debug, info, warn};
 
 use super::catch_up::CatchUpState;
 use super::stream::LeaseStreamConfig;
-use crate::ingress::SequenceImage;
+use crate::ingress::{ReorderImage, SequenceImage};
 use crate::lease::{LeaseImage, WeakRequestLeaseManager};
 use crate::router::TaskError;
 use crate::subject::Subjects;
@@ -55,6 +56,9 @@ pub(crate) struct Snapshot {
     pub header: Header,
     pub sequences: SequenceImage,
     pub leases: Vec<LeaseImage>,
+    /// Last, and optional: a snapshot written before it existed still loads.
+    #[serde(default)]
+    pub reorder: ReorderImage,
 }
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -298,6 +302,7 @@ pub(crate) fn check(
 pub(crate) struct Cut {
     pub stream_sequence: u64,
     pub sequences: SequenceImage,
+    pub reorder: ReorderImage,
 }
 
 /// A request for a cut, answered by the ingress task.
@@ -399,6 +404,7 @@ async fn write_one(
         },
         sequences: cut.sequences,
         leases,
+        reorder: cut.reorder,
     };
     let bytes = store.put(snapshot).await.map_err(Stop::Failed)?;
     Ok(Some((cut.stream_sequence, bytes, count)))
@@ -415,4 +421,42 @@ pub(crate) fn log_loaded(header: &Header) {
         leases = header.leases,
         "snapshot loaded: replaying the events after it"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> Header {
+        Header {
+            deployment: "d".into(),
+            stream_sequence: 42,
+            stream_created: 7,
+            written_at_us: 1,
+            leases: 0,
+        }
+    }
+
+    /// Snapshots written before the tombstones and held progress were kept still load:
+    /// a replica upgraded beside older ones is not sent back to a whole replay.
+    #[test]
+    fn a_snapshot_without_the_reorder_field_still_loads() {
+        #[derive(serde::Serialize)]
+        struct Before {
+            header: Header,
+            sequences: SequenceImage,
+            leases: Vec<LeaseImage>,
+        }
+        let mut bytes = MAGIC.to_vec();
+        let before = Before {
+            header: header(),
+            sequences: SequenceImage::default(),
+            leases: Vec::new(),
+        };
+        rmp_serde::encode::write(&mut bytes, &before).unwrap();
+        let loaded = decode(&bytes).expect("loads");
+        assert_eq!(loaded.header.stream_sequence, 42);
+        assert_eq!(loaded.reorder, ReorderImage::default());
+        assert!(decode(&bytes[..bytes.len() - 1]).is_err(), "cut short");
+    }
 }

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use tracing::{debug, warn};
 
-use super::reorder::{ExpiringMap, InsertOutcome};
+use super::reorder::{ExpiringMap, HeldImage, InsertOutcome};
 use super::sequence::{SequenceTracker, SequenceVerdict};
 use crate::lease::{LeaseBatch, WeakRequestLeaseManager};
 use crate::load::RequestLoad;
@@ -112,6 +112,13 @@ impl BatchOutcome {
     pub fn events(&self) -> u32 {
         self.applied + self.held + self.dropped
     }
+}
+
+/// What a snapshot keeps of an [`EventApplier`]'s memory of events out of order.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct ReorderImage {
+    tombstones: HeldImage,
+    held_progress: HeldImage,
 }
 
 /// Applies received events of one deployment to its router, reaching the manager only
@@ -220,6 +227,25 @@ impl EventApplier {
     /// writer judged them.
     pub(crate) fn restore_sequences(&mut self, image: super::sequence::SequenceImage) {
         self.sequences.restore(image);
+    }
+
+    /// The tombstones and held progress, for a snapshot: without them a replica started
+    /// from it would let a late admission revive a request the writer saw complete, and
+    /// lose the progress that came before its admission.
+    pub(crate) fn reorder_image(&self) -> ReorderImage {
+        let now = tokio::time::Instant::now();
+        ReorderImage {
+            tombstones: self.tombstones.image(now),
+            held_progress: self.held_progress.image(now),
+        }
+    }
+
+    /// Takes a snapshot's tombstones and held progress (standing for no event of this
+    /// replica: the writer counted them).
+    pub(crate) fn restore_reorder(&mut self, image: ReorderImage) {
+        let now = tokio::time::Instant::now();
+        self.tombstones.restore(image.tombstones, now);
+        self.held_progress.restore(image.held_progress, now);
     }
 
     /// Whether publish-to-apply lag is recorded: not while replaying old events.
@@ -473,13 +499,13 @@ impl EventApplier {
         let worker = e.worker();
         let load = e.load();
         let request_id = e.request_id.as_str();
-        let completions = self.tombstones.take(request_id, worker);
-        if completions > 0 {
+        if let Some(completions) = self.tombstones.take(request_id, worker) {
             debug!(request_id, worker = %worker, "ignored an admission that arrived after its completion");
             // The held completion has done its work: the request it ended stays ended.
             self.counts.applied_n(EventKind::Completed, completions);
             let progress = self.held_progress.take(request_id, worker);
-            self.counts.dropped_n(DropReason::Stale, progress);
+            self.counts
+                .dropped_n(DropReason::Stale, progress.unwrap_or(0));
             return Ok(Applied::Dropped(DropReason::Stale));
         }
         // A re-sent admission of a live lease renews it; otherwise this is a new attempt.
@@ -488,13 +514,15 @@ impl EventApplier {
                 // Refused by the manager's max_active_leases (counted there as refused_full);
                 // progress held for it would wait for nothing.
                 let progress = self.held_progress.take(request_id, worker);
-                self.counts.dropped_n(DropReason::Overflow, progress);
+                self.counts
+                    .dropped_n(DropReason::Overflow, progress.unwrap_or(0));
                 return Ok(Applied::Dropped(DropReason::Overflow));
             }
             AdmitOutcome::Registered | AdmitOutcome::Duplicate | AdmitOutcome::Superseded => {}
         }
-        let (progress, output_tokens) = self.held_progress.take_progress(request_id, worker);
-        if progress > 0 {
+        if let Some((progress, output_tokens)) =
+            self.held_progress.take_progress(request_id, worker)
+        {
             // One touch applies them all, as touches between two scans coalesce, with the
             // highest output count they carried (the count never goes backwards anyway).
             match self.progress_current(request_id, worker, output_tokens) {
@@ -535,7 +563,8 @@ impl EventApplier {
             None => {
                 // Progress held for a request that ended: there is nothing left to renew.
                 let progress = self.held_progress.take(&e.request_id, worker);
-                self.counts.dropped_n(DropReason::Stale, progress);
+                self.counts
+                    .dropped_n(DropReason::Stale, progress.unwrap_or(0));
                 let request_id = RequestId::from(e.request_id);
                 Ok(self.hold(Hold::Tombstone, request_id, worker))
             }

@@ -24,6 +24,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
+pub(crate) use apply::ReorderImage;
 pub use apply::{Applied, ApplyConfig, BatchOutcome, EventApplier};
 pub(crate) use sequence::SequenceImage;
 

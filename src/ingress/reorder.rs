@@ -3,6 +3,9 @@
 //!
 //! Each entry counts the events it stands for, and every way out (taken, expired, evicted,
 //! displaced, forgotten) reports that count: the applier accounts each held event exactly once.
+//! An entry restored from a snapshot ([`HeldImage`]) stands for no event of this replica (the
+//! writer received and counted them) but acts as the writer's did: a late replica judges a
+//! late admission as the replica that heard the early completion.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -60,6 +63,14 @@ pub(super) enum InsertOutcome {
     },
 }
 
+/// What a snapshot keeps of an [`ExpiringMap`]: its live entries in expiry order, each with
+/// the time it had left.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct HeldImage {
+    /// `(request id, worker, dp rank, milliseconds left, output tokens)`.
+    entries: Vec<(String, u64, u32, u64, u32)>,
+}
+
 impl ExpiringMap {
     pub(super) fn new(ttl: Duration, capacity: usize) -> Self {
         Self {
@@ -76,6 +87,60 @@ impl ExpiringMap {
     /// Events held by all entries (expired ones not yet removed included).
     pub(super) fn events(&self) -> u64 {
         self.events
+    }
+
+    /// The live entries, for a snapshot.
+    pub(super) fn image(&self, now: Instant) -> HeldImage {
+        let entries = self
+            .order
+            .iter()
+            .filter_map(|(id, _, slot)| {
+                let e = self.entries.get(id).filter(|e| e.slot == *slot)?;
+                let left = e.expires.checked_duration_since(now)?;
+                if left.is_zero() {
+                    return None;
+                }
+                let left_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1);
+                Some((
+                    id.as_str().to_owned(),
+                    e.worker.worker_id.0,
+                    e.worker.dp_rank.0,
+                    left_ms,
+                    e.output_tokens,
+                ))
+            })
+            .collect();
+        HeldImage { entries }
+    }
+
+    /// Adds a snapshot's entries, each for the time it had left (at most the TTL), standing
+    /// for no event of this replica. Within the bound: past it the oldest are left out.
+    pub(super) fn restore(&mut self, image: HeldImage, now: Instant) {
+        let room = self.capacity.saturating_sub(self.entries.len());
+        let skip = image.entries.len().saturating_sub(room);
+        for (id, worker, rank, left_ms, output_tokens) in image.entries.into_iter().skip(skip) {
+            let request_id = RequestId::from(id);
+            if self.entries.contains_key(&request_id) {
+                continue;
+            }
+            let expires = now + Duration::from_millis(left_ms).min(self.ttl);
+            let slot = self.next_slot;
+            self.next_slot += 1;
+            self.order.push_back((request_id.clone(), expires, slot));
+            let entry = Entry {
+                worker: WorkerWithDpRank::new(worker, rank),
+                expires,
+                slot,
+                events: 0,
+                output_tokens,
+            };
+            self.entries.insert(request_id, entry);
+        }
+        // The queue must stay in expiry order (expiring pops its front), also where the
+        // snapshot's entries join entries of this replica or come capped by a shorter TTL.
+        self.order
+            .make_contiguous()
+            .sort_by_key(|(_, expires, slot)| (*expires, *slot));
     }
 
     /// Events of the entries that expired since the last call.
@@ -125,11 +190,13 @@ impl ExpiringMap {
             }
             None if self.entries.len() >= self.capacity => {
                 // Slots of taken or renewed entries are skipped: one live entry must go.
-                let mut evicted = 0;
-                while evicted == 0 && !self.order.is_empty() {
+                let mut evicted = None;
+                while evicted.is_none() && !self.order.is_empty() {
                     evicted = self.pop_oldest();
                 }
-                outcome = InsertOutcome::EvictedOldest { events: evicted };
+                outcome = InsertOutcome::EvictedOldest {
+                    events: evicted.unwrap_or(0),
+                };
             }
             None => {}
         }
@@ -156,9 +223,10 @@ impl ExpiringMap {
     }
 
     /// Takes the live entry of `request_id` if it names `worker`: how many events it stood
-    /// for (0: none).
-    pub(super) fn take(&mut self, request_id: &str, worker: WorkerWithDpRank) -> u64 {
-        self.take_progress(request_id, worker).0
+    /// for (`None`: there was none; `Some(0)`: one restored from a snapshot).
+    pub(super) fn take(&mut self, request_id: &str, worker: WorkerWithDpRank) -> Option<u64> {
+        self.take_progress(request_id, worker)
+            .map(|(events, _)| events)
     }
 
     /// [`ExpiringMap::take`], with the highest output token count the entry held.
@@ -166,10 +234,10 @@ impl ExpiringMap {
         &mut self,
         request_id: &str,
         worker: WorkerWithDpRank,
-    ) -> (u64, u32) {
+    ) -> Option<(u64, u32)> {
         if self.entries.is_empty() {
             // The common case, on every admission: no clock read.
-            return (0, 0);
+            return None;
         }
         self.expire(Instant::now());
         match self.entries.get(request_id) {
@@ -177,9 +245,9 @@ impl ExpiringMap {
                 let taken = (entry.events, entry.output_tokens);
                 self.entries.remove(request_id);
                 self.events -= taken.0;
-                taken
+                Some(taken)
             }
-            _ => (0, 0),
+            _ => None,
         }
     }
 
@@ -213,19 +281,18 @@ impl ExpiringMap {
             if *expires > now {
                 break;
             }
-            let events = self.pop_oldest();
-            self.expired += events;
-            expired += usize::from(events > 0);
+            if let Some(events) = self.pop_oldest() {
+                self.expired += events;
+                expired += 1;
+            }
         }
         expired
     }
 
     /// Pops the front of the order queue; returns the events of the live entry it removed
-    /// (0: none).
-    fn pop_oldest(&mut self) -> u64 {
-        let Some((request_id, _, slot)) = self.order.pop_front() else {
-            return 0;
-        };
+    /// (`None`: the slot stood for none).
+    fn pop_oldest(&mut self) -> Option<u64> {
+        let (request_id, _, slot) = self.order.pop_front()?;
         // The queue may hold entries already taken or re-inserted later: only remove the
         // map entry this queue slot stands for.
         match self.entries.get(&request_id) {
@@ -233,9 +300,9 @@ impl ExpiringMap {
                 let events = e.events;
                 self.entries.remove(&request_id);
                 self.events -= events;
-                events
+                Some(events)
             }
-            _ => 0,
+            _ => None,
         }
     }
 }
@@ -259,10 +326,10 @@ mod tests {
         assert!(m.contains("a", w(1)));
         assert!(!m.contains("a", w(2)), "another worker's request");
         tokio::time::advance(Duration::from_secs(6)).await;
-        assert_eq!(m.take("a", w(1)), 0, "expired");
+        assert_eq!(m.take("a", w(1)), None, "expired");
         assert_eq!(m.take_expired(), 1, "the expired event is reported once");
         assert_eq!(m.take_expired(), 0);
-        assert_eq!(m.take("b", w(1)), 1);
+        assert_eq!(m.take("b", w(1)), Some(1));
         assert!(m.is_empty());
         assert_eq!(m.events(), 0);
     }
@@ -287,7 +354,7 @@ mod tests {
         );
         assert_eq!(m.events(), 3);
         assert_eq!(m.forget_worker(|x| x == w(3)), 2);
-        assert_eq!(m.take("c", w(1)), 1);
+        assert_eq!(m.take("c", w(1)), Some(1));
         assert_eq!((m.len(), m.events()), (0, 0));
     }
 
@@ -317,7 +384,7 @@ mod tests {
         for i in 0..3 {
             m.insert(format!("r{i}").into(), w(1));
         }
-        assert_eq!(m.take("r0", w(1)), 1);
+        assert_eq!(m.take("r0", w(1)), Some(1));
         assert_eq!(m.insert("r3".into(), w(1)), InsertOutcome::Inserted);
         assert_eq!(
             m.insert("r4".into(), w(1)),
@@ -331,15 +398,80 @@ mod tests {
         }
     }
 
+    /// A snapshot keeps each live entry with the time it had left; the restored entries act
+    /// as the writer's (found, taken with their output count, expiring on time) but stand
+    /// for no event of the replica that restores them.
+    #[tokio::test(start_paused = true)]
+    async fn an_image_restores_the_entries_with_their_time_left_and_no_events() {
+        let mut m = ExpiringMap::new(Duration::from_secs(10), 10);
+        m.insert("a".into(), w(1));
+        tokio::time::advance(Duration::from_secs(4)).await;
+        m.insert_progress("b".into(), WorkerWithDpRank::new(2, 3), 7);
+        m.insert("gone".into(), w(1));
+        m.take("gone", w(1));
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let image = m.image(Instant::now());
+        assert_eq!(
+            image.entries,
+            vec![
+                ("a".to_owned(), 1, 0, 4_000, 0),
+                ("b".to_owned(), 2, 3, 8_000, 7)
+            ],
+            "live entries in expiry order, taken ones left out"
+        );
+
+        let mut late = ExpiringMap::new(Duration::from_secs(10), 10);
+        late.insert("own".into(), w(5));
+        late.restore(image.clone(), Instant::now());
+        assert_eq!(
+            (late.len(), late.events()),
+            (3, 1),
+            "restored entries hold no event"
+        );
+        assert!(late.contains("a", w(1)));
+        assert_eq!(late.take("a", w(2)), None, "another worker's request");
+        tokio::time::advance(Duration::from_millis(3_999)).await;
+        assert!(late.contains("a", w(1)), "just before its time is up");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(late.expire(Instant::now()), 1, "a, at its time");
+        assert_eq!(late.take_expired(), 0, "it stood for no event here");
+        assert_eq!(
+            late.take_progress("b", WorkerWithDpRank::new(2, 3)),
+            Some((0, 7)),
+            "found, with its output count"
+        );
+        assert_eq!(late.take("own", w(5)), Some(1));
+
+        // A shorter TTL caps the time left; the bound keeps the newest entries.
+        let mut short = ExpiringMap::new(Duration::from_secs(1), 10);
+        short.restore(image.clone(), Instant::now());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(short.expire(Instant::now()), 2, "both after the 1 s TTL");
+        let mut small = ExpiringMap::new(Duration::from_secs(10), 1);
+        small.restore(image, Instant::now());
+        assert_eq!(small.len(), 1);
+        assert!(
+            small.contains("b", WorkerWithDpRank::new(2, 3)),
+            "the newest is kept"
+        );
+        assert_eq!(
+            small.insert("c".into(), w(1)),
+            InsertOutcome::EvictedOldest { events: 0 },
+            "a full map of restored entries evicts one of them, no event"
+        );
+        assert_eq!((small.len(), small.events()), (1, 1));
+        assert!(small.contains("c", w(1)));
+    }
+
     #[tokio::test]
     async fn take_names_the_worker() {
         let mut m = ExpiringMap::new(Duration::from_secs(60), 10);
         m.insert("a".into(), w(1));
-        assert_eq!(m.take("a", w(2)), 0, "another worker's entry stays");
+        assert_eq!(m.take("a", w(2)), None, "another worker's entry stays");
         assert!(m.contains("a", w(1)));
-        assert_eq!(m.take("b", w(1)), 0, "unknown");
-        assert_eq!(m.take("a", w(1)), 1);
-        assert_eq!(m.take("a", w(1)), 0, "taken once");
+        assert_eq!(m.take("b", w(1)), None, "unknown");
+        assert_eq!(m.take("a", w(1)), Some(1));
+        assert_eq!(m.take("a", w(1)), None, "taken once");
     }
 
     #[tokio::test(start_paused = true)]
@@ -368,7 +500,7 @@ mod tests {
         assert_eq!((m.len(), m.events()), (1, 1));
         assert!(m.contains("b", w(2)));
         assert_eq!(m.forget_worker(|x| x == w(3)), 0);
-        assert_eq!(m.take("b", w(2)), 1);
+        assert_eq!(m.take("b", w(2)), Some(1));
     }
 
     /// A slot left by an earlier life of the same id (taken, or renewed) must not end the
@@ -443,7 +575,7 @@ mod tests {
                         InsertOutcome::Displaced { events } => left += events,
                     }
                 }
-                6..=8 => left += m.take(&id, worker),
+                6..=8 => left += m.take(&id, worker).unwrap_or(0),
                 9 | 10 => tokio::time::advance(Duration::from_secs(next(4))).await,
                 _ => left += m.forget_worker(|x| x == worker),
             }
