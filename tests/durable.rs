@@ -60,13 +60,30 @@ async fn durable_router_with(
     stream: LeaseStreamConfig,
     scan_interval: Duration,
 ) -> DurableHarness {
+    durable_router_applying(
+        conn,
+        deployment,
+        stream,
+        scan_interval,
+        ApplyConfig::default(),
+    )
+    .await
+}
+
+async fn durable_router_applying(
+    conn: &NatsConnection,
+    deployment: &str,
+    stream: LeaseStreamConfig,
+    scan_interval: Duration,
+    apply: ApplyConfig,
+) -> DurableHarness {
     let stats = Arc::new(IngressStats::new());
     let catch_up = Arc::new(CatchUpState::new());
     let ingress = JetStreamIngress::new(
         conn.client().clone(),
         subjects(deployment),
         stream,
-        ApplyConfig::default(),
+        apply,
         stats.clone(),
         catch_up.clone(),
     );
@@ -1235,24 +1252,18 @@ async fn a_late_replica_keeps_the_writers_tombstones_and_held_progress() {
         ])
         .await;
     let expected: HashSet<String> = ["steady", "progress-first"].map(String::from).into();
-    for (who, h) in [("writer", &writer), ("late", &late)] {
+    for (who, h, received) in [("writer", &writer, count + 2), ("late", &late, 2)] {
         let stats = h.stats.clone();
         assert!(
-            eventually(BOUND, || async { stats.snapshot().received >= 2 }).await,
+            eventually(BOUND, || async {
+                let s = stats.snapshot();
+                s.received == received && s.accounted() == received && s.held == 0
+            })
+            .await,
             "{who}: {:?}",
             stats.snapshot()
         );
     }
-    let stats = late.stats.clone();
-    assert!(
-        eventually(BOUND, || async {
-            let s = stats.snapshot();
-            s.applied_total() + s.dropped_total() == 2
-        })
-        .await,
-        "late: {:?}",
-        stats.snapshot()
-    );
     assert_eq!(live_ids(&writer.router), expected, "writer");
     assert_eq!(live_ids(&late.router), expected, "late: no lease revived");
     assert_eq!(
@@ -1266,6 +1277,68 @@ async fn a_late_replica_keeps_the_writers_tombstones_and_held_progress() {
         (2, 1, 0),
         "the revival refused as stale; the restored entries stood for no event here: {s:?}"
     );
+}
+
+/// In durable mode the holds count on the stream's clock: a replica replaying, in a few
+/// milliseconds, events that the stream stored further apart than the hold judges them as
+/// the replica that heard them live (on the wall clock it would still hold them: the
+/// progress applied, the late admission kept out, and the replicas would differ).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_replica_times_the_holds_as_the_stream_stored_the_events() {
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    const HOLD: Duration = Duration::from_millis(400);
+    let apply = ApplyConfig {
+        tombstone_ttl: HOLD,
+        held_progress_ttl: HOLD,
+        ..ApplyConfig::default()
+    };
+    let live =
+        durable_router_applying(&conn, "clock", stream_config(1), NO_EXPIRY, apply.clone()).await;
+    let mut early_progress = progressed("progress-first", 2);
+    early_progress.output_tokens = 9;
+    let mut publisher = JsPublisher::new(conn.client().clone(), "clock", 3);
+    publisher
+        .publish_all(vec![
+            completed("completion-first", 1).into(),
+            early_progress.into(),
+        ])
+        .await;
+    tokio::time::sleep(HOLD * 3).await;
+    publisher
+        .publish_all(vec![
+            admitted("completion-first", 1, 100).into(),
+            admitted("progress-first", 2, 100).into(),
+        ])
+        .await;
+    let stats = live.stats.clone();
+    assert!(
+        eventually(BOUND, || async {
+            let s = stats.snapshot();
+            s.received == 4 && s.accounted() == 4 && s.held == 0
+        })
+        .await,
+        "{:?}",
+        stats.snapshot()
+    );
+    let both: HashSet<String> = ["completion-first", "progress-first"]
+        .map(String::from)
+        .into();
+    assert_eq!(
+        live_ids(&live.router),
+        both,
+        "the holds ran out before the admissions"
+    );
+
+    let late = durable_router_applying(&conn, "clock", stream_config(1), NO_EXPIRY, apply).await;
+    tokio::time::timeout(BOUND, late.catch_up.wait())
+        .await
+        .expect("catches up");
+    assert_eq!(late.catch_up.replayed(), 4);
+    assert_eq!(live_ids(&late.router), both, "late");
+    assert_eq!(sorted_loads(&late.router), sorted_loads(&live.router));
+    let s = late.stats.snapshot();
+    assert_eq!(s.dropped(DropReason::Unmatched), 2, "{s:?}");
 }
 
 /// A snapshot that is garbage, or cut short, is not trusted: the replica replays the whole

@@ -446,7 +446,12 @@ impl Run {
     /// Applies one stream message.
     fn apply(&mut self, message: &jetstream::Message) -> Step {
         let (sequence, pending) = match message.info() {
-            Ok(info) => (info.stream_sequence, info.pending),
+            Ok(info) => {
+                let stored_us = info.published.unix_timestamp_nanos() / 1_000;
+                self.applier
+                    .set_stream_time(u64::try_from(stored_us).unwrap_or(0));
+                (info.stream_sequence, info.pending)
+            }
             Err(_) => (self.catch_up.last_stream_sequence() + 1, u64::MAX),
         };
         let last = self.catch_up.last_stream_sequence();

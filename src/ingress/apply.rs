@@ -13,6 +13,8 @@ use std::mem;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use tracing::{debug, warn};
 
 use super::reorder::{ExpiringMap, HeldImage, InsertOutcome};
@@ -37,7 +39,10 @@ pub struct ApplyConfig {
     /// Larger batch messages (wire 1.2) are dropped as `oversized`, once each; the events
     /// inside a batch are held to `max_event_bytes` each.
     pub max_batch_bytes: usize,
-    /// How long a completion that beat its admission keeps the late admission out.
+    /// How long a completion that beat its admission keeps the late admission out. This
+    /// and `held_progress_ttl` count on the wall clock in core mode and on the stream's
+    /// clock (when the server stored each event) in durable mode, so that every durable
+    /// replica, however late or fast it reads, holds and expires the same events.
     pub tombstone_ttl: Duration,
     /// Most early completions kept as tombstones; past it the oldest is evicted.
     pub max_tombstones: usize,
@@ -119,6 +124,36 @@ impl BatchOutcome {
 pub(crate) struct ReorderImage {
     tombstones: HeldImage,
     held_progress: HeldImage,
+    /// The stream's clock at the cut, which the entries' times left count from.
+    stream_time_us: Option<u64>,
+}
+
+/// What times the holds (tombstones, progress held for its admission).
+///
+/// Live, the wall clock. A durable replica counts on the stream's clock instead, the time
+/// the server stored each event: every replica then holds and expires the same events,
+/// whenever it reads them (replaying an hour in a second, or catching up after a freeze or
+/// a partition longer than a hold), and a quiet stream keeps what it holds until its next
+/// event (within the bounds).
+#[derive(Clone, Copy, Debug)]
+enum HoldClock {
+    Wall,
+    Stream {
+        /// When the first stream time was heard, and that time.
+        base: Instant,
+        base_us: u64,
+        /// The latest stream time heard (never goes back).
+        latest_us: u64,
+    },
+}
+
+impl HoldClock {
+    fn stream_time_us(&self) -> Option<u64> {
+        match *self {
+            Self::Wall => None,
+            Self::Stream { latest_us, .. } => Some(latest_us),
+        }
+    }
 }
 
 /// Applies received events of one deployment to its router, reaching the manager only
@@ -133,6 +168,7 @@ pub struct EventApplier {
     held_progress: ExpiringMap,
     warn_limit: LogRateLimiter,
     record_lag: bool,
+    hold_clock: HoldClock,
     /// The current batch, if one is open: see [`EventApplier::begin_batch`].
     batch: Option<Batch>,
     /// Per-event counts not yet added to `stats`.
@@ -145,6 +181,8 @@ pub struct EventApplier {
 struct Batch {
     /// The wall clock, read once for all its events.
     clock_us: u64,
+    /// The same, for the holds.
+    instant: Instant,
     /// The manager, upgraded once; `None` once the router is gone.
     leases: Option<LeaseBatch>,
 }
@@ -166,6 +204,7 @@ impl EventApplier {
             held_progress: ExpiringMap::new(config.held_progress_ttl, config.max_held_progress),
             warn_limit: LogRateLimiter::new(Duration::from_secs(5)),
             record_lag: true,
+            hold_clock: HoldClock::Wall,
             batch: None,
             counts: PendingCounts::default(),
             spare_ops: Vec::new(),
@@ -188,6 +227,7 @@ impl EventApplier {
         });
         self.batch = Some(Batch {
             clock_us: wire::unix_micros_now(),
+            instant: Instant::now(),
             leases,
         });
     }
@@ -207,7 +247,7 @@ impl EventApplier {
     /// every flush. One clock read, only while something is held.
     fn flush_counts(&mut self) {
         if !self.tombstones.is_empty() || !self.held_progress.is_empty() {
-            let now = tokio::time::Instant::now();
+            let now = self.hold_now();
             self.tombstones.expire(now);
             self.held_progress.expire(now);
         }
@@ -233,19 +273,53 @@ impl EventApplier {
     /// from it would let a late admission revive a request the writer saw complete, and
     /// lose the progress that came before its admission.
     pub(crate) fn reorder_image(&self) -> ReorderImage {
-        let now = tokio::time::Instant::now();
+        let now = self.hold_now();
         ReorderImage {
             tombstones: self.tombstones.image(now),
             held_progress: self.held_progress.image(now),
+            stream_time_us: self.hold_clock.stream_time_us(),
         }
     }
 
     /// Takes a snapshot's tombstones and held progress (standing for no event of this
     /// replica: the writer counted them).
     pub(crate) fn restore_reorder(&mut self, image: ReorderImage) {
-        let now = tokio::time::Instant::now();
+        if let Some(us) = image.stream_time_us {
+            self.set_stream_time(us);
+        }
+        let now = self.hold_now();
         self.tombstones.restore(image.tombstones, now);
         self.held_progress.restore(image.held_progress, now);
+    }
+
+    /// Times the holds by the stream (see [`HoldClock`]): `unix_us` is when the server
+    /// stored the message about to be applied.
+    pub(crate) fn set_stream_time(&mut self, unix_us: u64) {
+        match &mut self.hold_clock {
+            HoldClock::Wall => {
+                self.hold_clock = HoldClock::Stream {
+                    base: Instant::now(),
+                    base_us: unix_us,
+                    latest_us: unix_us,
+                };
+            }
+            HoldClock::Stream { latest_us, .. } => *latest_us = (*latest_us).max(unix_us),
+        }
+    }
+
+    /// Now, for the holds.
+    fn hold_now(&self) -> Instant {
+        match self.hold_clock {
+            HoldClock::Stream {
+                base,
+                base_us,
+                latest_us,
+            } => base + Duration::from_micros(latest_us.saturating_sub(base_us)),
+            HoldClock::Wall => self
+                .batch
+                .as_ref()
+                .map_or_else(Instant::now, |batch| batch.instant),
+        }
     }
 
     /// Whether publish-to-apply lag is recorded: not while replaying old events.
@@ -438,11 +512,12 @@ impl EventApplier {
 
     fn hold(&mut self, map: Hold, request_id: RequestId, e: WorkerWithDpRank) -> Applied {
         self.stats.reorder_held();
+        let now = self.hold_now();
         let inserted = match map {
-            Hold::Tombstone => self.tombstones.insert(request_id, e),
+            Hold::Tombstone => self.tombstones.insert(request_id, e, now),
             Hold::Progress(output_tokens) => {
                 self.held_progress
-                    .insert_progress(request_id, e, output_tokens)
+                    .insert_progress(request_id, e, output_tokens, now)
             }
         };
         match inserted {
@@ -496,14 +571,15 @@ impl EventApplier {
     }
 
     fn admitted(&mut self, e: Admitted) -> Result<Applied, DeliverEventError> {
+        let now = self.hold_now();
         let worker = e.worker();
         let load = e.load();
         let request_id = e.request_id.as_str();
-        if let Some(completions) = self.tombstones.take(request_id, worker) {
+        if let Some(completions) = self.tombstones.take(request_id, worker, now) {
             debug!(request_id, worker = %worker, "ignored an admission that arrived after its completion");
             // The held completion has done its work: the request it ended stays ended.
             self.counts.applied_n(EventKind::Completed, completions);
-            let progress = self.held_progress.take(request_id, worker);
+            let progress = self.held_progress.take(request_id, worker, now);
             self.counts
                 .dropped_n(DropReason::Stale, progress.unwrap_or(0));
             return Ok(Applied::Dropped(DropReason::Stale));
@@ -513,7 +589,7 @@ impl EventApplier {
             AdmitOutcome::Full => {
                 // Refused by the manager's max_active_leases (counted there as refused_full);
                 // progress held for it would wait for nothing.
-                let progress = self.held_progress.take(request_id, worker);
+                let progress = self.held_progress.take(request_id, worker, now);
                 self.counts
                     .dropped_n(DropReason::Overflow, progress.unwrap_or(0));
                 return Ok(Applied::Dropped(DropReason::Overflow));
@@ -521,7 +597,7 @@ impl EventApplier {
             AdmitOutcome::Registered | AdmitOutcome::Duplicate | AdmitOutcome::Superseded => {}
         }
         if let Some((progress, output_tokens)) =
-            self.held_progress.take_progress(request_id, worker)
+            self.held_progress.take_progress(request_id, worker, now)
         {
             // One touch applies them all, as touches between two scans coalesce, with the
             // highest output count they carried (the count never goes backwards anyway).
@@ -545,7 +621,10 @@ impl EventApplier {
             Some(ProgressOutcome::Renewed | ProgressOutcome::Coalesced) => Ok(Applied::Applied),
             Some(ProgressOutcome::Stale) => Ok(Applied::Dropped(DropReason::Stale)),
             None => {
-                if self.tombstones.contains(&e.request_id, worker) {
+                if self
+                    .tombstones
+                    .contains(&e.request_id, worker, self.hold_now())
+                {
                     Ok(Applied::Dropped(DropReason::Stale))
                 } else {
                     let request_id = RequestId::from(e.request_id);
@@ -556,13 +635,14 @@ impl EventApplier {
     }
 
     fn completed(&mut self, e: Completed) -> Result<Applied, DeliverEventError> {
+        let now = self.hold_now();
         let worker = e.worker();
         match self.complete_current(&e.request_id, worker)? {
             Some(CompleteOutcome::Released) => Ok(Applied::Applied),
             Some(CompleteOutcome::Stale) => Ok(Applied::Dropped(DropReason::Stale)),
             None => {
                 // Progress held for a request that ended: there is nothing left to renew.
-                let progress = self.held_progress.take(&e.request_id, worker);
+                let progress = self.held_progress.take(&e.request_id, worker, now);
                 self.counts
                     .dropped_n(DropReason::Stale, progress.unwrap_or(0));
                 let request_id = RequestId::from(e.request_id);
@@ -913,6 +993,52 @@ mod tests {
         f.check(7, 11, 0);
         assert_eq!(f.stats.snapshot().dropped(DropReason::Late), 1);
         assert_eq!(f.stats.snapshot().gaps, 0, "nothing was skipped");
+        f.router.shutdown().await.unwrap();
+    }
+
+    /// On the stream's clock a hold lasts as long in stream time, however fast or late the
+    /// replica reads: a backlog read after a pause longer than the hold finds what it held
+    /// (the wall clock would have expired it), and a gap in stream time longer than the
+    /// hold expires it at once (the wall clock of a fast replay would have kept it).
+    #[tokio::test(start_paused = true)]
+    async fn on_the_stream_clock_holds_last_in_stream_time() {
+        use Applied::{Dropped, Held};
+        let mut f = Fixture::new().await;
+        let stream_us = 1_700_000_000_000_000;
+        let hold_us = u64::try_from(HOLD.as_micros()).unwrap();
+        let applier = f.applier.as_mut().unwrap();
+        applier.set_stream_time(stream_us);
+        assert_eq!(f.feed(1, 1, progressed("paused", 1)), Held);
+        assert_eq!(f.feed(1, 2, completed("ended", 1)), Held);
+        tokio::time::advance(HOLD * 50).await;
+        let applier = f.applier.as_mut().unwrap();
+        applier.set_stream_time(stream_us + hold_us / 2);
+        assert_eq!(f.feed(1, 3, admitted("paused", 1)), Applied::Applied);
+        assert_eq!(
+            f.feed(1, 4, admitted("ended", 1)),
+            Dropped(DropReason::Stale),
+            "the tombstone outlived the pause"
+        );
+        f.check(3, 1, 0);
+        let loads = f.router.manager().live_loads();
+        assert_eq!(loads.len(), 1);
+        assert_eq!(
+            (loads[0].1.prefill_tokens, loads[0].1.kv_tokens),
+            (0, 11),
+            "the held progress was applied: prefill done, one output token"
+        );
+
+        assert_eq!(f.feed(1, 5, progressed("late", 1)), Held);
+        let applier = f.applier.as_mut().unwrap();
+        applier.set_stream_time(stream_us + hold_us / 2 + hold_us);
+        applier.set_stream_time(stream_us);
+        assert_eq!(f.feed(1, 6, admitted("late", 1)), Applied::Applied);
+        f.check(4, 2, 0);
+        assert_eq!(
+            f.stats.snapshot().dropped(DropReason::Unmatched),
+            1,
+            "expired by the stream's clock, which an older time does not turn back"
+        );
         f.router.shutdown().await.unwrap();
     }
 

@@ -162,8 +162,9 @@ impl ExpiringMap {
         &mut self,
         request_id: RequestId,
         worker: WorkerWithDpRank,
+        now: Instant,
     ) -> InsertOutcome {
-        self.insert_progress(request_id, worker, 0)
+        self.insert_progress(request_id, worker, 0, now)
     }
 
     /// [`ExpiringMap::insert`] of a `progressed` with `output_tokens` so far: the entry keeps
@@ -173,8 +174,8 @@ impl ExpiringMap {
         request_id: RequestId,
         worker: WorkerWithDpRank,
         mut output_tokens: u32,
+        now: Instant,
     ) -> InsertOutcome {
-        let now = Instant::now();
         let expires = now + self.ttl;
         self.expire(now);
         let mut outcome = InsertOutcome::Inserted;
@@ -224,8 +225,13 @@ impl ExpiringMap {
 
     /// Takes the live entry of `request_id` if it names `worker`: how many events it stood
     /// for (`None`: there was none; `Some(0)`: one restored from a snapshot).
-    pub(super) fn take(&mut self, request_id: &str, worker: WorkerWithDpRank) -> Option<u64> {
-        self.take_progress(request_id, worker)
+    pub(super) fn take(
+        &mut self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        now: Instant,
+    ) -> Option<u64> {
+        self.take_progress(request_id, worker, now)
             .map(|(events, _)| events)
     }
 
@@ -234,12 +240,13 @@ impl ExpiringMap {
         &mut self,
         request_id: &str,
         worker: WorkerWithDpRank,
+        now: Instant,
     ) -> Option<(u64, u32)> {
         if self.entries.is_empty() {
-            // The common case, on every admission: no clock read.
+            // The common case, on every admission.
             return None;
         }
-        self.expire(Instant::now());
+        self.expire(now);
         match self.entries.get(request_id) {
             Some(entry) if entry.worker == worker => {
                 let taken = (entry.events, entry.output_tokens);
@@ -252,10 +259,15 @@ impl ExpiringMap {
     }
 
     /// Whether a live entry for `request_id` on `worker` exists.
-    pub(super) fn contains(&self, request_id: &str, worker: WorkerWithDpRank) -> bool {
+    pub(super) fn contains(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        now: Instant,
+    ) -> bool {
         self.entries
             .get(request_id)
-            .is_some_and(|e| e.worker == worker && e.expires > Instant::now())
+            .is_some_and(|e| e.worker == worker && e.expires > now)
     }
 
     /// Forgets every entry of the workers `reset` covers; returns how many events they
@@ -319,17 +331,20 @@ mod tests {
     async fn entries_expire_after_ttl() {
         let mut m = ExpiringMap::new(Duration::from_secs(10), 100);
         assert!(m.is_empty());
-        m.insert("a".into(), w(1));
+        m.insert("a".into(), w(1), Instant::now());
         assert!(!m.is_empty(), "the applier expires nothing in an empty map");
         tokio::time::advance(Duration::from_secs(5)).await;
-        m.insert("b".into(), w(1));
-        assert!(m.contains("a", w(1)));
-        assert!(!m.contains("a", w(2)), "another worker's request");
+        m.insert("b".into(), w(1), Instant::now());
+        assert!(m.contains("a", w(1), Instant::now()));
+        assert!(
+            !m.contains("a", w(2), Instant::now()),
+            "another worker's request"
+        );
         tokio::time::advance(Duration::from_secs(6)).await;
-        assert_eq!(m.take("a", w(1)), None, "expired");
+        assert_eq!(m.take("a", w(1), Instant::now()), None, "expired");
         assert_eq!(m.take_expired(), 1, "the expired event is reported once");
         assert_eq!(m.take_expired(), 0);
-        assert_eq!(m.take("b", w(1)), Some(1));
+        assert_eq!(m.take("b", w(1), Instant::now()), Some(1));
         assert!(m.is_empty());
         assert_eq!(m.events(), 0);
     }
@@ -337,24 +352,36 @@ mod tests {
     #[tokio::test]
     async fn every_held_event_leaves_once() {
         let mut m = ExpiringMap::new(Duration::from_secs(60), 2);
-        assert_eq!(m.insert("a".into(), w(1)), InsertOutcome::Inserted);
-        assert_eq!(m.insert("a".into(), w(1)), InsertOutcome::Inserted);
+        assert_eq!(
+            m.insert("a".into(), w(1), Instant::now()),
+            InsertOutcome::Inserted
+        );
+        assert_eq!(
+            m.insert("a".into(), w(1), Instant::now()),
+            InsertOutcome::Inserted
+        );
         assert_eq!((m.len(), m.events()), (1, 2), "one entry, two events");
         assert_eq!(
-            m.insert("a".into(), w(2)),
+            m.insert("a".into(), w(2), Instant::now()),
             InsertOutcome::Displaced { events: 2 },
             "the same request on another worker"
         );
-        assert_eq!(m.insert("b".into(), w(3)), InsertOutcome::Inserted);
-        assert_eq!(m.insert("b".into(), w(3)), InsertOutcome::Inserted);
         assert_eq!(
-            m.insert("c".into(), w(1)),
+            m.insert("b".into(), w(3), Instant::now()),
+            InsertOutcome::Inserted
+        );
+        assert_eq!(
+            m.insert("b".into(), w(3), Instant::now()),
+            InsertOutcome::Inserted
+        );
+        assert_eq!(
+            m.insert("c".into(), w(1), Instant::now()),
             InsertOutcome::EvictedOldest { events: 1 },
             "a (on worker 2) was the oldest"
         );
         assert_eq!(m.events(), 3);
         assert_eq!(m.forget_worker(|x| x == w(3)), 2);
-        assert_eq!(m.take("c", w(1)), Some(1));
+        assert_eq!(m.take("c", w(1), Instant::now()), Some(1));
         assert_eq!((m.len(), m.events()), (0, 0));
     }
 
@@ -363,17 +390,17 @@ mod tests {
         let mut m = ExpiringMap::new(Duration::from_secs(60), 3);
         for i in 0..3 {
             assert_eq!(
-                m.insert(format!("r{i}").into(), w(1)),
+                m.insert(format!("r{i}").into(), w(1), Instant::now()),
                 InsertOutcome::Inserted
             );
         }
         assert_eq!(
-            m.insert("r3".into(), w(1)),
+            m.insert("r3".into(), w(1), Instant::now()),
             InsertOutcome::EvictedOldest { events: 1 }
         );
         assert_eq!(m.len(), 3);
-        assert!(!m.contains("r0", w(1)));
-        assert!(m.contains("r3", w(1)));
+        assert!(!m.contains("r0", w(1), Instant::now()));
+        assert!(m.contains("r3", w(1), Instant::now()));
     }
 
     /// Issue 18: a `take` leaves its slot at the front of the order queue; a full map must
@@ -382,19 +409,22 @@ mod tests {
     async fn a_taken_slot_at_the_front_does_not_let_the_map_pass_its_bound() {
         let mut m = ExpiringMap::new(Duration::from_secs(60), 3);
         for i in 0..3 {
-            m.insert(format!("r{i}").into(), w(1));
+            m.insert(format!("r{i}").into(), w(1), Instant::now());
         }
-        assert_eq!(m.take("r0", w(1)), Some(1));
-        assert_eq!(m.insert("r3".into(), w(1)), InsertOutcome::Inserted);
+        assert_eq!(m.take("r0", w(1), Instant::now()), Some(1));
         assert_eq!(
-            m.insert("r4".into(), w(1)),
+            m.insert("r3".into(), w(1), Instant::now()),
+            InsertOutcome::Inserted
+        );
+        assert_eq!(
+            m.insert("r4".into(), w(1), Instant::now()),
             InsertOutcome::EvictedOldest { events: 1 },
             "r1, the oldest live entry, not r0's stale slot"
         );
         assert_eq!((m.len(), m.events()), (3, 3));
-        assert!(!m.contains("r1", w(1)));
+        assert!(!m.contains("r1", w(1), Instant::now()));
         for id in ["r2", "r3", "r4"] {
-            assert!(m.contains(id, w(1)), "{id}");
+            assert!(m.contains(id, w(1), Instant::now()), "{id}");
         }
     }
 
@@ -404,11 +434,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_image_restores_the_entries_with_their_time_left_and_no_events() {
         let mut m = ExpiringMap::new(Duration::from_secs(10), 10);
-        m.insert("a".into(), w(1));
+        m.insert("a".into(), w(1), Instant::now());
         tokio::time::advance(Duration::from_secs(4)).await;
-        m.insert_progress("b".into(), WorkerWithDpRank::new(2, 3), 7);
-        m.insert("gone".into(), w(1));
-        m.take("gone", w(1));
+        m.insert_progress("b".into(), WorkerWithDpRank::new(2, 3), 7, Instant::now());
+        m.insert("gone".into(), w(1), Instant::now());
+        m.take("gone", w(1), Instant::now());
         tokio::time::advance(Duration::from_secs(2)).await;
         let image = m.image(Instant::now());
         assert_eq!(
@@ -421,26 +451,33 @@ mod tests {
         );
 
         let mut late = ExpiringMap::new(Duration::from_secs(10), 10);
-        late.insert("own".into(), w(5));
+        late.insert("own".into(), w(5), Instant::now());
         late.restore(image.clone(), Instant::now());
         assert_eq!(
             (late.len(), late.events()),
             (3, 1),
             "restored entries hold no event"
         );
-        assert!(late.contains("a", w(1)));
-        assert_eq!(late.take("a", w(2)), None, "another worker's request");
+        assert!(late.contains("a", w(1), Instant::now()));
+        assert_eq!(
+            late.take("a", w(2), Instant::now()),
+            None,
+            "another worker's request"
+        );
         tokio::time::advance(Duration::from_millis(3_999)).await;
-        assert!(late.contains("a", w(1)), "just before its time is up");
+        assert!(
+            late.contains("a", w(1), Instant::now()),
+            "just before its time is up"
+        );
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(late.expire(Instant::now()), 1, "a, at its time");
         assert_eq!(late.take_expired(), 0, "it stood for no event here");
         assert_eq!(
-            late.take_progress("b", WorkerWithDpRank::new(2, 3)),
+            late.take_progress("b", WorkerWithDpRank::new(2, 3), Instant::now()),
             Some((0, 7)),
             "found, with its output count"
         );
-        assert_eq!(late.take("own", w(5)), Some(1));
+        assert_eq!(late.take("own", w(5), Instant::now()), Some(1));
 
         // A shorter TTL caps the time left; the bound keeps the newest entries.
         let mut short = ExpiringMap::new(Duration::from_secs(1), 10);
@@ -451,39 +488,43 @@ mod tests {
         small.restore(image, Instant::now());
         assert_eq!(small.len(), 1);
         assert!(
-            small.contains("b", WorkerWithDpRank::new(2, 3)),
+            small.contains("b", WorkerWithDpRank::new(2, 3), Instant::now()),
             "the newest is kept"
         );
         assert_eq!(
-            small.insert("c".into(), w(1)),
+            small.insert("c".into(), w(1), Instant::now()),
             InsertOutcome::EvictedOldest { events: 0 },
             "a full map of restored entries evicts one of them, no event"
         );
         assert_eq!((small.len(), small.events()), (1, 1));
-        assert!(small.contains("c", w(1)));
+        assert!(small.contains("c", w(1), Instant::now()));
     }
 
     #[tokio::test]
     async fn take_names_the_worker() {
         let mut m = ExpiringMap::new(Duration::from_secs(60), 10);
-        m.insert("a".into(), w(1));
-        assert_eq!(m.take("a", w(2)), None, "another worker's entry stays");
-        assert!(m.contains("a", w(1)));
-        assert_eq!(m.take("b", w(1)), None, "unknown");
-        assert_eq!(m.take("a", w(1)), Some(1));
-        assert_eq!(m.take("a", w(1)), None, "taken once");
+        m.insert("a".into(), w(1), Instant::now());
+        assert_eq!(
+            m.take("a", w(2), Instant::now()),
+            None,
+            "another worker's entry stays"
+        );
+        assert!(m.contains("a", w(1), Instant::now()));
+        assert_eq!(m.take("b", w(1), Instant::now()), None, "unknown");
+        assert_eq!(m.take("a", w(1), Instant::now()), Some(1));
+        assert_eq!(m.take("a", w(1), Instant::now()), None, "taken once");
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_entry_dies_exactly_at_its_ttl() {
         let ttl = Duration::from_secs(10);
         let mut m = ExpiringMap::new(ttl, 10);
-        m.insert("a".into(), w(1));
+        m.insert("a".into(), w(1), Instant::now());
         tokio::time::advance(ttl - Duration::from_nanos(1)).await;
-        assert!(m.contains("a", w(1)), "just before the ttl");
+        assert!(m.contains("a", w(1), Instant::now()), "just before the ttl");
         assert_eq!(m.expire(Instant::now()), 0);
         tokio::time::advance(Duration::from_nanos(1)).await;
-        assert!(!m.contains("a", w(1)), "at the ttl");
+        assert!(!m.contains("a", w(1), Instant::now()), "at the ttl");
         assert_eq!(m.len(), 1, "contains removes nothing");
         assert_eq!(m.expire(Instant::now()), 1, "expire agrees with contains");
         assert_eq!((m.len(), m.events(), m.take_expired()), (0, 0, 1));
@@ -492,15 +533,15 @@ mod tests {
     #[tokio::test]
     async fn forgetting_a_worker_drops_its_entries_and_their_events() {
         let mut m = ExpiringMap::new(Duration::from_secs(60), 10);
-        m.insert("a".into(), w(1));
-        m.insert("a".into(), w(1));
-        m.insert("b".into(), w(2));
-        m.insert("c".into(), w(1));
+        m.insert("a".into(), w(1), Instant::now());
+        m.insert("a".into(), w(1), Instant::now());
+        m.insert("b".into(), w(2), Instant::now());
+        m.insert("c".into(), w(1), Instant::now());
         assert_eq!(m.forget_worker(|x| x == w(1)), 3, "a twice, c once");
         assert_eq!((m.len(), m.events()), (1, 1));
-        assert!(m.contains("b", w(2)));
+        assert!(m.contains("b", w(2), Instant::now()));
         assert_eq!(m.forget_worker(|x| x == w(3)), 0);
-        assert_eq!(m.take("b", w(2)), Some(1));
+        assert_eq!(m.take("b", w(2), Instant::now()), Some(1));
     }
 
     /// A slot left by an earlier life of the same id (taken, or renewed) must not end the
@@ -509,15 +550,18 @@ mod tests {
     async fn a_reinserted_id_lives_a_full_ttl_from_its_last_insertion() {
         let ttl = Duration::from_secs(10);
         let mut m = ExpiringMap::new(ttl, 10);
-        m.insert("taken".into(), w(1));
-        m.insert("renewed".into(), w(1));
-        m.take("taken", w(1));
+        m.insert("taken".into(), w(1), Instant::now());
+        m.insert("renewed".into(), w(1), Instant::now());
+        m.take("taken", w(1), Instant::now());
         tokio::time::advance(Duration::from_secs(5)).await;
-        m.insert("taken".into(), w(1));
-        m.insert("renewed".into(), w(1));
+        m.insert("taken".into(), w(1), Instant::now());
+        m.insert("renewed".into(), w(1), Instant::now());
         tokio::time::advance(Duration::from_secs(6)).await;
         assert_eq!(m.expire(Instant::now()), 0, "the old slots are stale");
-        assert!(m.contains("taken", w(1)) && m.contains("renewed", w(1)));
+        assert!(
+            m.contains("taken", w(1), Instant::now())
+                && m.contains("renewed", w(1), Instant::now())
+        );
         assert_eq!(m.events(), 3);
         tokio::time::advance(Duration::from_secs(4)).await;
         assert_eq!(m.expire(Instant::now()), 2);
@@ -531,14 +575,14 @@ mod tests {
     async fn compacting_the_queue_keeps_every_live_entry_expiring() {
         let ttl = Duration::from_secs(10);
         let mut m = ExpiringMap::new(ttl, 3);
-        m.insert("live".into(), w(1));
+        m.insert("live".into(), w(1), Instant::now());
         for i in 0..5 {
             let id = format!("stale{i}");
-            m.insert(id.as_str().into(), w(1));
-            m.take(&id, w(1));
+            m.insert(id.as_str().into(), w(1), Instant::now());
+            m.take(&id, w(1), Instant::now());
         }
         assert_eq!(m.order.len(), 6, "stale slots wait for the queue to fill");
-        m.insert("d".into(), w(1));
+        m.insert("d".into(), w(1), Instant::now());
         assert_eq!(m.order.len(), 2, "compacted to the live entries' slots");
         tokio::time::advance(ttl).await;
         assert_eq!(m.expire(Instant::now()), 2);
@@ -566,7 +610,7 @@ mod tests {
             match next(12) {
                 0..=5 => {
                     held += 1;
-                    match m.insert(id, worker) {
+                    match m.insert(id, worker, Instant::now()) {
                         InsertOutcome::Inserted => {}
                         InsertOutcome::EvictedOldest { events } => {
                             assert!(events > 0, "an eviction evicts something");
@@ -575,7 +619,7 @@ mod tests {
                         InsertOutcome::Displaced { events } => left += events,
                     }
                 }
-                6..=8 => left += m.take(&id, worker).unwrap_or(0),
+                6..=8 => left += m.take(&id, worker, Instant::now()).unwrap_or(0),
                 9 | 10 => tokio::time::advance(Duration::from_secs(next(4))).await,
                 _ => left += m.forget_worker(|x| x == worker),
             }
