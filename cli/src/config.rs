@@ -3,12 +3,11 @@
 //!
 //! Each setting is declared once, as a field of [`ServeArgs`] (or of [`NatsArgs`]): its name
 //! is the TOML key, its `long` the flag, its `env` the variable, its doc comment the help, its
-//! `value_parser` what it accepts. The file's keys and the `--config` help that lists them
-//! ([`document_file_keys`]) are read from it; a test holds README's settings table to it.
-//! Where each value comes from and how a bad one is reported: [`crate::layering`].
-//!
-//! The default `max_event_bytes` (4096) is well below the server's `max_payload` (1 MB by
-//! default), so that the router drops and counts an oversized event.
+//! `value_parser` what it accepts. The file's keys and the `--config` help listing them
+//! ([`document_file_keys`]) are read from it, and a test holds README's settings table to it.
+//! Where each value comes from and how a bad one is reported: [`crate::layering`]. The default
+//! `max_event_bytes` (4096) is well below the server's `max_payload` (1 MB by default), so
+//! that the router drops and counts an oversized event.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::RangeInclusive;
@@ -237,9 +236,7 @@ pub struct ServeSettings {
 }
 
 /// Resolves the settings that flags, environment and file gave into the library's settings,
-/// the defaults for the rest, and checks the settings that go together.
-///
-/// # Errors
+/// the defaults for the rest, and checks the settings that go together; else the
 /// [`ConfigError`] naming the first setting that is invalid.
 pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError> {
     let o = &given.origins;
@@ -284,14 +281,13 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
     // The HTTP API's token, inline or from a file (one of them), and whether it guards the
     // reads. The token never enters an error.
     let protect_reads = get!(o, http_protect_reads);
-    if let (Some(_), Some(path)) = (http_token, get!(o, http_token_file)) {
-        let give_once = "give the token once: http_token or http_token_file, not both";
-        return Err(o.invalid("http_token_file", path.display(), give_once));
-    }
-    let token = match (get!(o, http_token), get!(o, http_token_file)) {
-        (Some(token), _) => Some(token),
+    let token = match (http_token, get!(o, http_token_file)) {
+        (Some(_), Some(path)) => {
+            let give_once = "give the token once: http_token or http_token_file, not both";
+            return Err(o.invalid("http_token_file", path.display(), give_once));
+        }
+        (_, None) => get!(o, http_token),
         (None, Some(path)) => Some(read_token(o, &path)?),
-        (None, None) => None,
     };
     let http_auth = match (token, protect_reads) {
         (Some(token), protect) => Some(ApiAuth::new(token).protect_reads(protect == Some(true))),

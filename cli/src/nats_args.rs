@@ -103,9 +103,6 @@ impl fmt::Debug for NatsUrls {
 
 impl Sourced<NatsArgs> {
     /// [`NatsArgs::resolve`] with the origins of the values given.
-    ///
-    /// # Errors
-    /// [`ConfigError`] naming the first setting that is wrong.
     pub fn resolve(&self) -> Result<(NatsConnectConfig, SubjectPrefix), ConfigError> {
         self.args.resolve(&self.origins)
     }
@@ -113,10 +110,8 @@ impl Sourced<NatsArgs> {
 
 impl NatsArgs {
     /// How to connect to NATS (the servers, authentication, TLS, the ping interval) and the
-    /// subject prefix; the defaults for what is not given. Secret values never enter an error.
-    ///
-    /// # Errors
-    /// [`ConfigError`] naming the first setting that is wrong.
+    /// subject prefix, the defaults for what is not given; else the [`ConfigError`] naming the
+    /// first setting that is wrong (secret values never enter an error).
     pub fn resolve(&self, o: &Origins) -> Result<(NatsConnectConfig, SubjectPrefix), ConfigError> {
         let NatsArgs {
             nats_url,
