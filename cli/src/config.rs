@@ -471,9 +471,11 @@ pub(crate) mod tests {
         settings(line).unwrap_err().to_string()
     }
 
-    /// The message `serve --config FILE` is refused with, FILE holding `toml`.
+    /// The message `serve --config FILE` is refused with, FILE holding `toml` (and its path
+    /// shown as FILE).
     pub(crate) fn file_message(toml: &str) -> String {
-        with_file(toml, "").unwrap_err().to_string()
+        let f = file(toml);
+        message(&format!("--config {}", path(&f))).replace(path(&f), "FILE")
     }
 
     /// Each `serve ARGV` is refused with a message that starts with its `start`, and no secret
@@ -542,48 +544,6 @@ pub(crate) mod tests {
         assert!(s.http_auth.is_none(), "no token: the API is open");
     }
 
-    #[test]
-    fn file_overrides_defaults_and_flags_override_file() {
-        let toml = r#"
-            nats_url = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]
-            deployments = ["a", "b", "a"]
-            http_addr = "0.0.0.0:0"
-            subject_prefix = "acme.leases"
-            lease_scan_interval = "5m"
-            log_format = "json"
-            connect_deadline = 10
-            max_event_bytes = 8192
-            "#;
-        let s = with_file(toml, "").unwrap();
-        let urls = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"];
-        assert_eq!(s.nats.urls(), urls);
-        assert_eq!(names(&s), ["a", "b"], "duplicates are dropped");
-        assert_eq!(s.http_addr.to_string(), "0.0.0.0:0");
-        assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
-        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(300));
-        assert_eq!(s.log_format, LogFormat::Json);
-        assert_eq!(s.nats.connect_deadline(), Duration::from_secs(10));
-        assert_eq!(s.host.apply.max_event_bytes, 8192);
-
-        // Flags (or the environment: clap puts both in the same field) beat the file.
-        let flags = "--nats-url nats://a:1,nats://b:2 --deployment c --http-addr localhost:8080 \
-                     --lease-scan-interval 1m30s --log-format TEXT";
-        let s = with_file(toml, flags).unwrap();
-        assert_eq!(s.nats.urls(), ["nats://a:1", "nats://b:2"]);
-        assert_eq!(s.deployments, [DeploymentName::new("c").unwrap()]);
-        assert_eq!(s.http_addr.to_string(), "127.0.0.1:8080");
-        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(90));
-        assert_eq!(s.log_format, LogFormat::Text);
-        // Not given as flags: still from the file.
-        assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
-        assert_eq!(s.host.apply.max_event_bytes, 8192);
-
-        // A list in the file is a list of names: clap's comma split does not reach into one.
-        let m = file_message("deployments = [\"a\", \"b,c\"]\n");
-        let start = "invalid setting deployments = \"b,c\" in config file";
-        assert!(m.starts_with(start), "{m}");
-    }
-
     /// The one test that reads the process environment, and only variables that nothing
     /// but this module reads.
     #[test]
@@ -621,12 +581,6 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn repeated_and_comma_separated_deployment_flags() {
-        let s = settings("--deployment a --deployment b,c --nats-url nats://x:1").unwrap();
-        assert_eq!(names(&s), ["a", "b", "c"]);
-    }
-
-    #[test]
     fn error_messages_name_setting_value_and_fix() {
         for (line, want) in [
             ("--http-addr abc", "invalid setting http_addr = \"abc\" from --http-addr: expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)"),
@@ -646,6 +600,8 @@ pub(crate) mod tests {
             // The bad URL is named, its password is not.
             (&["--nats-url", "nats://ok:4222,http://u:secret@bad:1"], "invalid setting nats_url = \"http://***@bad:1\" from --nats-url: expected nats://"),
             (&["--nats-url", " , "], "invalid setting nats_url = \" , \""),
+            (&["--route-policy", "fastest"], "invalid setting route_policy = \"fastest\" from --route-policy: expected weighted_cost"),
+            (&["--worker-idle", "0s"], "invalid setting worker_idle = \"0s\" from --worker-idle: expected a positive duration"),
         ]);
     }
 
@@ -654,32 +610,24 @@ pub(crate) mod tests {
         let f = file("http_addr = \"127.0.0.1:1\"\nlisten = \"x\"\n");
         let err = settings(&format!("--config {}", path(&f))).unwrap_err();
         assert!(matches!(&err, ConfigError::UnknownKey { key, .. } if key == "listen"));
-        let m = err.to_string();
-        assert!(
-            m.starts_with("unknown setting \"listen\" in config file ")
-                && m.ends_with(
-                    "the accepted keys are deployments, http_addr, http_token, http_token_file, \
-                     http_protect_reads, lease_scan_interval, log_format, connect_deadline, \
-                     max_event_bytes, max_batch_bytes, max_active_leases, max_tombstones, \
-                     max_held_progress, max_publishers, subscription_capacity, durable, \
-                     stream_replicas, stream_max_bytes, snapshot_interval, snapshot_keep, \
-                     route_policy, worker_idle, provisional_deadline, nats_url, subject_prefix, \
-                     nats_user, nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, \
-                     nats_tls_cert, nats_tls_key, nats_ping_interval"
-                ),
-            "{m}"
-        );
-        let f = file("http_addr = \"nope\"\n");
+        // Every declared key, in order (README's settings table is held to the same list).
+        let known = format!("the accepted keys are {}", file_keys().join(", "));
         let want = format!(
-            "invalid setting http_addr = \"nope\" in config file {}: expected HOST:PORT such as \
-             127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)",
+            "unknown setting \"listen\" in config file {}: {known}",
             path(&f)
         );
-        assert_eq!(message(&format!("--config {}", path(&f))), want);
-        let m = file_message("max_event_bytes = true\n");
-        let start = "invalid setting max_event_bytes = \"true\" in config file";
-        let end = "expected a string or a number, not boolean";
-        assert!(m.starts_with(start) && m.ends_with(end), "{m}");
+        assert_eq!(err.to_string(), want);
+        for (toml, want) in [
+            ("http_addr = \"nope\"\n", "invalid setting http_addr = \"nope\" in config file FILE: expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)"),
+            ("max_event_bytes = true\n", "invalid setting max_event_bytes = \"true\" in config file FILE: expected a string or a number, not boolean"),
+            // A list in the file is a list of names: clap's comma split does not reach into one.
+            ("deployments = [\"a\", \"b,c\"]\n", "invalid setting deployments = \"b,c\" in config file FILE: a deployment name may hold only ASCII letters, digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod"),
+            // A secret of the wrong type: not echoed.
+            ("http_token = 987654321\n", "invalid setting http_token = \"<redacted>\" in config file FILE: expected a string, not integer"),
+            ("nats_password = 987654321\n", "invalid setting nats_password = \"<redacted>\" in config file FILE: expected a string, not integer"),
+        ] {
+            assert_eq!(file_message(toml), want);
+        }
         let m = file_message("http_addr = \n");
         let (toml, line) = (m.contains("is not valid TOML"), m.contains("line 1"));
         assert!(toml && line, "{m}");
@@ -719,32 +667,39 @@ pub(crate) mod tests {
         );
     }
 
-    /// The `--config` help is generated from the declaration: every key, in order.
+    /// The `--config` help is generated from the declaration: every key, in order. The
+    /// secrets' values in the environment are hidden from the help.
     #[test]
-    fn config_help_lists_every_file_key() {
+    fn help_lists_every_file_key_and_hides_secret_values() {
         let serve = document_file_keys(ServeArgs::augment_args(clap::Command::new("serve")));
-        let config = serve.get_arguments().find(|arg| arg.get_id() == "config");
-        let help = config.unwrap().get_help().unwrap().to_string();
+        let arg = |id: &str| serve.get_arguments().find(|a| a.get_id() == id).unwrap();
+        let help = arg("config").get_help().unwrap().to_string();
         let keys = file_keys().join(", ");
         assert_eq!(help, format!("TOML file with settings; its keys: {keys}"));
         let some = "subscription_capacity durable stream_replicas nats_tls_key";
         assert!(some.split(' ').all(|key| help.contains(key)), "{help}");
+        for id in ["nats_password", "nats_token", "http_token"] {
+            assert!(arg(id).is_hide_env_values_set(), "{id}");
+        }
     }
 
     /// A file may hold every declared setting, and each one lands where it belongs (that
-    /// `resolve` reads every declared setting, its exhaustive destructuring makes sure).
+    /// `resolve` reads every declared setting, its exhaustive destructuring makes sure); flags
+    /// (or the environment: clap puts both in the same field) beat the file.
     #[test]
-    fn a_file_with_every_setting_resolves() {
+    fn a_file_with_every_setting_resolves_and_flags_beat_it() {
         let ca = file("-----BEGIN CERTIFICATE-----\n");
         let ca = format!("{:?}", ca.path());
         let mut text = String::new();
         for key in file_keys() {
             let value = match key.as_str() {
-                "nats_url" => "\"nats://10.0.0.1:4222\"",
-                "deployments" => "[\"a\", \"b\"]",
-                "http_addr" => "\"0.0.0.0:9000\"",
+                // A list of URLs, and one of names whose duplicates are dropped.
+                "nats_url" => "[\"nats://10.0.0.1:4222\", \"nats://10.0.0.2:4222\"]",
+                "deployments" => "[\"a\", \"b\", \"a\"]",
+                "http_addr" => "\"0.0.0.0:0\"",
                 "subject_prefix" => "\"acme.leases\"",
-                "lease_scan_interval" | "connect_deadline" | "nats_ping_interval" => "\"7s\"",
+                "connect_deadline" => "7",
+                "lease_scan_interval" | "nats_ping_interval" => "\"7s\"",
                 "worker_idle" | "provisional_deadline" | "snapshot_interval" => "\"7s\"",
                 "log_format" => "\"json\"",
                 "durable" | "http_protect_reads" => "true",
@@ -767,9 +722,10 @@ pub(crate) mod tests {
         }
         let s = with_file(&text, "").unwrap();
         let (h, a, seven) = (&s.host, &s.host.apply, Duration::from_secs(7));
-        assert_eq!(s.nats.urls(), ["nats://10.0.0.1:4222"]);
-        assert_eq!(names(&s), ["a", "b"]);
-        assert_eq!(s.http_addr.to_string(), "0.0.0.0:9000");
+        let urls = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"];
+        assert_eq!(s.nats.urls(), urls);
+        assert_eq!(names(&s), ["a", "b"], "duplicates are dropped");
+        assert_eq!(s.http_addr.to_string(), "0.0.0.0:0");
         assert_eq!(h.subject_prefix.as_str(), "acme.leases");
         let durations = (h.lease_scan_interval, h.worker_idle, h.provisional_deadline);
         assert_eq!(durations, (seven, Some(seven), seven));
@@ -790,6 +746,22 @@ pub(crate) mod tests {
         let user_password = matches!(s.nats.auth(), lease_router::NatsAuth::UserPassword { .. });
         assert!(user_password && s.nats.tls().is_some());
         assert!(s.http_auth.expect("a token").reads_protected());
+
+        let flags = "--nats-url nats://a:1,nats://b:2 --deployment c --deployment d,e \
+                     --http-addr localhost:8080 --lease-scan-interval 1m30s --log-format TEXT \
+                     --route-policy random --worker-idle 90s";
+        let s = with_file(&text, flags).unwrap();
+        assert_eq!(s.nats.urls(), ["nats://a:1", "nats://b:2"]);
+        // Repeated and comma-separated; the file's list is replaced, not added to.
+        assert_eq!(names(&s), ["c", "d", "e"]);
+        assert_eq!(s.http_addr.to_string(), "127.0.0.1:8080");
+        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(90));
+        assert_eq!(s.log_format, LogFormat::Text);
+        assert_eq!(s.host.route_policy, RoutePolicy::Random);
+        assert_eq!(s.host.worker_idle, Some(Duration::from_secs(90)));
+        // Not given as flags: still from the file.
+        assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
+        assert_eq!(s.host.apply.max_event_bytes, 4242);
     }
 
     #[test]
@@ -826,10 +798,6 @@ pub(crate) mod tests {
             (&["--http-protect-reads", "true"], "invalid setting http_protect_reads = \"true\" from --http-protect-reads: protecting the reads needs a token".into()),
             (&["--http-token", token, "--http-protect-reads", "maybe"], "invalid setting http_protect_reads = \"maybe\" from --http-protect-reads: expected true or false".into()),
         ]);
-        // A token of the wrong type in the config file: not echoed.
-        let m = file_message("http_token = 987654321\n");
-        let start = "invalid setting http_token = \"<redacted>\"";
-        assert!(m.starts_with(start) && !m.contains("987654321"), "{m}");
     }
 
     #[test]
@@ -840,22 +808,10 @@ pub(crate) mod tests {
         assert_eq!(s.host.max_active_leases, 5);
         let limits = (a.max_tombstones, a.max_held_progress, a.max_publishers);
         assert_eq!(limits, (10, 1000, 30));
-        refused(&[
-            (&["--max-tombstones=0"], "invalid setting max_tombstones = \"0\" from --max-tombstones: expected a whole number from 1"),
-            (&["--max-tombstones=-1"], "invalid setting max_tombstones = \"-1\" from --max-tombstones: expected a whole number from 1"),
-            (&["--max-tombstones=many"], "invalid setting max_tombstones = \"many\" from --max-tombstones: expected a whole number from 1"),
-            (&["--max-tombstones=100000001"], "invalid setting max_tombstones = \"100000001\" from --max-tombstones: expected a whole number from 1"),
-        ]);
-    }
-
-    #[test]
-    fn route_policy_and_worker_idle_resolve_and_refuse_nonsense() {
-        let s = settings("--route-policy round_robin --worker-idle 90s").unwrap();
-        assert_eq!(s.host.route_policy, RoutePolicy::RoundRobin);
-        assert_eq!(s.host.worker_idle, Some(Duration::from_secs(90)));
-        refused(&[
-            (&["--route-policy", "fastest"], "invalid setting route_policy = \"fastest\" from --route-policy: expected weighted_cost"),
-            (&["--worker-idle", "0s"], "invalid setting worker_idle = \"0s\" from --worker-idle: expected a positive duration"),
-        ]);
+        for bad in ["0", "-1", "many", "100000001"] {
+            let from = format!("max_tombstones = {bad:?} from --max-tombstones");
+            let want = format!("invalid setting {from}: expected a whole number from 1");
+            refused(&[(&[&format!("--max-tombstones={bad}")], want)]);
+        }
     }
 }

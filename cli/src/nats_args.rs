@@ -234,17 +234,16 @@ mod tests {
 
     use super::*;
     use crate::config::resolve;
-    use crate::config::tests::{args, assert_no_secret, file, file_message, message, path};
-    use crate::config::tests::{refused, settings, with_file, Cli, SECRETS};
+    use crate::config::tests::{args, assert_no_secret, file, message, path};
+    use crate::config::tests::{refused, settings, with_file, SECRETS};
 
     #[test]
     fn ping_interval_and_the_other_subcommands() {
-        refused(&[
-            (&["--nats-ping-interval", "0s"], "invalid setting nats_ping_interval = \"0s\" from --nats-ping-interval: expected a duration from 100ms to 1h"),
-            (&["--nats-ping-interval", "10ms"], "invalid setting nats_ping_interval = \"10ms\" from --nats-ping-interval: expected a duration from 100ms to 1h"),
-            (&["--nats-ping-interval", "2h"], "invalid setting nats_ping_interval = \"2h\" from --nats-ping-interval: expected a duration from 100ms to 1h"),
-            (&["--nats-ping-interval", "often"], "invalid setting nats_ping_interval = \"often\" from --nats-ping-interval: expected a duration from 100ms to 1h"),
-        ]);
+        for bad in ["0s", "10ms", "2h", "often"] {
+            let from = format!("nats_ping_interval = {bad:?} from --nats-ping-interval");
+            let want = format!("invalid setting {from}: expected a duration from 100ms to 1h");
+            refused(&[(&["--nats-ping-interval", bad], want)]);
+        }
         let s = settings("--nats-ping-interval 1500ms").unwrap();
         assert_eq!(s.nats.ping_interval(), Some(Duration::from_millis(1500)));
 
@@ -312,19 +311,5 @@ mod tests {
         let cert = file("x");
         let m = message(&format!("--nats-tls-cert {}", path(&cert)));
         assert!(m.contains("a client certificate needs its key"), "{m}");
-        // A secret of the wrong type in the file: not echoed either.
-        let m = file_message("nats_password = 123456789\n");
-        let start = "invalid setting nats_password = \"<redacted>\"";
-        assert!(m.starts_with(start) && !m.contains("123456789"), "{m}");
-    }
-
-    #[test]
-    fn secret_env_values_are_hidden_from_help() {
-        let cmd = Cli::command();
-        let serve = cmd.find_subcommand("serve").unwrap();
-        for id in ["nats_password", "nats_token", "http_token"] {
-            let arg = serve.get_arguments().find(|a| a.get_id() == id).unwrap();
-            assert!(arg.is_hide_env_values_set(), "{id}");
-        }
     }
 }
