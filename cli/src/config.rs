@@ -45,11 +45,9 @@ const POSITIVE: RangeInclusive<Duration> = Duration::from_nanos(1)..=Duration::M
 pub(crate) const DEPLOYMENT_NAMES: &str = "a deployment name may hold only ASCII letters, \
     digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod";
 
-/// The flags of `lease-router serve` (flatten `Sourced<ServeArgs>` into the subcommand).
-///
-/// Every field is optional: what is not given on the command line, in the environment or in
-/// the config file is taken from the defaults by [`resolve`]. `Debug` shows whether a
-/// password or token was given, never which.
+/// The flags of `lease-router serve` (flatten `Sourced<ServeArgs>` into the subcommand), all
+/// optional: [`resolve`] takes the default of what no flag, variable or file gives. `Debug`
+/// shows whether a password or token was given, never which.
 #[derive(Clone, Debug, clap::Args)]
 pub struct ServeArgs {
     /// TOML file with settings (`document_file_keys` lists its keys here).
@@ -166,18 +164,15 @@ pub struct ServeArgs {
     /// Snapshot intervals each deployment's stream keeps in durable mode (its age limit is
     /// this many intervals, at least 60 s) [default: 4].
     #[arg(long, value_name = "N", env = "LEASE_ROUTER_SNAPSHOT_KEEP",
-          value_parser = setting(whole(2..=1000u32, false, format!(
-              "expected a whole number from 2 to 1000 (default {DEFAULT_SNAPSHOT_KEEP}): \
-               snapshot intervals the stream keeps"))))]
+          value_parser = setting(whole(2..=1000u32, false, format!("expected a whole number from 2 \
+              to 1000 (default {DEFAULT_SNAPSHOT_KEEP}): snapshot intervals the stream keeps"))))]
     pub snapshot_keep: Option<Parsed<u32>>,
     /// How new deployments choose a worker for `POST .../route`: weighted_cost,
     /// power_of_two, round_robin or random (a PUT body may set one per deployment)
     /// [default: weighted_cost].
     #[arg(long, value_name = "POLICY", env = "LEASE_ROUTER_ROUTE_POLICY",
-          value_parser = setting(|s: &str| s.trim().parse::<RoutePolicy>().map_err(|_| {
-              "expected weighted_cost, power_of_two, round_robin, random or least_bookings"
-                  .to_owned()
-          })))]
+          value_parser = setting(|s: &str| s.trim().parse::<RoutePolicy>().map_err(|_| "expected \
+              weighted_cost, power_of_two, round_robin, random or least_bookings".to_owned())))]
     pub route_policy: Option<Parsed<RoutePolicy>>,
     /// A worker with no live lease that says nothing this long is forgotten. Seconds, or with
     /// a unit: 600s, 10m [default: twice the lease scan interval].
@@ -218,8 +213,7 @@ pub fn document_file_keys(serve: clap::Command) -> clap::Command {
     serve.mut_arg("config", |arg| arg.help(help.clone()).long_help(help))
 }
 
-/// The resolved settings of `lease-router serve`: the library's own settings structs, with
-/// what only the binary uses beside them.
+/// The resolved settings of `lease-router serve`: the library's settings structs and the binary's.
 #[derive(Clone, Debug)]
 pub struct ServeSettings {
     /// How to connect to NATS (its `Debug` redacts secrets).
@@ -229,15 +223,14 @@ pub struct ServeSettings {
     /// Deployments hosted from the start, without duplicates, in the order given.
     pub deployments: Vec<DeploymentName>,
     pub http_addr: SocketAddr,
-    /// The HTTP API's bearer token and what it guards; `None`: the API is open (its `Debug`
-    /// redacts the token).
+    /// The HTTP API's token (`Debug` redacts it) and what it guards; `None`: the API is open.
     pub http_auth: Option<ApiAuth>,
     pub log_format: LogFormat,
 }
 
-/// Resolves the settings that flags, environment and file gave into the library's settings,
-/// the defaults for the rest, and checks the settings that go together; else the
-/// [`ConfigError`] naming the first setting that is invalid.
+/// Resolves what flags, environment and file gave into the library's settings (the defaults
+/// for the rest) and checks the settings that go together; else the [`ConfigError`] naming
+/// the first invalid setting.
 pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError> {
     let o = &given.origins;
     // Every field, so that a setting declared but not resolved does not compile.
@@ -278,8 +271,7 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
     }
     let http_addr = get!(o, http_addr).unwrap_or(DEFAULT_HTTP_ADDR);
 
-    // The HTTP API's token, inline or from a file (one of them), and whether it guards the
-    // reads. The token never enters an error.
+    // The API's token, inline or from a file (not both), and whether it guards the reads.
     let protect_reads = get!(o, http_protect_reads);
     let token = match (http_token, get!(o, http_token_file)) {
         (Some(_), Some(path)) => {
@@ -298,25 +290,20 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
         (None, _) => None,
     };
 
-    fn set<T>(slot: &mut T, given: Option<T>) {
-        if let Some(value) = given {
-            *slot = value;
-        }
-    }
     let mut h = HostSettings {
         subject_prefix,
         ..HostSettings::default()
     };
-    set(&mut h.route_policy, get!(o, route_policy));
-    set(&mut h.worker_idle, get!(o, worker_idle).map(Some));
-    set(&mut h.provisional_deadline, get!(o, provisional_deadline));
-    set(&mut h.lease_scan_interval, get!(o, lease_scan_interval));
-    set(&mut h.apply.max_event_bytes, get!(o, max_event_bytes));
-    set(&mut h.apply.max_batch_bytes, get!(o, max_batch_bytes));
-    set(&mut h.max_active_leases, get!(o, max_active_leases));
-    set(&mut h.apply.max_tombstones, get!(o, max_tombstones));
-    set(&mut h.apply.max_held_progress, get!(o, max_held_progress));
-    set(&mut h.apply.max_publishers, get!(o, max_publishers));
+    h.route_policy = get!(o, route_policy).unwrap_or(h.route_policy);
+    h.worker_idle = get!(o, worker_idle).or(h.worker_idle);
+    h.provisional_deadline = get!(o, provisional_deadline).unwrap_or(h.provisional_deadline);
+    h.lease_scan_interval = get!(o, lease_scan_interval).unwrap_or(h.lease_scan_interval);
+    h.apply.max_event_bytes = get!(o, max_event_bytes).unwrap_or(h.apply.max_event_bytes);
+    h.apply.max_batch_bytes = get!(o, max_batch_bytes).unwrap_or(h.apply.max_batch_bytes);
+    h.max_active_leases = get!(o, max_active_leases).unwrap_or(h.max_active_leases);
+    h.apply.max_tombstones = get!(o, max_tombstones).unwrap_or(h.apply.max_tombstones);
+    h.apply.max_held_progress = get!(o, max_held_progress).unwrap_or(h.apply.max_held_progress);
+    h.apply.max_publishers = get!(o, max_publishers).unwrap_or(h.apply.max_publishers);
     let interval = get!(o, snapshot_interval).unwrap_or(DEFAULT_SNAPSHOT_INTERVAL);
     let keep = get!(o, snapshot_keep).unwrap_or(DEFAULT_SNAPSHOT_KEEP);
     let stream = LeaseStreamConfig::new().with_snapshots(interval, keep);
@@ -396,8 +383,7 @@ fn limit(default: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Sen
     whole(1..=MAX_LIMIT, true, expected)
 }
 
-/// One deployment name; nothing for an empty item (`LEASE_ROUTER_DEPLOYMENTS=`, a trailing
-/// comma).
+/// One deployment name, or nothing for an empty item (`LEASE_ROUTER_DEPLOYMENTS=`, `a,`).
 fn parse_deployment(value: &str) -> Result<Option<DeploymentName>, Refused> {
     match value.trim() {
         "" => Ok(None),
@@ -409,16 +395,15 @@ fn parse_deployment(value: &str) -> Result<Option<DeploymentName>, Refused> {
 }
 
 fn parse_http_addr(value: &str) -> Result<SocketAddr, String> {
-    let value = value.trim();
-    let port = value
-        .strip_prefix("localhost:")
-        .and_then(|p| p.parse().ok());
+    let addr = value.trim();
+    let port = addr.strip_prefix("localhost:").and_then(|p| p.parse().ok());
     let localhost = port.map(|port| SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port));
-    value.parse().ok().or(localhost).ok_or_else(|| {
-        "expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; port 0 picks a \
-         free port)"
-            .to_owned()
-    })
+    let expected = "expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; \
+                    port 0 picks a free port)";
+    addr.parse()
+        .ok()
+        .or(localhost)
+        .ok_or_else(|| expected.to_owned())
 }
 
 #[cfg(test)]

@@ -1,6 +1,5 @@
-//! Where each setting's value comes from, and how a value that cannot be used is reported:
-//! the layering shared by `serve`'s settings ([`crate::config`]) and every subcommand's NATS
-//! arguments ([`crate::nats_args`]).
+//! Where each setting's value comes from, and how an unusable value is reported: for `serve`'s
+//! settings ([`crate::config`]) and every subcommand's NATS arguments ([`crate::nats_args`]).
 //!
 //! A setting is taken from a flag, else its environment variable (clap reads both into one
 //! field), else the TOML file `--config` names, else the default; a flag or variable replaces a
@@ -169,8 +168,7 @@ fn in_file(path: &Path) -> String {
     format!(" in config file {}", path.display())
 }
 
-/// A setting that cannot be used. The message names the setting, the value, where it came
-/// from and the fix.
+/// A setting that cannot be used: the message names the setting, the value, its origin, the fix.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("invalid setting {setting} = {value:?}{origin}: {expected}")]
@@ -304,9 +302,8 @@ fn read_file(
             let path = path.to_owned();
             return Err(ConfigError::UnknownKey { path, key, known });
         };
-        // The declaration says what the setting takes: a list (a value delimiter), a switch
-        // (a flag that may stand alone), a secret (its value hidden from the help). A secret
-        // of the wrong type is reported without its value.
+        // What the declaration says the setting takes: a list (a value delimiter), a switch (a
+        // flag that may stand alone), a secret (hidden from the help, and from errors here).
         let is_list = arg.get_value_delimiter().is_some();
         let is_switch = arg.get_num_args().is_some_and(|n| n.min_values() == 0);
         let is_secret = arg.is_hide_env_values_set();

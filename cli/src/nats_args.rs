@@ -3,13 +3,12 @@
 //! (from flags, environment or its config file); `publish`, `simulate` and `demo` take flags
 //! and environment alone.
 //!
-//! # Credentials
-//! At most one authentication method: user and password (both), a token, an NKey seed file
-//! or a credentials file. Any TLS setting makes TLS required; the client certificate and key
-//! go together. Files are checked to be readable when the settings are parsed, and read
-//! when connecting. Secrets never appear in `Debug` output, in logs or in errors: a bad
-//! password or token is shown as `<redacted>`, a file by its path only. Prefer files or the
-//! environment over flags for secrets (flags show in the process list).
+//! At most one authentication method: user and password (both), a token, an NKey seed file or
+//! a credentials file. Any TLS setting makes TLS required; the client certificate and key go
+//! together. Files are checked to be readable when the settings are parsed, read when
+//! connecting. Secrets never appear in `Debug` output, logs or errors: a bad password or token
+//! shows as `<redacted>`, a file by its path only. Prefer files or the environment over flags
+//! for secrets (flags show in the process list).
 
 use std::fmt;
 use std::path::PathBuf;
