@@ -546,11 +546,9 @@ pub(crate) mod tests {
         for name in ["LOG_FORMAT", "HTTP_ADDR", "LEASE_SCAN_INTERVAL"] {
             std::env::remove_var(format!("LEASE_ROUTER_{name}"));
         }
-        assert_eq!(
-            resolve(&bad_env).unwrap_err().to_string(),
-            "invalid setting log_format = \"yaml\" from environment variable \
-             LEASE_ROUTER_LOG_FORMAT: expected text or json"
-        );
+        let want = "invalid setting log_format = \"yaml\" from environment variable \
+                    LEASE_ROUTER_LOG_FORMAT: expected text or json";
+        assert_eq!(resolve(&bad_env).unwrap_err().to_string(), want);
         let file_only = with_env(&["--config", path(&f)]);
         let cases = [
             (file_only, 1111, 3600, "from the file"),
