@@ -3,12 +3,11 @@
 //!
 //! Each setting is declared once, as a field of [`ServeArgs`] (or of [`NatsArgs`]): its name
 //! is the TOML key, its `long` the flag, its `env` the variable, its doc comment the help, its
-//! `value_parser` what it accepts. The file's keys and the `--config` help that lists them
-//! ([`document_file_keys`]) are read from it; a test holds README's settings table to it.
-//! Where each value comes from and how a bad one is reported: [`crate::layering`].
-//!
-//! The default `max_event_bytes` (4096) is well below the server's `max_payload` (1 MB by
-//! default), so that the router drops and counts an oversized event.
+//! `value_parser` what it accepts. The file's keys and the `--config` help listing them
+//! ([`document_file_keys`]) are read from it, and a test holds README's settings table to it.
+//! Where each value comes from and how a bad one is reported: [`crate::layering`]. The default
+//! `max_event_bytes` (4096) is well below the server's `max_payload` (1 MB by default), so
+//! that the router drops and counts an oversized event.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::RangeInclusive;
@@ -46,11 +45,9 @@ const POSITIVE: RangeInclusive<Duration> = Duration::from_nanos(1)..=Duration::M
 pub(crate) const DEPLOYMENT_NAMES: &str = "a deployment name may hold only ASCII letters, \
     digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod";
 
-/// The flags of `lease-router serve` (flatten `Sourced<ServeArgs>` into the subcommand).
-///
-/// Every field is optional: what is not given on the command line, in the environment or in
-/// the config file is taken from the defaults by [`resolve`]. `Debug` shows whether a
-/// password or token was given, never which.
+/// The flags of `lease-router serve` (flatten `Sourced<ServeArgs>` into the subcommand), all
+/// optional: [`resolve`] takes the default of what no flag, variable or file gives. `Debug`
+/// shows whether a password or token was given, never which.
 #[derive(Clone, Debug, clap::Args)]
 pub struct ServeArgs {
     /// TOML file with settings (`document_file_keys` lists its keys here).
@@ -167,18 +164,15 @@ pub struct ServeArgs {
     /// Snapshot intervals each deployment's stream keeps in durable mode (its age limit is
     /// this many intervals, at least 60 s) [default: 4].
     #[arg(long, value_name = "N", env = "LEASE_ROUTER_SNAPSHOT_KEEP",
-          value_parser = setting(whole(2..=1000u32, false, format!(
-              "expected a whole number from 2 to 1000 (default {DEFAULT_SNAPSHOT_KEEP}): \
-               snapshot intervals the stream keeps"))))]
+          value_parser = setting(whole(2..=1000u32, false, format!("expected a whole number from 2 \
+              to 1000 (default {DEFAULT_SNAPSHOT_KEEP}): snapshot intervals the stream keeps"))))]
     pub snapshot_keep: Option<Parsed<u32>>,
     /// How new deployments choose a worker for `POST .../route`: weighted_cost,
     /// power_of_two, round_robin or random (a PUT body may set one per deployment)
     /// [default: weighted_cost].
     #[arg(long, value_name = "POLICY", env = "LEASE_ROUTER_ROUTE_POLICY",
-          value_parser = setting(|s: &str| s.trim().parse::<RoutePolicy>().map_err(|_| {
-              "expected weighted_cost, power_of_two, round_robin, random or least_bookings"
-                  .to_owned()
-          })))]
+          value_parser = setting(|s: &str| s.trim().parse::<RoutePolicy>().map_err(|_| "expected \
+              weighted_cost, power_of_two, round_robin, random or least_bookings".to_owned())))]
     pub route_policy: Option<Parsed<RoutePolicy>>,
     /// A worker with no live lease that says nothing this long is forgotten. Seconds, or with
     /// a unit: 600s, 10m [default: twice the lease scan interval].
@@ -219,8 +213,7 @@ pub fn document_file_keys(serve: clap::Command) -> clap::Command {
     serve.mut_arg("config", |arg| arg.help(help.clone()).long_help(help))
 }
 
-/// The resolved settings of `lease-router serve`: the library's own settings structs, with
-/// what only the binary uses beside them.
+/// The resolved settings of `lease-router serve`: the library's settings structs and the binary's.
 #[derive(Clone, Debug)]
 pub struct ServeSettings {
     /// How to connect to NATS (its `Debug` redacts secrets).
@@ -230,17 +223,14 @@ pub struct ServeSettings {
     /// Deployments hosted from the start, without duplicates, in the order given.
     pub deployments: Vec<DeploymentName>,
     pub http_addr: SocketAddr,
-    /// The HTTP API's bearer token and what it guards; `None`: the API is open (its `Debug`
-    /// redacts the token).
+    /// The HTTP API's token (`Debug` redacts it) and what it guards; `None`: the API is open.
     pub http_auth: Option<ApiAuth>,
     pub log_format: LogFormat,
 }
 
-/// Resolves the settings that flags, environment and file gave into the library's settings,
-/// the defaults for the rest, and checks the settings that go together.
-///
-/// # Errors
-/// [`ConfigError`] naming the first setting that is invalid.
+/// Resolves what flags, environment and file gave into the library's settings (the defaults
+/// for the rest) and checks the settings that go together; else the [`ConfigError`] naming
+/// the first invalid setting.
 pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError> {
     let o = &given.origins;
     // Every field, so that a setting declared but not resolved does not compile.
@@ -281,17 +271,15 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
     }
     let http_addr = get!(o, http_addr).unwrap_or(DEFAULT_HTTP_ADDR);
 
-    // The HTTP API's token, inline or from a file (one of them), and whether it guards the
-    // reads. The token never enters an error.
+    // The API's token, inline or from a file (not both), and whether it guards the reads.
     let protect_reads = get!(o, http_protect_reads);
-    if let (Some(_), Some(path)) = (http_token, get!(o, http_token_file)) {
-        let give_once = "give the token once: http_token or http_token_file, not both";
-        return Err(o.invalid("http_token_file", path.display(), give_once));
-    }
-    let token = match (get!(o, http_token), get!(o, http_token_file)) {
-        (Some(token), _) => Some(token),
+    let token = match (http_token, get!(o, http_token_file)) {
+        (Some(_), Some(path)) => {
+            let give_once = "give the token once: http_token or http_token_file, not both";
+            return Err(o.invalid("http_token_file", path.display(), give_once));
+        }
+        (_, None) => get!(o, http_token),
         (None, Some(path)) => Some(read_token(o, &path)?),
-        (None, None) => None,
     };
     let http_auth = match (token, protect_reads) {
         (Some(token), protect) => Some(ApiAuth::new(token).protect_reads(protect == Some(true))),
@@ -302,25 +290,20 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
         (None, _) => None,
     };
 
-    fn set<T>(slot: &mut T, given: Option<T>) {
-        if let Some(value) = given {
-            *slot = value;
-        }
-    }
     let mut h = HostSettings {
         subject_prefix,
         ..HostSettings::default()
     };
-    set(&mut h.route_policy, get!(o, route_policy));
-    set(&mut h.worker_idle, get!(o, worker_idle).map(Some));
-    set(&mut h.provisional_deadline, get!(o, provisional_deadline));
-    set(&mut h.lease_scan_interval, get!(o, lease_scan_interval));
-    set(&mut h.apply.max_event_bytes, get!(o, max_event_bytes));
-    set(&mut h.apply.max_batch_bytes, get!(o, max_batch_bytes));
-    set(&mut h.max_active_leases, get!(o, max_active_leases));
-    set(&mut h.apply.max_tombstones, get!(o, max_tombstones));
-    set(&mut h.apply.max_held_progress, get!(o, max_held_progress));
-    set(&mut h.apply.max_publishers, get!(o, max_publishers));
+    h.route_policy = get!(o, route_policy).unwrap_or(h.route_policy);
+    h.worker_idle = get!(o, worker_idle).or(h.worker_idle);
+    h.provisional_deadline = get!(o, provisional_deadline).unwrap_or(h.provisional_deadline);
+    h.lease_scan_interval = get!(o, lease_scan_interval).unwrap_or(h.lease_scan_interval);
+    h.apply.max_event_bytes = get!(o, max_event_bytes).unwrap_or(h.apply.max_event_bytes);
+    h.apply.max_batch_bytes = get!(o, max_batch_bytes).unwrap_or(h.apply.max_batch_bytes);
+    h.max_active_leases = get!(o, max_active_leases).unwrap_or(h.max_active_leases);
+    h.apply.max_tombstones = get!(o, max_tombstones).unwrap_or(h.apply.max_tombstones);
+    h.apply.max_held_progress = get!(o, max_held_progress).unwrap_or(h.apply.max_held_progress);
+    h.apply.max_publishers = get!(o, max_publishers).unwrap_or(h.apply.max_publishers);
     let interval = get!(o, snapshot_interval).unwrap_or(DEFAULT_SNAPSHOT_INTERVAL);
     let keep = get!(o, snapshot_keep).unwrap_or(DEFAULT_SNAPSHOT_KEEP);
     let stream = LeaseStreamConfig::new().with_snapshots(interval, keep);
@@ -400,8 +383,7 @@ fn limit(default: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Sen
     whole(1..=MAX_LIMIT, true, expected)
 }
 
-/// One deployment name; nothing for an empty item (`LEASE_ROUTER_DEPLOYMENTS=`, a trailing
-/// comma).
+/// One deployment name, or nothing for an empty item (`LEASE_ROUTER_DEPLOYMENTS=`, `a,`).
 fn parse_deployment(value: &str) -> Result<Option<DeploymentName>, Refused> {
     match value.trim() {
         "" => Ok(None),
@@ -413,16 +395,15 @@ fn parse_deployment(value: &str) -> Result<Option<DeploymentName>, Refused> {
 }
 
 fn parse_http_addr(value: &str) -> Result<SocketAddr, String> {
-    let value = value.trim();
-    let port = value
-        .strip_prefix("localhost:")
-        .and_then(|p| p.parse().ok());
+    let addr = value.trim();
+    let port = addr.strip_prefix("localhost:").and_then(|p| p.parse().ok());
     let localhost = port.map(|port| SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port));
-    value.parse().ok().or(localhost).ok_or_else(|| {
-        "expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; port 0 picks a \
-         free port)"
-            .to_owned()
-    })
+    let expected = "expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; \
+                    port 0 picks a free port)";
+    addr.parse()
+        .ok()
+        .or(localhost)
+        .ok_or_else(|| expected.to_owned())
 }
 
 #[cfg(test)]
@@ -475,9 +456,11 @@ pub(crate) mod tests {
         settings(line).unwrap_err().to_string()
     }
 
-    /// The message `serve --config FILE` is refused with, FILE holding `toml`.
+    /// The message `serve --config FILE` is refused with, FILE holding `toml` (and its path
+    /// shown as FILE).
     pub(crate) fn file_message(toml: &str) -> String {
-        with_file(toml, "").unwrap_err().to_string()
+        let f = file(toml);
+        message(&format!("--config {}", path(&f))).replace(path(&f), "FILE")
     }
 
     /// Each `serve ARGV` is refused with a message that starts with its `start`, and no secret
@@ -546,48 +529,6 @@ pub(crate) mod tests {
         assert!(s.http_auth.is_none(), "no token: the API is open");
     }
 
-    #[test]
-    fn file_overrides_defaults_and_flags_override_file() {
-        let toml = r#"
-            nats_url = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]
-            deployments = ["a", "b", "a"]
-            http_addr = "0.0.0.0:0"
-            subject_prefix = "acme.leases"
-            lease_scan_interval = "5m"
-            log_format = "json"
-            connect_deadline = 10
-            max_event_bytes = 8192
-            "#;
-        let s = with_file(toml, "").unwrap();
-        let urls = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"];
-        assert_eq!(s.nats.urls(), urls);
-        assert_eq!(names(&s), ["a", "b"], "duplicates are dropped");
-        assert_eq!(s.http_addr.to_string(), "0.0.0.0:0");
-        assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
-        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(300));
-        assert_eq!(s.log_format, LogFormat::Json);
-        assert_eq!(s.nats.connect_deadline(), Duration::from_secs(10));
-        assert_eq!(s.host.apply.max_event_bytes, 8192);
-
-        // Flags (or the environment: clap puts both in the same field) beat the file.
-        let flags = "--nats-url nats://a:1,nats://b:2 --deployment c --http-addr localhost:8080 \
-                     --lease-scan-interval 1m30s --log-format TEXT";
-        let s = with_file(toml, flags).unwrap();
-        assert_eq!(s.nats.urls(), ["nats://a:1", "nats://b:2"]);
-        assert_eq!(s.deployments, [DeploymentName::new("c").unwrap()]);
-        assert_eq!(s.http_addr.to_string(), "127.0.0.1:8080");
-        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(90));
-        assert_eq!(s.log_format, LogFormat::Text);
-        // Not given as flags: still from the file.
-        assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
-        assert_eq!(s.host.apply.max_event_bytes, 8192);
-
-        // A list in the file is a list of names: clap's comma split does not reach into one.
-        let m = file_message("deployments = [\"a\", \"b,c\"]\n");
-        let start = "invalid setting deployments = \"b,c\" in config file";
-        assert!(m.starts_with(start), "{m}");
-    }
-
     /// The one test that reads the process environment, and only variables that nothing
     /// but this module reads.
     #[test]
@@ -605,11 +546,9 @@ pub(crate) mod tests {
         for name in ["LOG_FORMAT", "HTTP_ADDR", "LEASE_SCAN_INTERVAL"] {
             std::env::remove_var(format!("LEASE_ROUTER_{name}"));
         }
-        assert_eq!(
-            resolve(&bad_env).unwrap_err().to_string(),
-            "invalid setting log_format = \"yaml\" from environment variable \
-             LEASE_ROUTER_LOG_FORMAT: expected text or json"
-        );
+        let want = "invalid setting log_format = \"yaml\" from environment variable \
+                    LEASE_ROUTER_LOG_FORMAT: expected text or json";
+        assert_eq!(resolve(&bad_env).unwrap_err().to_string(), want);
         let file_only = with_env(&["--config", path(&f)]);
         let cases = [
             (file_only, 1111, 3600, "from the file"),
@@ -622,12 +561,6 @@ pub(crate) mod tests {
             let want = (format!("127.0.0.1:{port}"), Duration::from_secs(secs));
             assert_eq!(got, want, "{why}");
         }
-    }
-
-    #[test]
-    fn repeated_and_comma_separated_deployment_flags() {
-        let s = settings("--deployment a --deployment b,c --nats-url nats://x:1").unwrap();
-        assert_eq!(names(&s), ["a", "b", "c"]);
     }
 
     #[test]
@@ -650,6 +583,8 @@ pub(crate) mod tests {
             // The bad URL is named, its password is not.
             (&["--nats-url", "nats://ok:4222,http://u:secret@bad:1"], "invalid setting nats_url = \"http://***@bad:1\" from --nats-url: expected nats://"),
             (&["--nats-url", " , "], "invalid setting nats_url = \" , \""),
+            (&["--route-policy", "fastest"], "invalid setting route_policy = \"fastest\" from --route-policy: expected weighted_cost"),
+            (&["--worker-idle", "0s"], "invalid setting worker_idle = \"0s\" from --worker-idle: expected a positive duration"),
         ]);
     }
 
@@ -658,32 +593,24 @@ pub(crate) mod tests {
         let f = file("http_addr = \"127.0.0.1:1\"\nlisten = \"x\"\n");
         let err = settings(&format!("--config {}", path(&f))).unwrap_err();
         assert!(matches!(&err, ConfigError::UnknownKey { key, .. } if key == "listen"));
-        let m = err.to_string();
-        assert!(
-            m.starts_with("unknown setting \"listen\" in config file ")
-                && m.ends_with(
-                    "the accepted keys are deployments, http_addr, http_token, http_token_file, \
-                     http_protect_reads, lease_scan_interval, log_format, connect_deadline, \
-                     max_event_bytes, max_batch_bytes, max_active_leases, max_tombstones, \
-                     max_held_progress, max_publishers, subscription_capacity, durable, \
-                     stream_replicas, stream_max_bytes, snapshot_interval, snapshot_keep, \
-                     route_policy, worker_idle, provisional_deadline, nats_url, subject_prefix, \
-                     nats_user, nats_password, nats_token, nats_nkey, nats_creds, nats_tls_ca, \
-                     nats_tls_cert, nats_tls_key, nats_ping_interval"
-                ),
-            "{m}"
-        );
-        let f = file("http_addr = \"nope\"\n");
+        // Every declared key, in order (README's settings table is held to the same list).
+        let known = format!("the accepted keys are {}", file_keys().join(", "));
         let want = format!(
-            "invalid setting http_addr = \"nope\" in config file {}: expected HOST:PORT such as \
-             127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)",
+            "unknown setting \"listen\" in config file {}: {known}",
             path(&f)
         );
-        assert_eq!(message(&format!("--config {}", path(&f))), want);
-        let m = file_message("max_event_bytes = true\n");
-        let start = "invalid setting max_event_bytes = \"true\" in config file";
-        let end = "expected a string or a number, not boolean";
-        assert!(m.starts_with(start) && m.ends_with(end), "{m}");
+        assert_eq!(err.to_string(), want);
+        for (toml, want) in [
+            ("http_addr = \"nope\"\n", "invalid setting http_addr = \"nope\" in config file FILE: expected HOST:PORT such as 127.0.0.1:9464 (an IP address or localhost; port 0 picks a free port)"),
+            ("max_event_bytes = true\n", "invalid setting max_event_bytes = \"true\" in config file FILE: expected a string or a number, not boolean"),
+            // A list in the file is a list of names: clap's comma split does not reach into one.
+            ("deployments = [\"a\", \"b,c\"]\n", "invalid setting deployments = \"b,c\" in config file FILE: a deployment name may hold only ASCII letters, digits, '-' and '_' (1 to 128 characters), such as llama-70b_prod"),
+            // A secret of the wrong type: not echoed.
+            ("http_token = 987654321\n", "invalid setting http_token = \"<redacted>\" in config file FILE: expected a string, not integer"),
+            ("nats_password = 987654321\n", "invalid setting nats_password = \"<redacted>\" in config file FILE: expected a string, not integer"),
+        ] {
+            assert_eq!(file_message(toml), want);
+        }
         let m = file_message("http_addr = \n");
         let (toml, line) = (m.contains("is not valid TOML"), m.contains("line 1"));
         assert!(toml && line, "{m}");
@@ -723,32 +650,39 @@ pub(crate) mod tests {
         );
     }
 
-    /// The `--config` help is generated from the declaration: every key, in order.
+    /// The `--config` help is generated from the declaration: every key, in order. The
+    /// secrets' values in the environment are hidden from the help.
     #[test]
-    fn config_help_lists_every_file_key() {
+    fn help_lists_every_file_key_and_hides_secret_values() {
         let serve = document_file_keys(ServeArgs::augment_args(clap::Command::new("serve")));
-        let config = serve.get_arguments().find(|arg| arg.get_id() == "config");
-        let help = config.unwrap().get_help().unwrap().to_string();
+        let arg = |id: &str| serve.get_arguments().find(|a| a.get_id() == id).unwrap();
+        let help = arg("config").get_help().unwrap().to_string();
         let keys = file_keys().join(", ");
         assert_eq!(help, format!("TOML file with settings; its keys: {keys}"));
         let some = "subscription_capacity durable stream_replicas nats_tls_key";
         assert!(some.split(' ').all(|key| help.contains(key)), "{help}");
+        for id in ["nats_password", "nats_token", "http_token"] {
+            assert!(arg(id).is_hide_env_values_set(), "{id}");
+        }
     }
 
     /// A file may hold every declared setting, and each one lands where it belongs (that
-    /// `resolve` reads every declared setting, its exhaustive destructuring makes sure).
+    /// `resolve` reads every declared setting, its exhaustive destructuring makes sure); flags
+    /// (or the environment: clap puts both in the same field) beat the file.
     #[test]
-    fn a_file_with_every_setting_resolves() {
+    fn a_file_with_every_setting_resolves_and_flags_beat_it() {
         let ca = file("-----BEGIN CERTIFICATE-----\n");
         let ca = format!("{:?}", ca.path());
         let mut text = String::new();
         for key in file_keys() {
             let value = match key.as_str() {
-                "nats_url" => "\"nats://10.0.0.1:4222\"",
-                "deployments" => "[\"a\", \"b\"]",
-                "http_addr" => "\"0.0.0.0:9000\"",
+                // A list of URLs, and one of names whose duplicates are dropped.
+                "nats_url" => "[\"nats://10.0.0.1:4222\", \"nats://10.0.0.2:4222\"]",
+                "deployments" => "[\"a\", \"b\", \"a\"]",
+                "http_addr" => "\"0.0.0.0:0\"",
                 "subject_prefix" => "\"acme.leases\"",
-                "lease_scan_interval" | "connect_deadline" | "nats_ping_interval" => "\"7s\"",
+                "connect_deadline" => "7",
+                "lease_scan_interval" | "nats_ping_interval" => "\"7s\"",
                 "worker_idle" | "provisional_deadline" | "snapshot_interval" => "\"7s\"",
                 "log_format" => "\"json\"",
                 "durable" | "http_protect_reads" => "true",
@@ -771,9 +705,10 @@ pub(crate) mod tests {
         }
         let s = with_file(&text, "").unwrap();
         let (h, a, seven) = (&s.host, &s.host.apply, Duration::from_secs(7));
-        assert_eq!(s.nats.urls(), ["nats://10.0.0.1:4222"]);
-        assert_eq!(names(&s), ["a", "b"]);
-        assert_eq!(s.http_addr.to_string(), "0.0.0.0:9000");
+        let urls = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"];
+        assert_eq!(s.nats.urls(), urls);
+        assert_eq!(names(&s), ["a", "b"], "duplicates are dropped");
+        assert_eq!(s.http_addr.to_string(), "0.0.0.0:0");
         assert_eq!(h.subject_prefix.as_str(), "acme.leases");
         let durations = (h.lease_scan_interval, h.worker_idle, h.provisional_deadline);
         assert_eq!(durations, (seven, Some(seven), seven));
@@ -794,6 +729,22 @@ pub(crate) mod tests {
         let user_password = matches!(s.nats.auth(), lease_router::NatsAuth::UserPassword { .. });
         assert!(user_password && s.nats.tls().is_some());
         assert!(s.http_auth.expect("a token").reads_protected());
+
+        let flags = "--nats-url nats://a:1,nats://b:2 --deployment c --deployment d,e \
+                     --http-addr localhost:8080 --lease-scan-interval 1m30s --log-format TEXT \
+                     --route-policy random --worker-idle 90s";
+        let s = with_file(&text, flags).unwrap();
+        assert_eq!(s.nats.urls(), ["nats://a:1", "nats://b:2"]);
+        // Repeated and comma-separated; the file's list is replaced, not added to.
+        assert_eq!(names(&s), ["c", "d", "e"]);
+        assert_eq!(s.http_addr.to_string(), "127.0.0.1:8080");
+        assert_eq!(s.host.lease_scan_interval, Duration::from_secs(90));
+        assert_eq!(s.log_format, LogFormat::Text);
+        assert_eq!(s.host.route_policy, RoutePolicy::Random);
+        assert_eq!(s.host.worker_idle, Some(Duration::from_secs(90)));
+        // Not given as flags: still from the file.
+        assert_eq!(s.host.subject_prefix.as_str(), "acme.leases");
+        assert_eq!(s.host.apply.max_event_bytes, 4242);
     }
 
     #[test]
@@ -830,10 +781,6 @@ pub(crate) mod tests {
             (&["--http-protect-reads", "true"], "invalid setting http_protect_reads = \"true\" from --http-protect-reads: protecting the reads needs a token".into()),
             (&["--http-token", token, "--http-protect-reads", "maybe"], "invalid setting http_protect_reads = \"maybe\" from --http-protect-reads: expected true or false".into()),
         ]);
-        // A token of the wrong type in the config file: not echoed.
-        let m = file_message("http_token = 987654321\n");
-        let start = "invalid setting http_token = \"<redacted>\"";
-        assert!(m.starts_with(start) && !m.contains("987654321"), "{m}");
     }
 
     #[test]
@@ -844,22 +791,10 @@ pub(crate) mod tests {
         assert_eq!(s.host.max_active_leases, 5);
         let limits = (a.max_tombstones, a.max_held_progress, a.max_publishers);
         assert_eq!(limits, (10, 1000, 30));
-        refused(&[
-            (&["--max-tombstones=0"], "invalid setting max_tombstones = \"0\" from --max-tombstones: expected a whole number from 1"),
-            (&["--max-tombstones=-1"], "invalid setting max_tombstones = \"-1\" from --max-tombstones: expected a whole number from 1"),
-            (&["--max-tombstones=many"], "invalid setting max_tombstones = \"many\" from --max-tombstones: expected a whole number from 1"),
-            (&["--max-tombstones=100000001"], "invalid setting max_tombstones = \"100000001\" from --max-tombstones: expected a whole number from 1"),
-        ]);
-    }
-
-    #[test]
-    fn route_policy_and_worker_idle_resolve_and_refuse_nonsense() {
-        let s = settings("--route-policy round_robin --worker-idle 90s").unwrap();
-        assert_eq!(s.host.route_policy, RoutePolicy::RoundRobin);
-        assert_eq!(s.host.worker_idle, Some(Duration::from_secs(90)));
-        refused(&[
-            (&["--route-policy", "fastest"], "invalid setting route_policy = \"fastest\" from --route-policy: expected weighted_cost"),
-            (&["--worker-idle", "0s"], "invalid setting worker_idle = \"0s\" from --worker-idle: expected a positive duration"),
-        ]);
+        for bad in ["0", "-1", "many", "100000001"] {
+            let from = format!("max_tombstones = {bad:?} from --max-tombstones");
+            let want = format!("invalid setting {from}: expected a whole number from 1");
+            refused(&[(&[&format!("--max-tombstones={bad}")], want)]);
+        }
     }
 }

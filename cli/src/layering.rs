@@ -1,6 +1,5 @@
-//! Where each setting's value comes from, and how a value that cannot be used is reported:
-//! the layering that `serve`'s settings ([`crate::config`]) and every subcommand's NATS
-//! arguments ([`crate::nats_args`]) share.
+//! Where each setting's value comes from, and how an unusable value is reported: for `serve`'s
+//! settings ([`crate::config`]) and every subcommand's NATS arguments ([`crate::nats_args`]).
 //!
 //! A setting is taken from a flag, else its environment variable (clap reads both into one
 //! field), else the TOML file `--config` names, else the default; a flag or variable replaces a
@@ -8,17 +7,12 @@
 //! that `ArgMatches::value_source` tells each value's origin ([`Sourced`]). Each value is
 //! parsed once, by its setting's `value_parser` ([`setting`]); a value it refuses waits
 //! ([`Refused`]) until its origin is known ([`Origins::get`]), so that every mistake names the
-//! setting, the value, its origin and what is accepted:
+//! setting, the value, its origin and what is accepted: `invalid setting http_addr = "abc"
+//! from --http-addr: expected HOST:PORT such as 127.0.0.1:9464`.
 //!
-//! ```text
-//! invalid setting http_addr = "abc" from --http-addr: expected HOST:PORT such as 127.0.0.1:9464
-//! ```
-//!
-//! Why not figment: figment 0.10 (its last release in May 2024) records which provider gave
-//! each value, but it would read the environment a second time beside clap's `env` (which the
-//! flags need anyway for `--help` and precedence), could still not tell a flag from its
-//! variable without clap, and words its errors in serde's terms. clap's own default layer
-//! gives the same precedence and every value's origin with no crate added.
+//! Why not figment (0.10, last released in May 2024): it would read the environment a second
+//! time beside clap's `env` (which `--help` and precedence need anyway), could still not tell
+//! a flag from its variable without clap, and words its errors in serde's terms.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -151,13 +145,13 @@ impl Origins {
         setting: &str,
         value: &Option<Parsed<T>>,
     ) -> Result<Option<T>, ConfigError> {
-        match value {
-            None => Ok(None),
-            Some(Ok(value)) => Ok(Some(value.clone())),
-            Some(Err(Refused { value, expected })) => {
-                Err(self.invalid(setting, value.clone().unwrap_or_default(), expected))
-            }
-        }
+        value.clone().transpose().map_err(|refused| {
+            self.invalid(
+                setting,
+                refused.value.unwrap_or_default(),
+                &refused.expected,
+            )
+        })
     }
 }
 
@@ -174,8 +168,7 @@ fn in_file(path: &Path) -> String {
     format!(" in config file {}", path.display())
 }
 
-/// A setting that cannot be used. The message names the setting, the value, where it came
-/// from and the fix.
+/// A setting that cannot be used: the message names the setting, the value, its origin, the fix.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("invalid setting {setting} = {value:?}{origin}: {expected}")]
@@ -188,7 +181,6 @@ pub enum ConfigError {
     #[error("cannot read config file {}: {source}", path.display())]
     ReadFile {
         path: PathBuf,
-        #[source]
         source: std::io::Error,
     },
     #[error("config file {} is not valid TOML: {message}", path.display())]
@@ -196,12 +188,12 @@ pub enum ConfigError {
     #[error(
         "unknown setting {key:?} in config file {}: the accepted keys are {}",
         path.display(),
-        accepted.join(", ")
+        known.join(", ")
     )]
     UnknownKey {
         path: PathBuf,
         key: String,
-        accepted: Vec<String>,
+        known: Vec<String>,
     },
 }
 
@@ -262,11 +254,9 @@ pub fn parse_duration(value: &str) -> Option<Duration> {
 
 /// Parses `argv` with `command`; if the subcommand given has a `config` argument that names a
 /// file, parses again with the file's values as the defaults of that subcommand's flags,
-/// beneath the flags and the environment. clap's own errors (and `--help`) exit as with
+/// beneath the flags and the environment; a [`ConfigError`] for a file that cannot be read or
+/// parsed, or holds a setting it cannot. clap's own errors (and `--help`) exit as with
 /// `get_matches`. `list_item` says what an item of a list setting is (it holds no comma).
-///
-/// # Errors
-/// [`ConfigError`] for a file that cannot be read or parsed, or holds a setting it cannot.
 pub fn parse_layered(
     command: clap::Command,
     argv: &[OsString],
@@ -308,17 +298,12 @@ fn read_file(
     let mut values = Vec::with_capacity(table.len());
     for (key, value) in table {
         let Some(arg) = settings.iter().find(|arg| arg.get_id() == key.as_str()) else {
-            let accepted = settings.iter().map(|a| a.get_id().to_string()).collect();
+            let known = settings.iter().map(|a| a.get_id().to_string()).collect();
             let path = path.to_owned();
-            return Err(ConfigError::UnknownKey {
-                path,
-                key,
-                accepted,
-            });
+            return Err(ConfigError::UnknownKey { path, key, known });
         };
-        // The declaration says what the setting takes: a list (a value delimiter), a switch
-        // (a flag that may stand alone), a secret (its value hidden from the help). A secret
-        // of the wrong type is reported without its value.
+        // What the declaration says the setting takes: a list (a value delimiter), a switch (a
+        // flag that may stand alone), a secret (hidden from the help, and from errors here).
         let is_list = arg.get_value_delimiter().is_some();
         let is_switch = arg.get_num_args().is_some_and(|n| n.min_values() == 0);
         let is_secret = arg.is_hide_env_values_set();
@@ -372,13 +357,12 @@ fn read_file(
 
 /// " (at line L, column C)" for a byte span of `text`.
 fn location(text: &str, span: Option<std::ops::Range<usize>>) -> String {
-    let Some(span) = span else {
-        return String::new();
-    };
-    let before = &text[..span.start.min(text.len())];
-    let line = before.matches('\n').count() + 1;
-    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-    format!(" (at line {line}, column {column})")
+    span.map_or_else(String::new, |span| {
+        let before = &text[..span.start.min(text.len())];
+        let line = before.matches('\n').count() + 1;
+        let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+        format!(" (at line {line}, column {column})")
+    })
 }
 
 #[cfg(test)]
@@ -387,10 +371,8 @@ mod tests {
 
     #[test]
     fn durations() {
-        let d = |s| parse_duration(s);
-        assert_eq!(d("300"), Some(Duration::from_secs(300)));
-        assert_eq!(d("300s"), Some(Duration::from_secs(300)));
-        assert_eq!(d("5m"), Some(Duration::from_secs(300)));
+        let (d, five_minutes) = (|s| parse_duration(s), Some(Duration::from_secs(300)));
+        assert_eq!(["300", "300s", "5m"].map(d), [five_minutes; 3]);
         assert_eq!(d("1h"), Some(Duration::from_secs(3600)));
         assert_eq!(d("250ms"), Some(Duration::from_millis(250)));
         assert_eq!(d("1m30s"), Some(Duration::from_secs(90)));
