@@ -32,6 +32,8 @@
 //! - `stats`: the counters of one deployment's ingress ([`IngressStats`]).
 //! - `publisher`: [`LeasePublisher`], what workers publish their events with, core or
 //!   durable.
+//! - `prefix`: where each prompt's prefix is cached: the [`block_hashes`] that name a
+//!   prefix (the scheme in `schemas/README.md`).
 //! - `connection`: [`connect`]ing to NATS with retry, and connection state.
 //! - `retry`: exponential backoff, the one module that uses the `backoff` crate.
 //! - `log_limit`: rate-limited warnings.
@@ -55,6 +57,7 @@ mod lease;
 mod load;
 mod log_limit;
 mod observer;
+mod prefix;
 mod publisher;
 mod retry;
 mod router;
@@ -91,6 +94,7 @@ pub use load::{RequestLoad, WorkerLoad};
 pub use observer::{
     AdmitOutcome, CompleteOutcome, DeliverEventError, ProgressOutcome, ReplicaRequestLeaseObserver,
 };
+pub use prefix::{block_hashes, chain_block_hash, DEFAULT_BLOCK_SIZE, ROOT_PARENT_HASH};
 pub use publisher::{
     Batching, FlushPublisherError, LeasePublisher, PublishEventError, PublisherConfig,
     PublisherFigures,

@@ -1,0 +1,6 @@
+//! Where each prompt's prefix is cached: the block hashes that name a prefix
+//! ([`block_hashes`]), shared by workers, gateways and every router replica.
+
+mod hash;
+
+pub use hash::{block_hashes, chain_block_hash, DEFAULT_BLOCK_SIZE, ROOT_PARENT_HASH};
