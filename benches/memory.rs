@@ -5,12 +5,16 @@
 //! does. The lease tables keep such ids inline and the scheduler keeps only per-worker sums
 //! (each lease carries its booking's weight), so the growth of resident memory is the lease
 //! manager's shard tables, ids included: `bytes_per_lease`.
+//!
+//! Then the prefix index: 10,000,000 entries (one block held by one worker rank: 1,000 ranks
+//! of 10,000 blocks each, every block its own), learned 512 blocks at a time as from
+//! 8,192-token prompts: `bytes_per_index_entry` (goal <= 48).
 
 mod common;
 
 use std::time::Instant;
 
-use lease_router::{LeaseConfig, INLINE_KEY_BYTES};
+use lease_router::{block_hashes, LeaseConfig, PrefixIndex, PrefixIndexConfig, INLINE_KEY_BYTES};
 use lease_router::{RequestLoad, WorkerWithDpRank};
 use tokio_util::task::TaskTracker;
 
@@ -83,6 +87,50 @@ async fn bench() {
     );
     println!("bytes_per_lease={:.0}", per_lease(rss1 - rss0));
     drop(manager);
+    index_entries();
+}
+
+const INDEX_ENTRIES: u32 = 10_000_000;
+const INDEX_WORKERS: u32 = 1_000;
+const PROMPT_BLOCKS: usize = 512;
+
+fn index_entries() {
+    let per_worker = INDEX_ENTRIES / INDEX_WORKERS;
+    let mut index = PrefixIndex::new(
+        PrefixIndexConfig::new()
+            .with_worker_capacity(per_worker)
+            .with_max_entries(INDEX_ENTRIES),
+    );
+    let rss0 = rss_bytes() as i64;
+    let start = Instant::now();
+    let mut tokens: Vec<u32> = Vec::with_capacity(PROMPT_BLOCKS * 16);
+    let mut prompts = 0u32;
+    for worker in 0..INDEX_WORKERS {
+        let rank = WorkerWithDpRank::new(u64::from(worker), 0);
+        let mut held = 0;
+        while held < per_worker {
+            tokens.clear();
+            tokens.extend((0..PROMPT_BLOCKS as u32 * 16).map(|t| t ^ prompts.rotate_left(13)));
+            prompts += 1;
+            let hashes = block_hashes(&tokens, 16);
+            let take = hashes.len().min((per_worker - held) as usize);
+            index.learn(rank, &hashes[..take]);
+            held += take as u32;
+        }
+    }
+    let built = start.elapsed();
+    assert_eq!(index.len(), INDEX_ENTRIES as usize);
+    assert_eq!(index.evicted(), 0);
+    let rss1 = rss_bytes() as i64;
+    println!(
+        "prefix index: {INDEX_ENTRIES} entries ({INDEX_WORKERS} ranks x {per_worker} blocks, \
+         {prompts} prompts of {PROMPT_BLOCKS} blocks hashed and learned) in {:.2} s",
+        built.as_secs_f64()
+    );
+    println!(
+        "bytes_per_index_entry={:.1}",
+        (rss1 - rss0) as f64 / f64::from(INDEX_ENTRIES)
+    );
 }
 
 fn main() {

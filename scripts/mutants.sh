@@ -30,6 +30,9 @@ CORE_FILES=(
   src/scheduler/state.rs
   src/ingress/sequence.rs
   src/ingress/reorder.rs
+  src/ingress/apply.rs
+  src/prefix/hash.rs
+  src/prefix/index.rs
   src/wire/mod.rs
   src/wire/reader.rs
   src/wire/raw.rs

@@ -33,7 +33,8 @@
 //! - `publisher`: [`LeasePublisher`], what workers publish their events with, core or
 //!   durable.
 //! - `prefix`: where each prompt's prefix is cached: the [`block_hashes`] that name a
-//!   prefix (the scheme in `schemas/README.md`).
+//!   prefix (the scheme in `schemas/README.md`) and the [`PrefixIndex`] of which worker
+//!   holds which.
 //! - `connection`: [`connect`]ing to NATS with retry, and connection state.
 //! - `retry`: exponential backoff, the one module that uses the `backoff` crate.
 //! - `log_limit`: rate-limited warnings.
@@ -94,7 +95,10 @@ pub use load::{RequestLoad, WorkerLoad};
 pub use observer::{
     AdmitOutcome, CompleteOutcome, DeliverEventError, ProgressOutcome, ReplicaRequestLeaseObserver,
 };
-pub use prefix::{block_hashes, chain_block_hash, DEFAULT_BLOCK_SIZE, ROOT_PARENT_HASH};
+pub use prefix::{
+    block_hashes, chain_block_hash, PrefixIndex, PrefixIndexConfig, DEFAULT_BLOCK_SIZE,
+    ROOT_PARENT_HASH,
+};
 pub use publisher::{
     Batching, FlushPublisherError, LeasePublisher, PublishEventError, PublisherConfig,
     PublisherFigures,

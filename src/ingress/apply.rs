@@ -1042,6 +1042,65 @@ mod tests {
         f.router.shutdown().await.unwrap();
     }
 
+    /// What is held expires at a flush too, with no event to apply: a tombstone alone, or
+    /// held progress alone, leaves the held gauge on time.
+    #[tokio::test(start_paused = true)]
+    async fn a_flush_expires_what_either_map_holds() {
+        for early in [
+            completed("c", 1).into(),
+            LeaseEvent::from(progressed("p", 1)),
+        ] {
+            let mut f = Fixture::new().await;
+            assert_eq!(f.feed(1, 1, early), Applied::Held);
+            f.check(0, 0, 1);
+            tokio::time::advance(HOLD).await;
+            let applier = f.applier.as_mut().unwrap();
+            applier.begin_batch();
+            applier.end_batch();
+            f.check(0, 1, 0);
+            assert_eq!(f.stats.snapshot().dropped(DropReason::Unmatched), 1);
+            f.router.shutdown().await.unwrap();
+        }
+    }
+
+    /// A snapshot's image of the holds carries the stream's clock: a replica that restores
+    /// it counts the time left from the writer's clock at the cut, not from its own.
+    #[tokio::test(start_paused = true)]
+    async fn a_restored_image_counts_the_time_left_on_the_writers_stream_clock() {
+        let stream_us = 1_700_000_000_000_000;
+        let hold_us = u64::try_from(HOLD.as_micros()).unwrap();
+        let mut writer = Fixture::new().await;
+        writer.applier.as_mut().unwrap().set_stream_time(stream_us);
+        assert_eq!(writer.feed(1, 1, completed("ended", 1)), Applied::Held);
+        let mut p = progressed("early", 1);
+        p.output_tokens = 4;
+        assert_eq!(writer.feed(1, 2, p), Applied::Held);
+        let image = writer.applier.as_ref().unwrap().reorder_image();
+
+        for (later_us, held) in [(hold_us * 9 / 10, true), (hold_us * 11 / 10, false)] {
+            let mut late = Fixture::new().await;
+            tokio::time::advance(HOLD * 3).await;
+            let applier = late.applier.as_mut().unwrap();
+            applier.restore_reorder(image.clone());
+            applier.set_stream_time(stream_us + later_us);
+            let revived = late.feed(1, 3, admitted("ended", 1));
+            assert_eq!(late.feed(1, 4, admitted("early", 1)), Applied::Applied);
+            let loads = late.router.manager().live_loads();
+            if held {
+                assert_eq!(revived, Applied::Dropped(DropReason::Stale), "still held");
+                assert_eq!(loads.len(), 1);
+                assert_eq!(loads[0].1.kv_tokens, 14, "the held output count applied");
+                late.check(1, 1, 0);
+            } else {
+                assert_eq!(revived, Applied::Applied, "expired by the writer's clock");
+                assert_eq!(loads[0].1.kv_tokens, 20, "two leases, no progress applied");
+                late.check(2, 0, 0);
+            }
+            late.router.shutdown().await.unwrap();
+        }
+        writer.router.shutdown().await.unwrap();
+    }
+
     /// A completion that overtakes its admission is no gap; numbers that never come are, once
     /// they leave the window.
     #[tokio::test]

@@ -1,6 +1,9 @@
 //! Where each prompt's prefix is cached: the block hashes that name a prefix
-//! ([`block_hashes`]), shared by workers, gateways and every router replica.
+//! ([`block_hashes`]), shared by workers, gateways and every router replica, and which
+//! workers hold them ([`PrefixIndex`]).
 
 mod hash;
+mod index;
 
 pub use hash::{block_hashes, chain_block_hash, DEFAULT_BLOCK_SIZE, ROOT_PARENT_HASH};
+pub use index::{PrefixIndex, PrefixIndexConfig};

@@ -1,0 +1,520 @@
+//! Which workers hold which prefix blocks, as far as the events tell: the picture a
+//! prefix-aware decision scores workers with.
+//!
+//! Each entry is one block (named by its [`block_hashes`](super::block_hashes) hash) held by
+//! one worker rank. A hash names its whole prefix, so a worker that holds block k is taken
+//! to hold the blocks before it too: a request's overlap with a worker is the deepest of the
+//! request's blocks that the worker holds, whichever of the blocks before it were told.
+//!
+//! Bounded twice, as an engine's cache is: each worker rank holds at most its capacity in
+//! blocks (the least recently learned or refreshed goes first, as engines evict), and the
+//! whole index at most `max_entries` (past it the worker holding the most gives up its least
+//! recent blocks, a 1/1024 of the bound at a time so that the search for it stays rare).
+//!
+//! # Layout
+//! `blocks` maps a hash to its holders, a vector sorted by worker slot (one inline, the
+//! common case); each holder names its entry in `entries`, a slab whose entries are linked
+//! per worker in recency order (and, when free, into the free list). 16 bytes an entry, plus
+//! the map's bucket of the hash (24 bytes at 7/8 load: about 28) when one worker holds it;
+//! 8 more bytes a further holder.
+
+use hashbrown::{HashMap, HashSet};
+use smallvec::SmallVec;
+
+use crate::types::WorkerWithDpRank;
+
+const NIL: u32 = u32::MAX;
+
+/// The bounds of a [`PrefixIndex`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefixIndexConfig {
+    worker_capacity: u32,
+    max_entries: u32,
+}
+
+impl PrefixIndexConfig {
+    /// Blocks a worker rank holds unless it says otherwise: 32,768 (half a million tokens of
+    /// 16-token blocks).
+    pub const DEFAULT_WORKER_CAPACITY: u32 = 32_768;
+    /// Entries (a block held by a worker rank) of a deployment's index: 4,000,000.
+    pub const DEFAULT_MAX_ENTRIES: u32 = 4_000_000;
+
+    /// The defaults.
+    pub fn new() -> Self {
+        Self {
+            worker_capacity: Self::DEFAULT_WORKER_CAPACITY,
+            max_entries: Self::DEFAULT_MAX_ENTRIES,
+        }
+    }
+
+    /// Blocks each worker rank holds at most (at least 1).
+    pub fn with_worker_capacity(mut self, blocks: u32) -> Self {
+        self.worker_capacity = blocks.max(1);
+        self
+    }
+
+    /// Entries the index holds at most (at least 1; below `u32::MAX`).
+    pub fn with_max_entries(mut self, entries: u32) -> Self {
+        self.max_entries = entries.clamp(1, NIL - 1);
+        self
+    }
+
+    /// Blocks each worker rank holds at most.
+    pub fn worker_capacity(&self) -> u32 {
+        self.worker_capacity
+    }
+
+    /// Entries the index holds at most.
+    pub fn max_entries(&self) -> u32 {
+        self.max_entries
+    }
+}
+
+impl Default for PrefixIndexConfig {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Which worker ranks hold which prefix blocks (see the module's documentation).
+#[derive(Debug)]
+pub struct PrefixIndex {
+    config: PrefixIndexConfig,
+    blocks: HashMap<u64, Holders>,
+    entries: Vec<Entry>,
+    /// First free entry, linked through `next`.
+    free: u32,
+    workers: Vec<WorkerBlocks>,
+    slots: HashMap<WorkerWithDpRank, u32>,
+    free_slots: Vec<u32>,
+    len: u32,
+    evicted: u64,
+}
+
+/// `(worker slot, entry)`, sorted by slot.
+type Holders = SmallVec<[(u32, u32); 1]>;
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    hash: u64,
+    /// The worker's next older and next newer entries.
+    older: u32,
+    newer: u32,
+}
+
+#[derive(Debug)]
+struct WorkerBlocks {
+    worker: WorkerWithDpRank,
+    oldest: u32,
+    newest: u32,
+    len: u32,
+    capacity: u32,
+}
+
+impl PrefixIndex {
+    /// An empty index.
+    pub fn new(config: PrefixIndexConfig) -> Self {
+        Self {
+            config,
+            blocks: HashMap::new(),
+            entries: Vec::new(),
+            free: NIL,
+            workers: Vec::new(),
+            slots: HashMap::new(),
+            free_slots: Vec::new(),
+            len: 0,
+            evicted: 0,
+        }
+    }
+
+    /// Entries held (a block held by a worker rank).
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Entries dropped to stay within the bounds, since the start.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    /// Blocks `worker` is taken to hold.
+    pub fn worker_blocks(&self, worker: WorkerWithDpRank) -> usize {
+        self.slots
+            .get(&worker)
+            .map_or(0, |&s| self.workers[s as usize].len as usize)
+    }
+
+    /// Sets what `worker` holds at most (an engine that announces its own capacity); the
+    /// least recent blocks past it go at once.
+    pub fn set_worker_capacity(&mut self, worker: WorkerWithDpRank, blocks: u32) {
+        let slot = self.slot(worker);
+        self.workers[slot as usize].capacity = blocks.max(1);
+        while self.workers[slot as usize].len > self.workers[slot as usize].capacity {
+            self.evict_oldest(slot);
+        }
+    }
+
+    /// `worker` holds the blocks `hashes` (a request's, in prompt order, or a subset of them):
+    /// each becomes its most recent, the least recent going past its capacity.
+    pub fn learn(&mut self, worker: WorkerWithDpRank, hashes: &[u64]) {
+        if hashes.is_empty() {
+            return;
+        }
+        let slot = self.slot(worker);
+        for &hash in hashes {
+            self.learn_one(slot, hash);
+        }
+    }
+
+    fn learn_one(&mut self, slot: u32, hash: u64) {
+        let holders = self.blocks.entry(hash).or_default();
+        let known = match holders.binary_search_by_key(&slot, |&(s, _)| s) {
+            Ok(i) => Some(holders[i].1),
+            Err(i) => {
+                let entry = Self::alloc(&mut self.entries, &mut self.free, hash);
+                holders.insert(i, (slot, entry));
+                self.link_newest(slot, entry);
+                None
+            }
+        };
+        if let Some(entry) = known {
+            self.unlink(slot, entry);
+            self.link_newest(slot, entry);
+            return;
+        }
+        self.workers[slot as usize].len += 1;
+        self.len += 1;
+        let w = &self.workers[slot as usize];
+        if w.len > w.capacity {
+            self.evict_oldest(slot);
+        }
+        if self.len > self.config.max_entries {
+            self.shrink();
+        }
+    }
+
+    /// Forgets everything `worker` was taken to hold (its engine restarted, or it left).
+    pub fn forget_worker(&mut self, worker: WorkerWithDpRank) -> usize {
+        let Some(slot) = self.slots.remove(&worker) else {
+            return 0;
+        };
+        let forgotten = self.workers[slot as usize].len as usize;
+        while self.workers[slot as usize].len > 0 {
+            self.evict_oldest(slot);
+        }
+        // Counted as forgotten, not as evicted to stay within the bounds.
+        self.evicted -= forgotten as u64;
+        self.free_slots.push(slot);
+        forgotten
+    }
+
+    /// Forgets every worker rank that `covers` names (a reset of all of a worker's ranks).
+    pub fn forget_where(&mut self, covers: impl Fn(WorkerWithDpRank) -> bool) -> usize {
+        let workers: Vec<_> = self.slots.keys().copied().filter(|&w| covers(w)).collect();
+        workers.into_iter().map(|w| self.forget_worker(w)).sum()
+    }
+
+    /// For each worker rank that holds any of `hashes` (a request's, in prompt order), how
+    /// many of the request's blocks it holds: the position of the deepest one it holds.
+    /// Ranks that hold none are left out.
+    pub fn overlaps(&self, hashes: &[u64]) -> Vec<(WorkerWithDpRank, u32)> {
+        let mut found: Vec<(WorkerWithDpRank, u32)> = Vec::new();
+        let mut seen: HashSet<u32> = HashSet::new();
+        for (position, hash) in hashes.iter().enumerate().rev() {
+            if let Some(holders) = self.blocks.get(hash) {
+                for &(slot, _) in holders {
+                    if seen.insert(slot) {
+                        let blocks = u32::try_from(position + 1).unwrap_or(u32::MAX);
+                        found.push((self.workers[slot as usize].worker, blocks));
+                    }
+                }
+            }
+            if seen.len() == self.slots.len() {
+                break;
+            }
+        }
+        found
+    }
+
+    /// The overlap of one worker rank with `hashes` (0: none).
+    pub fn overlap(&self, worker: WorkerWithDpRank, hashes: &[u64]) -> u32 {
+        let Some(&slot) = self.slots.get(&worker) else {
+            return 0;
+        };
+        hashes
+            .iter()
+            .rposition(|hash| {
+                self.blocks
+                    .get(hash)
+                    .is_some_and(|holders| holders.binary_search_by_key(&slot, |&(s, _)| s).is_ok())
+            })
+            .map_or(0, |p| u32::try_from(p + 1).unwrap_or(u32::MAX))
+    }
+
+    fn slot(&mut self, worker: WorkerWithDpRank) -> u32 {
+        if let Some(&slot) = self.slots.get(&worker) {
+            return slot;
+        }
+        let blocks = WorkerBlocks {
+            worker,
+            oldest: NIL,
+            newest: NIL,
+            len: 0,
+            capacity: self.config.worker_capacity,
+        };
+        let slot = match self.free_slots.pop() {
+            Some(slot) => {
+                self.workers[slot as usize] = blocks;
+                slot
+            }
+            None => {
+                self.workers.push(blocks);
+                u32::try_from(self.workers.len() - 1).expect("fewer than 2^32 worker ranks")
+            }
+        };
+        self.slots.insert(worker, slot);
+        slot
+    }
+
+    fn alloc(entries: &mut Vec<Entry>, free: &mut u32, hash: u64) -> u32 {
+        let entry = Entry {
+            hash,
+            older: NIL,
+            newer: NIL,
+        };
+        if *free != NIL {
+            let index = *free;
+            *free = entries[index as usize].newer;
+            entries[index as usize] = entry;
+            index
+        } else {
+            entries.push(entry);
+            // max_entries < u32::MAX bounds the slab's length.
+            (entries.len() - 1) as u32
+        }
+    }
+
+    fn link_newest(&mut self, slot: u32, entry: u32) {
+        let w = &mut self.workers[slot as usize];
+        self.entries[entry as usize].older = w.newest;
+        self.entries[entry as usize].newer = NIL;
+        if w.newest != NIL {
+            self.entries[w.newest as usize].newer = entry;
+        } else {
+            w.oldest = entry;
+        }
+        w.newest = entry;
+    }
+
+    fn unlink(&mut self, slot: u32, entry: u32) {
+        let Entry { older, newer, .. } = self.entries[entry as usize];
+        let w = &mut self.workers[slot as usize];
+        if older != NIL {
+            self.entries[older as usize].newer = newer;
+        } else {
+            w.oldest = newer;
+        }
+        if newer != NIL {
+            self.entries[newer as usize].older = older;
+        } else {
+            w.newest = older;
+        }
+    }
+
+    /// Drops `slot`'s least recent entry (it has one).
+    fn evict_oldest(&mut self, slot: u32) {
+        let entry = self.workers[slot as usize].oldest;
+        debug_assert_ne!(entry, NIL);
+        if entry == NIL {
+            return;
+        }
+        self.unlink(slot, entry);
+        let hash = self.entries[entry as usize].hash;
+        if let Some(holders) = self.blocks.get_mut(&hash) {
+            if let Ok(i) = holders.binary_search_by_key(&slot, |&(s, _)| s) {
+                holders.remove(i);
+            }
+            if holders.is_empty() {
+                self.blocks.remove(&hash);
+            }
+        }
+        self.entries[entry as usize].newer = self.free;
+        self.free = entry;
+        self.workers[slot as usize].len -= 1;
+        self.len -= 1;
+        self.evicted += 1;
+    }
+
+    /// Past `max_entries`: the rank holding the most gives up its least recent blocks.
+    fn shrink(&mut self) {
+        let chunk = (self.config.max_entries / 1024).max(1);
+        let target = self.config.max_entries.saturating_sub(chunk - 1);
+        while self.len > target {
+            let Some(largest) = (0..self.workers.len() as u32)
+                .filter(|&s| self.workers[s as usize].len > 0)
+                .max_by_key(|&s| self.workers[s as usize].len)
+            else {
+                return;
+            };
+            for _ in 0..chunk.min(self.workers[largest as usize].len) {
+                self.evict_oldest(largest);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(id: u64) -> WorkerWithDpRank {
+        WorkerWithDpRank::new(id, 0)
+    }
+
+    fn index(capacity: u32, max: u32) -> PrefixIndex {
+        PrefixIndex::new(
+            PrefixIndexConfig::new()
+                .with_worker_capacity(capacity)
+                .with_max_entries(max),
+        )
+    }
+
+    fn sorted(mut v: Vec<(WorkerWithDpRank, u32)>) -> Vec<(WorkerWithDpRank, u32)> {
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn the_overlap_is_the_deepest_block_held() {
+        let mut ix = index(100, 1000);
+        ix.learn(w(1), &[10, 11, 12, 13]);
+        ix.learn(w(2), &[10, 11]);
+        ix.learn(w(3), &[20, 21]);
+        // A subset: every other block of a longer prompt.
+        ix.learn(w(4), &[11, 13]);
+        let request = [10, 11, 12, 13, 14];
+        assert_eq!(
+            sorted(ix.overlaps(&request)),
+            vec![(w(1), 4), (w(2), 2), (w(4), 4)],
+            "worker 3 holds none; worker 4's block 4 names the prefix before it"
+        );
+        for (worker, expected) in [(w(1), 4), (w(2), 2), (w(3), 0), (w(4), 4), (w(9), 0)] {
+            assert_eq!(ix.overlap(worker, &request), expected, "{worker:?}");
+        }
+        assert_eq!(ix.overlap(w(1), &[99, 11]), 2, "a later block alone counts");
+        assert!(ix.overlaps(&[]).is_empty());
+        assert_eq!((ix.len(), ix.worker_blocks(w(1))), (10, 4));
+    }
+
+    #[test]
+    fn a_worker_keeps_its_capacity_least_recent_first() {
+        let mut ix = index(3, 1000);
+        ix.learn(w(1), &[1, 2, 3]);
+        ix.learn(w(1), &[1]); // refreshed: 2 is now the least recent
+        ix.learn(w(1), &[4]);
+        assert_eq!(ix.worker_blocks(w(1)), 3);
+        assert_eq!(ix.overlap(w(1), &[2]), 0, "evicted");
+        for held in [1, 3, 4] {
+            assert_eq!(ix.overlap(w(1), &[held]), 1, "{held}");
+        }
+        assert_eq!(ix.evicted(), 1);
+        ix.set_worker_capacity(w(1), 1);
+        assert_eq!(ix.worker_blocks(w(1)), 1);
+        assert_eq!(ix.overlap(w(1), &[4]), 1, "the most recent stays");
+        ix.learn(w(1), &[5, 6]);
+        assert_eq!((ix.worker_blocks(w(1)), ix.overlap(w(1), &[6])), (1, 1));
+    }
+
+    #[test]
+    fn the_whole_index_is_bounded_by_shrinking_the_largest_worker() {
+        let mut ix = index(1000, 10);
+        ix.learn(w(1), &[1, 2, 3, 4, 5, 6, 7]);
+        ix.learn(w(2), &[1, 2, 3]);
+        assert_eq!(ix.len(), 10);
+        ix.learn(w(3), &[100]);
+        assert_eq!(ix.len(), 10, "at the bound");
+        assert_eq!(
+            ix.worker_blocks(w(1)),
+            6,
+            "the largest gave up its least recent"
+        );
+        assert_eq!(ix.overlap(w(1), &[1]), 0);
+        assert_eq!(
+            ix.overlap(w(2), &[1]),
+            1,
+            "another holder of the same block keeps it"
+        );
+        assert_eq!(ix.overlap(w(3), &[100]), 1);
+    }
+
+    #[test]
+    fn forgetting_a_worker_leaves_the_others_and_reuses_the_room() {
+        let mut ix = index(100, 1000);
+        ix.learn(w(1), &[1, 2, 3]);
+        ix.learn(WorkerWithDpRank::new(1, 1), &[1, 2]);
+        ix.learn(w(2), &[1, 2]);
+        assert_eq!(ix.forget_worker(w(1)), 3);
+        assert_eq!(ix.forget_worker(w(1)), 0, "once");
+        assert_eq!(ix.overlap(w(1), &[1, 2, 3]), 0);
+        assert_eq!(ix.overlap(w(2), &[1, 2]), 2);
+        assert_eq!(ix.forget_where(|x| x.worker_id.0 == 1), 2, "the other rank");
+        assert_eq!((ix.len(), ix.evicted()), (2, 0), "forgotten is not evicted");
+        let slab = ix.entries.len();
+        ix.learn(w(3), &[7, 8, 9]);
+        assert_eq!(ix.entries.len(), slab, "freed entries are reused");
+        assert_eq!(ix.overlap(w(3), &[7, 8, 9]), 3);
+    }
+
+    /// Random operations against a plain model: per worker an ordered list of its blocks,
+    /// the least recent first.
+    #[test]
+    fn random_operations_match_a_plain_model() {
+        let (capacity, workers) = (5usize, 4u64);
+        let mut ix = index(capacity as u32, 1000);
+        let mut model: Vec<Vec<u64>> = vec![Vec::new(); workers as usize];
+        let mut rng: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        for _ in 0..20_000 {
+            let worker = next(workers);
+            match next(10) {
+                0 => {
+                    ix.forget_worker(w(worker));
+                    model[worker as usize].clear();
+                }
+                _ => {
+                    let hashes: Vec<u64> = (0..next(4)).map(|_| next(12)).collect();
+                    ix.learn(w(worker), &hashes);
+                    let held = &mut model[worker as usize];
+                    for h in hashes {
+                        held.retain(|&x| x != h);
+                        held.push(h);
+                        if held.len() > capacity {
+                            held.remove(0);
+                        }
+                    }
+                }
+            }
+            let request: Vec<u64> = (0..next(6)).map(|_| next(12)).collect();
+            let mut expected: Vec<(WorkerWithDpRank, u32)> = Vec::new();
+            for (id, held) in model.iter().enumerate() {
+                let deepest = request.iter().rposition(|h| held.contains(h));
+                if let Some(p) = deepest {
+                    expected.push((w(id as u64), p as u32 + 1));
+                }
+                assert_eq!(ix.worker_blocks(w(id as u64)), held.len());
+            }
+            assert_eq!(sorted(ix.overlaps(&request)), expected);
+            assert_eq!(ix.len(), model.iter().map(Vec::len).sum::<usize>());
+        }
+    }
+}
