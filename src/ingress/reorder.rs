@@ -500,6 +500,25 @@ mod tests {
         assert!(small.contains("c", w(1), Instant::now()));
     }
 
+    /// A restored entry's slot is its own: taken and held again, the request lives a full
+    /// TTL from then, not until the restored entry's time was up.
+    #[tokio::test(start_paused = true)]
+    async fn a_restored_entry_taken_and_held_again_lives_a_full_ttl() {
+        let ttl = Duration::from_secs(10);
+        let mut writer = ExpiringMap::new(ttl, 10);
+        writer.insert("a".into(), w(1), Instant::now());
+        tokio::time::advance(Duration::from_secs(9)).await;
+        let image = writer.image(Instant::now());
+        let mut m = ExpiringMap::new(ttl, 10);
+        m.restore(image, Instant::now());
+        assert_eq!(m.take("a", w(1), Instant::now()), Some(0));
+        m.insert("a".into(), w(1), Instant::now());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(m.expire(Instant::now()), 0, "the restored slot is stale");
+        assert!(m.contains("a", w(1), Instant::now()));
+        assert_eq!(m.events(), 1);
+    }
+
     #[tokio::test]
     async fn take_names_the_worker() {
         let mut m = ExpiringMap::new(Duration::from_secs(60), 10);
