@@ -12,14 +12,13 @@
 //! recent blocks, a 1/1024 of the bound at a time so that the search for it stays rare).
 //!
 //! # Layout
-//! `blocks` maps a hash to its holders, a vector sorted by worker slot (one inline, the
-//! common case); each holder names its entry in `entries`, a slab whose entries are linked
-//! per worker in recency order (and, when free, into the free list). 16 bytes an entry, plus
-//! the map's bucket of the hash (24 bytes at 7/8 load: about 28) when one worker holds it;
-//! 8 more bytes a further holder.
+//! `blocks` maps a hash to its one holder, `(worker slot, entry)`, the common case; a block
+//! that several ranks hold is marked there and its holders, sorted by slot, are in `shared`.
+//! Each holder names its entry in `entries`, a slab whose entries are linked per rank in
+//! recency order (and, when free, into the free list): 16 bytes an entry, plus the map's
+//! 16-byte bucket of a block one rank holds, 8 more bytes a further holder.
 
 use hashbrown::{HashMap, HashSet};
-use smallvec::SmallVec;
 
 use crate::types::WorkerWithDpRank;
 
@@ -80,7 +79,9 @@ impl Default for PrefixIndexConfig {
 #[derive(Debug)]
 pub struct PrefixIndex {
     config: PrefixIndexConfig,
-    blocks: HashMap<u64, Holders>,
+    blocks: HashMap<u64, Holder>,
+    /// The holders of the blocks that `blocks` marks [`SHARED`], sorted by slot.
+    shared: HashMap<u64, Vec<Holder>>,
     entries: Vec<Entry>,
     /// First free entry, linked through `next`.
     free: u32,
@@ -91,8 +92,11 @@ pub struct PrefixIndex {
     evicted: u64,
 }
 
-/// `(worker slot, entry)`, sorted by slot.
-type Holders = SmallVec<[(u32, u32); 1]>;
+/// `(worker slot, entry)`.
+type Holder = (u32, u32);
+
+/// The slot of a `blocks` holder that stands for several, kept in `shared`.
+const SHARED: u32 = NIL;
 
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -117,6 +121,7 @@ impl PrefixIndex {
         Self {
             config,
             blocks: HashMap::new(),
+            shared: HashMap::new(),
             entries: Vec::new(),
             free: NIL,
             workers: Vec::new(),
@@ -171,22 +176,79 @@ impl PrefixIndex {
         }
     }
 
-    fn learn_one(&mut self, slot: u32, hash: u64) {
-        let holders = self.blocks.entry(hash).or_default();
-        let known = match holders.binary_search_by_key(&slot, |&(s, _)| s) {
-            Ok(i) => Some(holders[i].1),
-            Err(i) => {
-                let entry = Self::alloc(&mut self.entries, &mut self.free, hash);
-                holders.insert(i, (slot, entry));
-                self.link_newest(slot, entry);
-                None
+    /// The holders of `hash`, sorted by slot.
+    fn holders(&self, hash: &u64) -> &[Holder] {
+        match self.blocks.get(hash) {
+            None => &[],
+            Some((SHARED, _)) => self.shared.get(hash).map_or(&[], Vec::as_slice),
+            Some(one) => std::slice::from_ref(one),
+        }
+    }
+
+    fn holds(&self, hash: &u64, slot: u32) -> Option<u32> {
+        let holders = self.holders(hash);
+        holders
+            .binary_search_by_key(&slot, |&(s, _)| s)
+            .ok()
+            .map(|i| holders[i].1)
+    }
+
+    fn add_holder(&mut self, hash: u64, holder: Holder) {
+        match self.blocks.get_mut(&hash) {
+            None => {
+                self.blocks.insert(hash, holder);
             }
-        };
-        if let Some(entry) = known {
+            Some((SHARED, _)) => {
+                let holders = self.shared.entry(hash).or_default();
+                let at = holders.partition_point(|&(s, _)| s < holder.0);
+                holders.insert(at, holder);
+            }
+            Some(one) => {
+                let first = *one;
+                *one = (SHARED, 0);
+                let pair = if first.0 < holder.0 {
+                    vec![first, holder]
+                } else {
+                    vec![holder, first]
+                };
+                self.shared.insert(hash, pair);
+            }
+        }
+    }
+
+    fn remove_holder(&mut self, hash: u64, slot: u32) {
+        match self.blocks.get_mut(&hash) {
+            None => {}
+            Some((SHARED, _)) => {
+                let Some(holders) = self.shared.get_mut(&hash) else {
+                    return;
+                };
+                if let Ok(i) = holders.binary_search_by_key(&slot, |&(s, _)| s) {
+                    holders.remove(i);
+                }
+                if holders.len() == 1 {
+                    let last = holders[0];
+                    self.shared.remove(&hash);
+                    self.blocks.insert(hash, last);
+                }
+            }
+            Some(&mut (s, _)) => {
+                if s == slot {
+                    self.blocks.remove(&hash);
+                }
+            }
+        }
+    }
+
+    fn learn_one(&mut self, slot: u32, hash: u64) {
+        if let Some(entry) = self.holds(&hash, slot) {
             self.unlink(slot, entry);
             self.link_newest(slot, entry);
             return;
         }
+        let entry = Self::alloc(&mut self.entries, &mut self.free, hash);
+        self.add_holder(hash, (slot, entry));
+        self.link_newest(slot, entry);
         self.workers[slot as usize].len += 1;
         self.len += 1;
         let w = &self.workers[slot as usize];
@@ -226,12 +288,10 @@ impl PrefixIndex {
         let mut found: Vec<(WorkerWithDpRank, u32)> = Vec::new();
         let mut seen: HashSet<u32> = HashSet::new();
         for (position, hash) in hashes.iter().enumerate().rev() {
-            if let Some(holders) = self.blocks.get(hash) {
-                for &(slot, _) in holders {
-                    if seen.insert(slot) {
-                        let blocks = u32::try_from(position + 1).unwrap_or(u32::MAX);
-                        found.push((self.workers[slot as usize].worker, blocks));
-                    }
+            for &(slot, _) in self.holders(hash) {
+                if seen.insert(slot) {
+                    let blocks = u32::try_from(position + 1).unwrap_or(u32::MAX);
+                    found.push((self.workers[slot as usize].worker, blocks));
                 }
             }
             if seen.len() == self.slots.len() {
@@ -248,11 +308,7 @@ impl PrefixIndex {
         };
         hashes
             .iter()
-            .rposition(|hash| {
-                self.blocks
-                    .get(hash)
-                    .is_some_and(|holders| holders.binary_search_by_key(&slot, |&(s, _)| s).is_ok())
-            })
+            .rposition(|hash| self.holds(hash, slot).is_some())
             .map_or(0, |p| u32::try_from(p + 1).unwrap_or(u32::MAX))
     }
 
@@ -335,14 +391,7 @@ impl PrefixIndex {
         }
         self.unlink(slot, entry);
         let hash = self.entries[entry as usize].hash;
-        if let Some(holders) = self.blocks.get_mut(&hash) {
-            if let Ok(i) = holders.binary_search_by_key(&slot, |&(s, _)| s) {
-                holders.remove(i);
-            }
-            if holders.is_empty() {
-                self.blocks.remove(&hash);
-            }
-        }
+        self.remove_holder(hash, slot);
         self.entries[entry as usize].newer = self.free;
         self.free = entry;
         self.workers[slot as usize].len -= 1;
