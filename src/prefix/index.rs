@@ -232,11 +232,10 @@ impl PrefixIndex {
                     self.blocks.insert(hash, last);
                 }
             }
-            Some(&mut (s, _)) => {
-                if s == slot {
-                    self.blocks.remove(&hash);
-                }
+            Some(&mut (s, _)) if s == slot => {
+                self.blocks.remove(&hash);
             }
+            Some(_) => {}
         }
     }
 
