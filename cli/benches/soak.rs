@@ -94,11 +94,13 @@
 //! references, `events_received_total = sum(events_applied_total) + sum(events_dropped_total)
 //! + events_held`, exactly (nothing is in flight when it is read).
 //!
-//! **Consumers**: after the comparison, the lease stream's consumers (the consumer list, over
-//! the cluster) must come down to one per durable replica within 120 s (a killed or
-//! reconnected replica's ordered consumer goes once idle for 30 s). The stream state's
-//! `consumer_count` is printed beside it: on nats-server 2.9.10 it can stay above the list
-//! after node restarts.
+//! **Consumers**: after the comparison, the lease stream's consumers (those the consumer list
+//! describes, over the cluster) must come down to one per durable replica within 120 s (a
+//! killed or reconnected replica's ordered consumer goes once idle for 30 s). The stream
+//! state's `consumer_count` is printed beside it, and the consumer names when the check
+//! fails: on nats-server 2.9.10 after node restarts, the count can stay above the list, and
+//! the names can count one more than the list describes (seen: 3 names, 2 described, 2
+//! counted, both described consumers the live replicas').
 //!
 //! **Flat**: each replica's RSS (`/proc/<pid>/status`), threads and `lease_router_live_tasks`
 //! at the second rest against the first. The live tasks must be equal on every replica. RSS
@@ -1902,11 +1904,14 @@ impl Soak {
         let Ok(Ok(mut stream)) = timeout(HTTP_TIMEOUT, self.bus.js.get_stream(name)).await else {
             return (None, None);
         };
-        let listed = timeout(HTTP_TIMEOUT, stream.consumer_names().collect::<Vec<_>>())
+        // The consumers the list describes (their info read): on 2.9.10 in a cluster the
+        // names alone can keep a deleted consumer's for minutes after node restarts, and the
+        // state's count can lag either way; consumer_details prints all three.
+        let listed = timeout(HTTP_TIMEOUT, stream.consumers().collect::<Vec<_>>())
             .await
             .ok()
-            .and_then(|names| names.into_iter().collect::<Result<Vec<_>, _>>().ok())
-            .map(|names| names.len() as u64);
+            .and_then(|infos| infos.into_iter().collect::<Result<Vec<_>, _>>().ok())
+            .map(|infos| infos.len() as u64);
         let counted = match timeout(HTTP_TIMEOUT, stream.info()).await {
             Ok(Ok(info)) => Some(info.state.consumer_count as u64),
             _ => None,
@@ -1921,11 +1926,21 @@ impl Soak {
         let Ok(Ok(stream)) = timeout(HTTP_TIMEOUT, self.bus.js.get_stream(name)).await else {
             return "stream info did not answer".into();
         };
+        let names = timeout(HTTP_TIMEOUT, stream.consumer_names().collect::<Vec<_>>())
+            .await
+            .map_or_else(
+                |_| "names did not answer".to_owned(),
+                |names| {
+                    let names: Vec<String> = names.into_iter().filter_map(Result::ok).collect();
+                    format!("names {names:?}")
+                },
+            );
         let list = timeout(HTTP_TIMEOUT, stream.consumers().collect::<Vec<_>>()).await;
         let Ok(list) = list else {
-            return "consumer list did not answer".into();
+            return format!("{names}; consumer list did not answer");
         };
-        list.into_iter()
+        let described = list
+            .into_iter()
             .map(|c| match c {
                 Ok(c) => format!(
                     "{} on {:?}: created {}, delivered up to {}, last active {:?}, {} pending, {} pulls waiting",
@@ -1940,7 +1955,8 @@ impl Soak {
                 Err(e) => format!("(unreadable: {e})"),
             })
             .collect::<Vec<_>>()
-            .join("; ")
+            .join("; ");
+        format!("{names}; {described}")
     }
 
     /// RSS, threads and live tasks now, for the timeline and the maxima; and whether the
