@@ -11,12 +11,19 @@
 //!
 //! Environment: `ROUTE_WORKERS` (default 1000, rounded down to an even number),
 //! `ROUTE_DECISIONS` (default 20000 per policy), `ROUTE_LEASES_PER_WORKER` (default 16).
+//!
+//! Then the prefix index's part of a prefix-aware decision, before the decision uses it
+//! (issue 25): the overlaps of an 8,192-token prompt (512 blocks) with every rank of a full
+//! index (the same ranks, 10,000 blocks each, 10,000,000 entries; a 64-block system prompt
+//! held by a tenth of them), the prompt sharing a random number of blocks with one rank's
+//! earlier prompt: `prefix_overlaps_p99_us=`; and hashing that prompt,
+//! `block_hashes_8k_p99_us=`.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use lease_router::LeaseConfig;
+use lease_router::{block_hashes, LeaseConfig, PrefixIndex, PrefixIndexConfig};
 use lease_router::{RequestLoad, WorkerWithDpRank};
 use lease_router::{RoutePolicy, RouteRequest, RoutingConfig};
 use tokio_util::task::TaskTracker;
@@ -104,5 +111,80 @@ fn main() {
             "scheduler wakeups={} booked={}",
             stats.wakeups, stats.booked
         );
+        prefix_overlaps(&members, decisions);
     });
+}
+
+const PROMPT_TOKENS: u32 = 8_192;
+const SYSTEM_BLOCKS: usize = 64;
+
+fn prompt(seed: u32) -> Vec<u32> {
+    (0..PROMPT_TOKENS)
+        .map(|t| t ^ seed.rotate_left(13))
+        .collect()
+}
+
+fn prefix_overlaps(members: &[WorkerWithDpRank], decisions: u64) {
+    let per_rank: u32 = 10_000;
+    let mut index = PrefixIndex::new(
+        PrefixIndexConfig::new()
+            .with_worker_capacity(per_rank)
+            .with_max_entries(per_rank * members.len() as u32 + 1),
+    );
+    let system = block_hashes(&prompt(u32::MAX), 16)[..SYSTEM_BLOCKS].to_vec();
+    let started = Instant::now();
+    let mut prompts = Vec::new();
+    for (r, rank) in members.iter().enumerate() {
+        let mut held = 0;
+        if r % 10 == 0 {
+            index.learn(*rank, &system);
+            held += SYSTEM_BLOCKS as u32;
+        }
+        while held < per_rank {
+            let seed = prompts.len() as u32;
+            let hashes = block_hashes(&prompt(seed), 16);
+            let take = hashes.len().min((per_rank - held) as usize);
+            index.learn(*rank, &hashes[..take]);
+            held += take as u32;
+            prompts.push(seed);
+        }
+    }
+    println!(
+        "prefix index: {} entries over {} ranks in {:.1} s",
+        index.len(),
+        members.len(),
+        started.elapsed().as_secs_f64()
+    );
+    let mut rng = Rng::new(11);
+    let (mut overlaps, mut hashing) = (Vec::new(), Vec::new());
+    let mut matched = 0u64;
+    for round in 0..decisions + decisions / 10 {
+        // An earlier prompt's first `shared` blocks, then its own.
+        let earlier = prompt(prompts[rng.below(prompts.len() as u64) as usize]);
+        let shared = 16 * rng.below(512) as usize;
+        let mut tokens = earlier[..shared].to_vec();
+        tokens.extend((shared as u32..PROMPT_TOKENS).map(|t| t.wrapping_mul(2_654_435_761)));
+        let t0 = Instant::now();
+        let hashes = block_hashes(&tokens, 16);
+        let t1 = Instant::now();
+        let found = index.overlaps(&hashes);
+        let t2 = Instant::now();
+        matched += found.len() as u64;
+        if round >= decisions / 10 {
+            hashing.push((t1 - t0).as_nanos() as u64);
+            overlaps.push((t2 - t1).as_nanos() as u64);
+        }
+    }
+    overlaps.sort_unstable();
+    hashing.sort_unstable();
+    let us = |v: &[u64], q: f64| percentile(v, q) as f64 / 1000.0;
+    println!(
+        "prefix overlaps: p50_us={:.1} p99_us={:.1} max_us={:.1}; ranks matched per request {:.2}",
+        us(&overlaps, 0.5),
+        us(&overlaps, 0.99),
+        us(&overlaps, 1.0),
+        matched as f64 / (decisions + decisions / 10) as f64
+    );
+    println!("prefix_overlaps_p99_us={:.1}", us(&overlaps, 0.99));
+    println!("block_hashes_8k_p99_us={:.1}", us(&hashing, 0.99));
 }
