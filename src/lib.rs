@@ -96,8 +96,8 @@ pub use observer::{
     AdmitOutcome, CompleteOutcome, DeliverEventError, ProgressOutcome, ReplicaRequestLeaseObserver,
 };
 pub use prefix::{
-    block_hashes, chain_block_hash, PrefixIndex, PrefixIndexConfig, DEFAULT_BLOCK_SIZE,
-    ROOT_PARENT_HASH,
+    block_hashes, chain_block_hash, PrefixFigures, PrefixIndex, PrefixIndexConfig,
+    DEFAULT_BLOCK_SIZE, ROOT_PARENT_HASH,
 };
 pub use publisher::{
     Batching, FlushPublisherError, LeasePublisher, PublishEventError, PublisherConfig,
@@ -110,7 +110,8 @@ pub use router::{
 };
 pub use routing::{
     cost, Candidate, CostWeights, ParsePolicyError, RouteDecision, RouteOutcome, RoutePolicy,
-    RouteRequest, RouteRequestError, RoutingConfig,
+    RouteRequest, RouteRequestError, RoutingConfig, DEFAULT_AFFINITY_GAP, MAX_ROUTE_BLOCK_HASHES,
+    MAX_ROUTE_TOKEN_IDS,
 };
 pub use scheduler::{
     QuerySchedulerError, ReleaseReason, SchedulerFigures, SchedulerHandle, WorkerStatus,

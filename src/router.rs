@@ -30,6 +30,7 @@ use tracing::{debug, info, Instrument};
 
 use crate::lease::{LeaseConfig, Reaper, RequestLeaseManager, WeakRequestLeaseManager};
 use crate::observer::ReplicaRequestLeaseObserver;
+use crate::prefix::PrefixIndexConfig;
 use crate::scheduler::{Scheduler, SchedulerHandle};
 
 /// How long [`Router::shutdown`] waits for the scheduler to see its last handle go.
@@ -104,6 +105,7 @@ pub struct RouterConfig {
     deployment: String,
     lease: LeaseConfig,
     routing: crate::routing::RoutingConfig,
+    prefix: PrefixIndexConfig,
 }
 
 impl RouterConfig {
@@ -113,7 +115,19 @@ impl RouterConfig {
             deployment: deployment.into(),
             lease: LeaseConfig::default(),
             routing: Default::default(),
+            prefix: PrefixIndexConfig::default(),
         }
+    }
+
+    /// Sets the prefix index's block size and bounds.
+    pub fn with_prefix(mut self, prefix: PrefixIndexConfig) -> Self {
+        self.prefix = prefix;
+        self
+    }
+
+    /// The prefix index's block size and bounds.
+    pub fn prefix(&self) -> PrefixIndexConfig {
+        self.prefix
     }
 
     /// Sets the lease lifetimes, scan interval and limits.
@@ -245,7 +259,7 @@ impl Router {
         // whatever was started.
         let guard = cancel.clone().drop_guard();
 
-        let (scheduler, actor) = Scheduler::new(&deployment);
+        let (scheduler, actor) = Scheduler::with_prefix(&deployment, config.prefix);
         let worker_idle = config.routing.worker_idle;
         let actor = actor
             .with_routing(config.routing)

@@ -13,11 +13,19 @@
 //! weights tried in a model fleet (`cargo bench --bench route_policies`; the figures are in
 //! BENCHMARKS.md).
 //!
+//! A request that carries its prompt's `token_ids` or `block_hashes` is costed per worker:
+//! the uncached prompt is what that worker's prefix cache lacks (the prompt less its overlap
+//! in the [prefix index](crate::PrefixIndex), in tokens), not one `cached_tokens` for all.
+//! A guard keeps a shared prefix from piling requests on one worker: the overlap counts
+//! only on a worker whose prefill tokens waiting are within
+//! [`RoutingConfig::affinity_gap`] of the least waiting member's.
+//!
 //! [`Chooser`] is the policy code: it picks among the members the scheduler hands it, and
 //! keeps what the policies remember between decisions (the turn, the draws).
 
 use std::time::Duration;
 
+use hashbrown::HashMap;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -146,6 +154,16 @@ impl Default for CostWeights {
     }
 }
 
+/// Default of [`RoutingConfig::affinity_gap`]: 8,192 prefill tokens, about half a second of
+/// prefill on one GPU (see BENCHMARKS.md for the guard's measured effect).
+pub const DEFAULT_AFFINITY_GAP: u32 = 8_192;
+
+/// Token ids a route request may carry: a million, longer than any model's context.
+pub const MAX_ROUTE_TOKEN_IDS: usize = 1 << 20;
+
+/// Block hashes a route request may carry: 65,536 (a million tokens of 16-token blocks).
+pub const MAX_ROUTE_BLOCK_HASHES: usize = 1 << 16;
+
 /// Routing settings of one deployment: [`Default`], then the `with_*` methods.
 #[derive(Clone, Copy, PartialEq, Debug, Default)]
 pub struct RoutingConfig {
@@ -153,6 +171,7 @@ pub struct RoutingConfig {
     pub(crate) weights: CostWeights,
     pub(crate) worker_idle: Option<Duration>,
     pub(crate) seed: Option<u64>,
+    pub(crate) affinity_gap: Option<u32>,
 }
 
 impl RoutingConfig {
@@ -181,6 +200,21 @@ impl RoutingConfig {
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
         self
+    }
+
+    /// Sets the hot-worker guard of prefix-aware decisions: a worker's cached prefix
+    /// counts only while its prefill tokens waiting are at most `tokens` above the least
+    /// waiting member's. Past that, cache affinity yields and the request is costed as if
+    /// nothing were cached there, so a prefix everyone wants spreads to a second worker
+    /// instead of queueing on one. Default [`DEFAULT_AFFINITY_GAP`].
+    pub fn with_affinity_gap(mut self, tokens: u32) -> Self {
+        self.affinity_gap = Some(tokens);
+        self
+    }
+
+    /// The hot-worker guard's gap, in prefill tokens waiting.
+    pub fn affinity_gap(&self) -> u32 {
+        self.affinity_gap.unwrap_or(DEFAULT_AFFINITY_GAP)
     }
 
     /// How a decision picks the worker.
@@ -212,7 +246,9 @@ impl RoutingConfig {
 pub struct RouteRequest {
     /// The request's id, under which the provisional booking is made.
     pub request_id: RequestId,
-    /// Tokens of the prompt, at least 1.
+    /// Tokens of the prompt, at least 1; 0 (or absent in JSON) with `token_ids`: their
+    /// number.
+    #[serde(default)]
     pub prompt_tokens: u32,
     /// Prompt tokens the caller knows to be cached on every worker (a shared system prompt,
     /// say); at most `prompt_tokens`.
@@ -221,6 +257,17 @@ pub struct RouteRequest {
     /// Output tokens the caller expects; `None`: unknown (counts 0).
     #[serde(default)]
     pub expected_output_tokens: Option<u32>,
+    /// The prompt's token ids, exactly as the engine will see them (after any chat
+    /// template): cut into the deployment's blocks and hashed by
+    /// [`block_hashes`](crate::block_hashes), for a prefix-aware decision. At most
+    /// [`MAX_ROUTE_TOKEN_IDS`]; not with `block_hashes`.
+    #[serde(default)]
+    pub token_ids: Option<Vec<u32>>,
+    /// The prompt's block hashes, as [`block_hashes`](crate::block_hashes) makes them at the
+    /// deployment's block size, for a prefix-aware decision. At most
+    /// [`MAX_ROUTE_BLOCK_HASHES`], and no more than the prompt's full blocks.
+    #[serde(default)]
+    pub block_hashes: Option<Vec<u64>>,
 }
 
 impl RouteRequest {
@@ -231,7 +278,50 @@ impl RouteRequest {
             prompt_tokens,
             cached_tokens: None,
             expected_output_tokens: None,
+            token_ids: None,
+            block_hashes: None,
         }
+    }
+
+    /// Sets [`token_ids`](Self::token_ids) (and the prompt's length to theirs).
+    pub fn with_token_ids(mut self, token_ids: Vec<u32>) -> Self {
+        self.prompt_tokens = u32::try_from(token_ids.len()).unwrap_or(u32::MAX);
+        self.token_ids = Some(token_ids);
+        self
+    }
+
+    /// Sets [`block_hashes`](Self::block_hashes).
+    pub fn with_block_hashes(mut self, block_hashes: Vec<u64>) -> Self {
+        self.block_hashes = Some(block_hashes);
+        self
+    }
+
+    /// The prompt's length: `prompt_tokens`, or the number of `token_ids` when it is 0.
+    pub fn prompt_len(&self) -> u32 {
+        match (&self.token_ids, self.prompt_tokens) {
+            (Some(ids), 0) => u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            _ => self.prompt_tokens,
+        }
+    }
+
+    /// The request's block hashes at `block_size` tokens a block: given, made from its
+    /// token ids, or none.
+    pub(crate) fn blocks(&self, block_size: u32) -> Result<Vec<u64>, RouteRequestError> {
+        let hashes = match (&self.block_hashes, &self.token_ids) {
+            (Some(hashes), _) => hashes.clone(),
+            (None, Some(ids)) => crate::prefix::block_hashes(ids, block_size as usize),
+            (None, None) => return Ok(Vec::new()),
+        };
+        let full_blocks = self.prompt_len() / block_size.max(1);
+        if hashes.len() as u64 > u64::from(full_blocks) {
+            return Err(RouteRequestError::InvalidRequest(format!(
+                "block_hashes holds {} blocks, but a prompt of {} tokens has {full_blocks} \
+                 full blocks of {block_size} tokens",
+                hashes.len(),
+                self.prompt_len()
+            )));
+        }
+        Ok(hashes)
     }
 
     /// Sets [`cached_tokens`](Self::cached_tokens).
@@ -246,27 +336,57 @@ impl RouteRequest {
         self
     }
 
-    /// What the provisional booking weighs until the worker's `admitted` replaces it.
+    /// What the provisional booking weighs until the worker's `admitted` replaces it (before
+    /// a prefix-aware decision adds what it found cached on the chosen worker).
     pub fn load(&self) -> RequestLoad {
-        RequestLoad::new(self.prompt_tokens, self.expected_output_tokens)
+        RequestLoad::new(self.prompt_len(), self.expected_output_tokens)
             .with_cached_tokens(self.cached_tokens.unwrap_or(0))
     }
 
     /// Refuses what no worker could be asked to do.
     ///
     /// # Errors
-    /// [`RouteRequestError::InvalidRequest`] for an empty request id, no prompt, or more
-    /// cached tokens than prompt tokens.
+    /// [`RouteRequestError::InvalidRequest`] for an empty request id, no prompt, more
+    /// cached tokens than prompt tokens, both `token_ids` and `block_hashes`, more of either
+    /// than their limit, or `token_ids` of another length than `prompt_tokens`.
     pub fn validate(&self) -> Result<(), RouteRequestError> {
-        let invalid = |why: &str| Err(RouteRequestError::InvalidRequest(why.to_owned()));
+        let invalid = |why: String| Err(RouteRequestError::InvalidRequest(why));
         if self.request_id.is_empty() {
-            return invalid("request_id is empty");
+            return invalid("request_id is empty".into());
         }
-        if self.prompt_tokens == 0 {
-            return invalid("prompt_tokens must be at least 1");
+        if let Some(ids) = &self.token_ids {
+            if ids.len() > MAX_ROUTE_TOKEN_IDS {
+                return invalid(format!(
+                    "token_ids holds {} ids: at most {MAX_ROUTE_TOKEN_IDS}",
+                    ids.len()
+                ));
+            }
+            if self.prompt_tokens != 0 && ids.len() != self.prompt_tokens as usize {
+                return invalid(format!(
+                    "prompt_tokens is {} but token_ids holds {} ids (give the same prompt, or \
+                     leave prompt_tokens out)",
+                    self.prompt_tokens,
+                    ids.len()
+                ));
+            }
+            if self.block_hashes.is_some() {
+                return invalid("give token_ids or block_hashes, not both".into());
+            }
         }
-        if self.cached_tokens.is_some_and(|c| c > self.prompt_tokens) {
-            return invalid("cached_tokens must not exceed prompt_tokens");
+        if let Some(hashes) = &self.block_hashes {
+            if hashes.len() > MAX_ROUTE_BLOCK_HASHES {
+                return invalid(format!(
+                    "block_hashes holds {} hashes: at most {MAX_ROUTE_BLOCK_HASHES}",
+                    hashes.len()
+                ));
+            }
+        }
+        let prompt = self.prompt_len();
+        if prompt == 0 {
+            return invalid("prompt_tokens must be at least 1 (or token_ids not empty)".into());
+        }
+        if self.cached_tokens.is_some_and(|c| c > prompt) {
+            return invalid("cached_tokens must not exceed prompt_tokens".into());
         }
         Ok(())
     }
@@ -280,6 +400,13 @@ pub struct Candidate {
     pub worker: WorkerWithDpRank,
     /// Its weighted cost with the request on it (see the module docs).
     pub cost: f64,
+    /// How many of the request's blocks, from the first, the prefix index takes it to hold
+    /// (0 for a request without `token_ids` or `block_hashes`).
+    pub overlap_blocks: u32,
+    /// The prompt tokens its cost counted as cached: the request's `cached_tokens` or its
+    /// overlap in tokens, whichever is more, unless the hot-worker guard withheld the
+    /// overlap.
+    pub cached_tokens: u32,
 }
 
 /// Candidates a weighted-cost decision reports: the cheapest few, not every member.
@@ -378,12 +505,14 @@ pub fn cost(weights: CostWeights, load: &WorkerLoad, request: &RequestLoad) -> f
         i64::try_from(load.prefill_tokens).unwrap_or(i64::MAX),
         i64::try_from(load.kv_tokens).unwrap_or(i64::MAX),
         request,
+        request.cached_tokens,
     )
 }
 
-/// [`cost`] from a worker's signed sums (briefly negative ones count as zero).
-fn cost_of(weights: CostWeights, prefill: i64, kv: i64, request: &RequestLoad) -> f64 {
-    let uncached = request.prompt_tokens.saturating_sub(request.cached_tokens);
+/// [`cost`] from a worker's signed sums (briefly negative ones count as zero), with `cached`
+/// of the prompt's tokens taken to be cached there.
+fn cost_of(weights: CostWeights, prefill: i64, kv: i64, request: &RequestLoad, cached: u32) -> f64 {
+    let uncached = request.prompt_tokens.saturating_sub(cached);
     let prefill = prefill.max(0) as f64 + f64::from(uncached);
     let kv = kv.max(0) as f64 + f64::from(request.prompt_tokens);
     weights.prefill * prefill + weights.kv * kv
@@ -392,6 +521,75 @@ fn cost_of(weights: CostWeights, prefill: i64, kv: i64, request: &RequestLoad) -
 /// The order of candidates: cheaper first, then the lower worker.
 fn cheaper(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
     a.cost.total_cmp(&b.cost).then(a.worker.cmp(&b.worker))
+}
+
+/// What a prefix-aware decision knows of the members: each one's overlap with the request
+/// (from the prefix index), and the hot-worker guard.
+pub(crate) struct PrefixCredit<'a> {
+    overlaps: &'a HashMap<WorkerWithDpRank, u32>,
+    block_size: u32,
+    gap: i64,
+    /// The least prefill waiting among the members (set by the decision).
+    floor: i64,
+}
+
+/// The overlaps of a request without blocks.
+#[cfg(test)]
+static NO_OVERLAPS: std::sync::LazyLock<HashMap<WorkerWithDpRank, u32>> =
+    std::sync::LazyLock::new(HashMap::new);
+
+impl PrefixCredit<'static> {
+    /// No overlap anywhere: a load-only decision.
+    #[cfg(test)]
+    pub(crate) fn none() -> Self {
+        Self::new(&NO_OVERLAPS, 1)
+    }
+}
+
+impl<'a> PrefixCredit<'a> {
+    pub(crate) fn new(overlaps: &'a HashMap<WorkerWithDpRank, u32>, block_size: u32) -> Self {
+        Self {
+            overlaps,
+            block_size,
+            gap: i64::from(DEFAULT_AFFINITY_GAP),
+            floor: 0,
+        }
+    }
+
+    /// The worker's overlap in blocks, and the prompt tokens its cost counts as cached.
+    fn credit(&self, worker: &WorkerWithDpRank, prefill: i64, request: &RequestLoad) -> (u32, u32) {
+        let overlap = match self.overlaps.get(worker) {
+            Some(&overlap) => overlap,
+            _ => return (0, request.cached_tokens),
+        };
+        if prefill.max(0) > self.floor.saturating_add(self.gap) {
+            // The guard: this worker is far busier than the least busy; its cache does not
+            // count, so the request goes where the load says.
+            return (overlap, request.cached_tokens);
+        }
+        let cached = overlap
+            .saturating_mul(self.block_size)
+            .min(request.prompt_tokens)
+            .max(request.cached_tokens);
+        (overlap, cached)
+    }
+
+    fn candidate(
+        &self,
+        weights: CostWeights,
+        worker: WorkerWithDpRank,
+        prefill: i64,
+        kv: i64,
+        request: &RequestLoad,
+    ) -> Candidate {
+        let (overlap_blocks, cached_tokens) = self.credit(&worker, prefill, request);
+        Candidate {
+            worker,
+            cost: cost_of(weights, prefill, kv, request, cached_tokens),
+            overlap_blocks,
+            cached_tokens,
+        }
+    }
 }
 
 /// The policy code and what it remembers between decisions: the turn of round robin, the
@@ -438,22 +636,38 @@ impl Chooser {
 
     /// Picks one of `members` (each with its sums) for `request` by the policy in force,
     /// with the candidates it compared, cheapest first; `None` when there is no member.
-    /// `sums_of` finds a member's sums for the policies that pick by index.
+    /// `sums_of` finds a member's sums for the policies that pick by index; `prefix` holds
+    /// the members' overlaps with the request (none for a request without blocks).
     pub(crate) fn choose<'a>(
         &mut self,
-        members: impl Iterator<Item = (&'a WorkerWithDpRank, &'a LoadSums)>,
+        members: impl Iterator<Item = (&'a WorkerWithDpRank, &'a LoadSums)> + Clone,
         sums_of: impl Fn(&WorkerWithDpRank) -> WorkerLoad,
         request: &RequestLoad,
+        mut prefix: PrefixCredit<'_>,
     ) -> Option<(WorkerWithDpRank, Vec<Candidate>)> {
         let weights = self.config.weights;
+        prefix.gap = i64::from(self.config.affinity_gap());
+        if !prefix.overlaps.is_empty() {
+            prefix.floor = members
+                .clone()
+                .map(|(_, sums)| sums.prefill_tokens.max(0))
+                .min()
+                .unwrap_or(0);
+        }
         match self.config.policy {
-            RoutePolicy::WeightedCost => return cheapest(weights, members, request),
+            RoutePolicy::WeightedCost => return cheapest(weights, members, request, &prefix),
             RoutePolicy::LeastBookings => {
                 let (worker, load) = members
                     .map(|(w, sums)| (*w, sums.load()))
                     .min_by_key(|(w, load)| (load.rank(), *w))?;
-                let cost = cost(weights, &load, request);
-                return Some((worker, vec![Candidate { worker, cost }]));
+                let candidate = prefix.candidate(
+                    weights,
+                    worker,
+                    signed(load.prefill_tokens),
+                    signed(load.kv_tokens),
+                    request,
+                );
+                return Some((worker, vec![candidate]));
             }
             _ => {}
         }
@@ -469,10 +683,14 @@ impl Chooser {
         }
         let pick = |chooser: &Self, i: usize| {
             let worker = chooser.members[i];
-            Candidate {
+            let load = sums_of(&worker);
+            prefix.candidate(
+                weights,
                 worker,
-                cost: cost(weights, &sums_of(&worker), request),
-            }
+                signed(load.prefill_tokens),
+                signed(load.kv_tokens),
+                request,
+            )
         };
         let mut candidates = match self.config.policy {
             RoutePolicy::PowerOfTwo if n > 1 => {
@@ -495,6 +713,10 @@ impl Chooser {
     }
 }
 
+fn signed(tokens: u64) -> i64 {
+    i64::try_from(tokens).unwrap_or(i64::MAX)
+}
+
 /// The weighted-cost choice, over the members as they come (no lookup per member), keeping
 /// the cheapest few in a sorted array: most members cost one comparison with the dearest
 /// kept.
@@ -502,18 +724,18 @@ fn cheapest<'a>(
     weights: CostWeights,
     members: impl Iterator<Item = (&'a WorkerWithDpRank, &'a LoadSums)>,
     request: &RequestLoad,
+    prefix: &PrefixCredit<'_>,
 ) -> Option<(WorkerWithDpRank, Vec<Candidate>)> {
     const KEEP: usize = REPORTED_CANDIDATES;
     let mut best = [Candidate {
         worker: WorkerWithDpRank::default(),
         cost: f64::INFINITY,
+        overlap_blocks: 0,
+        cached_tokens: 0,
     }; KEEP];
     let mut kept = 0;
     for (worker, sums) in members {
-        let c = Candidate {
-            worker: *worker,
-            cost: cost_of(weights, sums.prefill_tokens, sums.kv_tokens, request),
-        };
+        let c = prefix.candidate(weights, *worker, sums.prefill_tokens, sums.kv_tokens, request);
         if kept == KEEP && cheaper(&c, &best[KEEP - 1]).is_ge() {
             continue;
         }
@@ -583,7 +805,7 @@ mod tests {
             assert!(w.with_prefill(bad).validate().is_err(), "prefill {bad}");
             assert!(w.with_kv(bad).validate().is_err(), "kv {bad}");
         }
-        let request = |prompt, cached| RouteRequest {
+        let request = |prompt, cached| RouteRequest { token_ids: None, block_hashes: None,
             request_id: RequestId::from("r"),
             prompt_tokens: prompt,
             cached_tokens: Some(cached),
@@ -631,7 +853,12 @@ mod tests {
         let one = [(WorkerWithDpRank::new(3, 0), sums(5))];
         for policy in RoutePolicy::ALL {
             let mut c = chooser(policy);
-            let none = c.choose(std::iter::empty(), |_| WorkerLoad::default(), &request);
+            let none = c.choose(
+                std::iter::empty(),
+                |_| WorkerLoad::default(),
+                &request,
+                PrefixCredit::none(),
+            );
             assert!(none.is_none(), "{policy:?}");
             c.members_changed();
             let (worker, candidates) = c
@@ -639,6 +866,7 @@ mod tests {
                     one.iter().map(|(w, s)| (w, s)),
                     |_| sums(5).load(),
                     &request,
+                    PrefixCredit::none(),
                 )
                 .unwrap();
             assert_eq!(worker, one[0].0, "{policy:?}");
@@ -662,6 +890,7 @@ mod tests {
                     members.iter().map(|(w, s)| (w, s)),
                     load_of,
                     &RequestLoad::new(1, None),
+                    PrefixCredit::none(),
                 )
                 .unwrap();
             assert_eq!(candidates.len(), 2);
@@ -686,6 +915,7 @@ mod tests {
                 members.iter().map(|(w, s)| (w, s)),
                 |_| unreachable!("weighted cost reads the sums it is given"),
                 &RequestLoad::new(1, None),
+                PrefixCredit::none(),
             )
             .unwrap();
         let order: Vec<u64> = candidates.iter().map(|c| c.worker.worker_id.0).collect();

@@ -584,6 +584,13 @@ impl EventApplier {
                 .dropped_n(DropReason::Stale, progress.unwrap_or(0));
             return Ok(Applied::Dropped(DropReason::Stale));
         }
+        if let Some(reported) = e.cached_tokens {
+            // A decision of this replica predicted what its engine would find cached.
+            let leases = self.leases()?;
+            if let Some(predicted) = leases.predicted_cached(request_id, worker) {
+                leases.prefix().compare(predicted, reported);
+            }
+        }
         // A re-sent admission of a live lease renews it; otherwise this is a new attempt.
         match self.admit_current(request_id, worker, load)? {
             AdmitOutcome::Full => {
@@ -596,6 +603,10 @@ impl EventApplier {
             }
             AdmitOutcome::Registered | AdmitOutcome::Duplicate | AdmitOutcome::Superseded => {}
         }
+        // The worker holds the prompt's blocks from now on.
+        self.leases()?
+            .prefix()
+            .learn(worker, &e.block_hashes, e.block_capacity);
         if let Some((progress, output_tokens)) =
             self.held_progress.take_progress(request_id, worker, now)
         {
@@ -753,7 +764,7 @@ mod tests {
     }
 
     fn admitted(id: &str, worker: u64) -> Admitted {
-        Admitted {
+        Admitted { block_hashes: Vec::new(), block_capacity: None,
             request_id: id.into(),
             worker_id: worker,
             dp_rank: 0,

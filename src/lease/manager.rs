@@ -30,6 +30,7 @@ use super::key::{hash_id, LeaseKey};
 use super::weight::LeaseWeight;
 use crate::load::RequestLoad;
 use crate::load::WorkerLoad;
+use crate::prefix::PrefixState;
 use crate::observer::{AdmitOutcome, CompleteOutcome, ProgressOutcome};
 use crate::scheduler::{Op, ReleaseReason, SchedulerBookingCleanup};
 use crate::types::{
@@ -663,6 +664,22 @@ impl LeaseBatch {
             .admit_current_in(&mut self.pending, request_id, worker, load)
     }
 
+    /// The cached tokens this replica's route decision counted on for `request_id` on
+    /// `worker`, while its lease is still that decision's provisional booking.
+    pub(crate) fn predicted_cached(&self, request_id: &str, worker: WorkerWithDpRank) -> Option<u32> {
+        self.manager
+            .find(request_id, |_, lease| {
+                (lease.provisional && lease.worker == worker)
+                    .then(|| lease.weight.image().0.cached_tokens)
+            })
+            .flatten()
+    }
+
+    /// The deployment's prefix index.
+    pub(crate) fn prefix(&self) -> &PrefixState {
+        self.manager.inner.scheduler.prefix()
+    }
+
     /// Rebuilds a lease from a snapshot: admitted with its sizes, advanced to its output
     /// count, and left quiet if it was (so it expires when it would have at the writer).
     pub(crate) fn restore(&mut self, image: &LeaseImage) -> AdmitOutcome {
@@ -1083,6 +1100,8 @@ impl RequestLeaseManager {
                 false
             });
         }
+        // A restarted engine starts with an empty cache; a departed one holds nothing.
+        self.inner.scheduler.prefix().forget(|w| matches(&w));
         // After the releases, in the same hand-over: the scheduler forgets a departed worker
         // once its sums are back to zero.
         pending.ops.push(Op::Membership {

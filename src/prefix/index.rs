@@ -27,6 +27,7 @@ const NIL: u32 = u32::MAX;
 /// The bounds of a [`PrefixIndex`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PrefixIndexConfig {
+    block_size: u32,
     worker_capacity: u32,
     max_entries: u32,
 }
@@ -41,9 +42,22 @@ impl PrefixIndexConfig {
     /// The defaults.
     pub fn new() -> Self {
         Self {
+            block_size: super::DEFAULT_BLOCK_SIZE as u32,
             worker_capacity: Self::DEFAULT_WORKER_CAPACITY,
             max_entries: Self::DEFAULT_MAX_ENTRIES,
         }
+    }
+
+    /// Tokens per block: the engines' block size, which a route request's `token_ids` are
+    /// cut by (at least 1). Default [`DEFAULT_BLOCK_SIZE`](super::DEFAULT_BLOCK_SIZE), 16.
+    pub fn with_block_size(mut self, tokens: u32) -> Self {
+        self.block_size = tokens.max(1);
+        self
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
     }
 
     /// Blocks each worker rank holds at most (at least 1).
@@ -147,6 +161,19 @@ impl PrefixIndex {
         self.evicted
     }
 
+    /// Worker ranks it keeps: those that hold a block or announced a capacity.
+    pub fn workers(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Blocks `worker` holds at most: its own figure if it announced one, else the
+    /// deployment's.
+    pub fn worker_capacity(&self, worker: WorkerWithDpRank) -> u32 {
+        self.slots.get(&worker).map_or(self.config.worker_capacity, |&s| {
+            self.workers[s as usize].capacity
+        })
+    }
+
     /// Blocks `worker` is taken to hold.
     pub fn worker_blocks(&self, worker: WorkerWithDpRank) -> usize {
         self.slots
@@ -164,14 +191,16 @@ impl PrefixIndex {
         }
     }
 
-    /// `worker` holds the blocks `hashes` (a request's, in prompt order, or a subset of them):
-    /// each becomes its most recent, the least recent going past its capacity.
+    /// `worker` holds the blocks `hashes`: a prompt's, in prompt order from its first block
+    /// (all of them or the first few). The first block becomes the most recent and the
+    /// deepest the least, so a worker past its capacity gives up a prompt's tail before its
+    /// head, as an engine's cache does (a block is only of use with the blocks before it).
     pub fn learn(&mut self, worker: WorkerWithDpRank, hashes: &[u64]) {
         if hashes.is_empty() {
             return;
         }
         let slot = self.slot(worker);
-        for &hash in hashes {
+        for &hash in hashes.iter().rev() {
             self.learn_one(slot, hash);
         }
     }
@@ -280,35 +309,54 @@ impl PrefixIndex {
         workers.into_iter().map(|w| self.forget_worker(w)).sum()
     }
 
-    /// For each worker rank that holds any of `hashes` (a request's, in prompt order), how
-    /// many of the request's blocks it holds: the position of the deepest one it holds.
-    /// Ranks that hold none are left out.
+    /// For each worker rank that holds the first of `hashes` (a request's, in prompt order),
+    /// its overlap: how many of the request's blocks, from the first, it holds. Ranks that
+    /// hold none are left out.
+    ///
+    /// Learned as [`learn`](Self::learn) learns (whole prompts' first blocks, the head
+    /// refreshed last), a rank that holds a block holds the blocks before it, so a rank's
+    /// overlap is the position of the deepest block it holds: found from the deepest block
+    /// anyone holds (a binary search) back towards the first, each rank at the first
+    /// position it shows up, until every holder of the first block has been seen.
     pub fn overlaps(&self, hashes: &[u64]) -> Vec<(WorkerWithDpRank, u32)> {
-        let mut found: Vec<(WorkerWithDpRank, u32)> = Vec::new();
-        let mut seen: HashSet<u32> = HashSet::new();
-        for (position, hash) in hashes.iter().enumerate().rev() {
-            for &(slot, _) in self.holders(hash) {
-                if seen.insert(slot) {
+        let Some(first) = hashes.first() else {
+            return Vec::new();
+        };
+        let wanted = self.holders(first).len();
+        if wanted == 0 {
+            return Vec::new();
+        }
+        // Blocks held by someone form a prefix of `hashes`: the end of it.
+        let deepest = hashes.partition_point(|hash| !self.holders(hash).is_empty());
+        let mut found: Vec<(WorkerWithDpRank, u32)> = Vec::with_capacity(wanted);
+        let mut seen: HashSet<u32> = HashSet::with_capacity(wanted);
+        for position in (0..deepest).rev() {
+            for &(slot, _) in self.holders(&hashes[position]) {
+                // A rank without the first block (a learned list that did not start at a
+                // prompt's head) has no prefix of the request.
+                if seen.insert(slot) && self.holds(first, slot).is_some() {
                     let blocks = u32::try_from(position + 1).unwrap_or(u32::MAX);
                     found.push((self.workers[slot as usize].worker, blocks));
                 }
             }
-            if seen.len() == self.slots.len() {
+            if found.len() >= wanted {
                 break;
             }
         }
         found
     }
 
-    /// The overlap of one worker rank with `hashes` (0: none).
+    /// The overlap of one worker rank with `hashes`: how many of them, from the first, it
+    /// holds (0: none).
     pub fn overlap(&self, worker: WorkerWithDpRank, hashes: &[u64]) -> u32 {
         let Some(&slot) = self.slots.get(&worker) else {
             return 0;
         };
-        hashes
+        let held = hashes
             .iter()
-            .rposition(|hash| self.holds(hash, slot).is_some())
-            .map_or(0, |p| u32::try_from(p + 1).unwrap_or(u32::MAX))
+            .position(|hash| self.holds(hash, slot).is_none())
+            .unwrap_or(hashes.len());
+        u32::try_from(held).unwrap_or(u32::MAX)
     }
 
     fn slot(&mut self, worker: WorkerWithDpRank) -> u32 {
@@ -438,43 +486,47 @@ mod tests {
     }
 
     #[test]
-    fn the_overlap_is_the_deepest_block_held() {
+    fn the_overlap_is_the_longest_prefix_held() {
         let mut ix = index(100, 1000);
         ix.learn(w(1), &[10, 11, 12, 13]);
         ix.learn(w(2), &[10, 11]);
         ix.learn(w(3), &[20, 21]);
-        // A subset: every other block of a longer prompt.
-        ix.learn(w(4), &[11, 13]);
+        // Not from a prompt's head: no prefix of any request that starts at 10.
+        ix.learn(w(4), &[11, 12, 13]);
         let request = [10, 11, 12, 13, 14];
         assert_eq!(
             sorted(ix.overlaps(&request)),
-            vec![(w(1), 4), (w(2), 2), (w(4), 4)],
-            "worker 3 holds none; worker 4's block 4 names the prefix before it"
+            vec![(w(1), 4), (w(2), 2)],
+            "worker 3 holds another prompt, worker 4 not the first block"
         );
-        for (worker, expected) in [(w(1), 4), (w(2), 2), (w(3), 0), (w(4), 4), (w(9), 0)] {
+        for (worker, expected) in [(w(1), 4), (w(2), 2), (w(3), 0), (w(4), 0), (w(9), 0)] {
             assert_eq!(ix.overlap(worker, &request), expected, "{worker:?}");
         }
-        assert_eq!(ix.overlap(w(1), &[99, 11]), 2, "a later block alone counts");
+        assert_eq!(ix.overlap(w(1), &[10, 99, 12]), 1, "up to the first miss");
+        assert_eq!(sorted(ix.overlaps(&[10, 99, 12])), vec![(w(1), 1), (w(2), 1)]);
         assert!(ix.overlaps(&[]).is_empty());
-        assert_eq!((ix.len(), ix.worker_blocks(w(1))), (10, 4));
+        assert!(ix.overlaps(&[99, 10]).is_empty());
+        assert_eq!((ix.len(), ix.worker_blocks(w(1))), (11, 4));
     }
 
     #[test]
     fn a_worker_keeps_its_capacity_least_recent_first() {
         let mut ix = index(3, 1000);
+        // Recency, least first: 3, 2, 1 (a prompt's tail goes before its head).
         ix.learn(w(1), &[1, 2, 3]);
-        ix.learn(w(1), &[1]); // refreshed: 2 is now the least recent
         ix.learn(w(1), &[4]);
         assert_eq!(ix.worker_blocks(w(1)), 3);
-        assert_eq!(ix.overlap(w(1), &[2]), 0, "evicted");
-        for held in [1, 3, 4] {
-            assert_eq!(ix.overlap(w(1), &[held]), 1, "{held}");
+        assert_eq!(ix.overlap(w(1), &[1, 2, 3]), 2, "the tail went first");
+        ix.learn(w(1), &[2]); // refreshed: 1 is now the least recent
+        ix.learn(w(1), &[5]);
+        for (held, expected) in [(1, 0), (2, 1), (4, 1), (5, 1)] {
+            assert_eq!(ix.overlap(w(1), &[held]), expected, "{held}");
         }
-        assert_eq!(ix.evicted(), 1);
+        assert_eq!(ix.evicted(), 2);
         ix.set_worker_capacity(w(1), 1);
         assert_eq!(ix.worker_blocks(w(1)), 1);
-        assert_eq!(ix.overlap(w(1), &[4]), 1, "the most recent stays");
-        ix.learn(w(1), &[5, 6]);
+        assert_eq!(ix.overlap(w(1), &[5]), 1, "the most recent stays");
+        ix.learn(w(1), &[6, 7]);
         assert_eq!((ix.worker_blocks(w(1)), ix.overlap(w(1), &[6])), (1, 1));
     }
 
@@ -491,13 +543,21 @@ mod tests {
             6,
             "the largest gave up its least recent"
         );
-        assert_eq!(ix.overlap(w(1), &[1]), 0);
         assert_eq!(
-            ix.overlap(w(2), &[1]),
-            1,
-            "another holder of the same block keeps it"
+            ix.overlap(w(1), &[1, 2, 3, 4, 5, 6, 7]),
+            6,
+            "its prompt's tail went"
         );
-        assert_eq!(ix.overlap(w(3), &[100]), 1);
+        ix.learn(w(1), &[1, 2, 3, 4, 5, 6]);
+        ix.learn(w(3), &[100, 101]);
+        assert_eq!(ix.overlap(w(1), &[1, 2, 3, 4, 5, 6]), 5, "the largest again");
+        assert_eq!(
+            ix.overlap(w(2), &[1, 2, 3]),
+            3,
+            "another holder of the same blocks keeps them"
+        );
+        assert_eq!(ix.overlap(w(3), &[100, 101]), 2);
+        assert_eq!(ix.len(), 10);
     }
 
     #[test]
@@ -519,10 +579,12 @@ mod tests {
     }
 
     /// Random operations against a plain model: per worker an ordered list of its blocks,
-    /// the least recent first.
+    /// the least recent first. Prompts are paths from the root of a small tree of blocks (a
+    /// block's hash names its prefix, as [`super::super::block_hashes`] chains them), learned
+    /// whole or their first blocks, as events carry them.
     #[test]
     fn random_operations_match_a_plain_model() {
-        let (capacity, workers) = (5usize, 4u64);
+        let (capacity, workers) = (7usize, 4u64);
         let mut ix = index(capacity as u32, 1000);
         let mut model: Vec<Vec<u64>> = vec![Vec::new(); workers as usize];
         let mut rng: u64 = 0x2545_f491_4f6c_dd1d;
@@ -532,18 +594,31 @@ mod tests {
             rng ^= rng << 17;
             rng % n
         };
-        for _ in 0..20_000 {
-            let worker = next(workers);
-            match next(10) {
+        let mut draws = Vec::new();
+        for _ in 0..40_000 {
+            draws.push((next(workers), next(10), next(5), next(6)));
+        }
+        // A path of `len` blocks, each of 3 children: the hash is the path so far.
+        let mut prompt = |len: u64| -> Vec<u64> {
+            let mut node = 1u64;
+            (0..len)
+                .map(|_| {
+                    node = node * 3 + next(3);
+                    node
+                })
+                .collect()
+        };
+        for (worker, op, learned, asked) in draws {
+            match op {
                 0 => {
                     ix.forget_worker(w(worker));
                     model[worker as usize].clear();
                 }
                 _ => {
-                    let hashes: Vec<u64> = (0..next(4)).map(|_| next(12)).collect();
+                    let hashes = prompt(learned);
                     ix.learn(w(worker), &hashes);
                     let held = &mut model[worker as usize];
-                    for h in hashes {
+                    for &h in hashes.iter().rev() {
                         held.retain(|&x| x != h);
                         held.push(h);
                         if held.len() > capacity {
@@ -552,14 +627,15 @@ mod tests {
                     }
                 }
             }
-            let request: Vec<u64> = (0..next(6)).map(|_| next(12)).collect();
+            let request = prompt(asked);
             let mut expected: Vec<(WorkerWithDpRank, u32)> = Vec::new();
             for (id, held) in model.iter().enumerate() {
-                let deepest = request.iter().rposition(|h| held.contains(h));
-                if let Some(p) = deepest {
-                    expected.push((w(id as u64), p as u32 + 1));
+                let prefix = request.iter().take_while(|h| held.contains(h)).count();
+                if prefix > 0 {
+                    expected.push((w(id as u64), prefix as u32));
                 }
                 assert_eq!(ix.worker_blocks(w(id as u64)), held.len());
+                assert_eq!(ix.overlap(w(id as u64), &request), prefix as u32);
             }
             assert_eq!(sorted(ix.overlaps(&request)), expected);
             assert_eq!(ix.len(), model.iter().map(Vec::len).sum::<usize>());

@@ -4,6 +4,9 @@
 
 mod hash;
 mod index;
+mod state;
 
 pub use hash::{block_hashes, chain_block_hash, DEFAULT_BLOCK_SIZE, ROOT_PARENT_HASH};
 pub use index::{PrefixIndex, PrefixIndexConfig};
+pub(crate) use state::PrefixState;
+pub use state::PrefixFigures;

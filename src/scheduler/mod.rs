@@ -34,6 +34,7 @@ use tracing::{debug, Instrument};
 
 use crate::load::{BookingWeight, WorkerLoad};
 use crate::observer::ReplicaRequestLeaseObserver;
+use crate::prefix::{PrefixFigures, PrefixIndexConfig, PrefixState};
 use crate::routing::{
     RouteDecision, RouteOutcome, RoutePolicy, RouteRequest, RouteRequestError, RoutingConfig,
 };
@@ -125,12 +126,14 @@ struct Inbox {
     ops: Mutex<Vec<Op>>,
 }
 
-/// What every handle to the actor shares: the inbox, the channel and the counters.
+/// What every handle to the actor shares: the inbox, the channel, the counters and the
+/// prefix index (which the actor reads in its decisions and the manager teaches).
 #[derive(Clone)]
 struct Mailbox {
     inbox: Arc<Inbox>,
     tx: mpsc::UnboundedSender<Command>,
     stats: Arc<SchedulerStats>,
+    prefix: Arc<PrefixState>,
 }
 
 impl Mailbox {
@@ -183,6 +186,11 @@ impl SchedulerBookingCleanup {
     pub(crate) fn submit(&self, ops: &mut Vec<Op>) {
         self.mailbox.submit(ops);
     }
+
+    /// The deployment's prefix index, which admissions and resets teach.
+    pub(crate) fn prefix(&self) -> &PrefixState {
+        &self.mailbox.prefix
+    }
 }
 
 /// The handle a router keeps: queries, and the cleanup handle for the manager.
@@ -201,6 +209,20 @@ impl SchedulerHandle {
     /// A point-in-time copy of the scheduler's counters.
     pub fn stats(&self) -> SchedulerFigures {
         self.mailbox.stats.snapshot()
+    }
+
+    /// A point-in-time copy of the prefix index's counters.
+    pub fn prefix_figures(&self) -> PrefixFigures {
+        self.mailbox.prefix.figures()
+    }
+
+    /// The prefix index's settings (block size, bounds).
+    pub fn prefix_config(&self) -> PrefixIndexConfig {
+        self.mailbox.prefix.config()
+    }
+
+    pub(crate) fn prefix(&self) -> &Arc<PrefixState> {
+        &self.mailbox.prefix
     }
 
     /// The load of every member worker, ordered by worker: a worker that left or was
@@ -306,14 +328,28 @@ pub(crate) struct Scheduler {
 impl Scheduler {
     /// The actor's channel and the handle to it; nothing runs until [`Scheduler::spawn`].
     pub(crate) fn new(deployment: &str) -> (SchedulerHandle, Self) {
+        Self::with_prefix(deployment, PrefixIndexConfig::default())
+    }
+
+    /// As [`Scheduler::new`], with the prefix index's settings.
+    pub(crate) fn with_prefix(
+        deployment: &str,
+        prefix: PrefixIndexConfig,
+    ) -> (SchedulerHandle, Self) {
         let (tx, rx) = mpsc::unbounded_channel();
         let stats = Arc::new(SchedulerStats::default());
         let inbox = Arc::new(Inbox {
             ops: Mutex::new(Vec::new()),
         });
-        let state = SchedulerState::new(inbox.clone(), stats.clone());
+        let prefix = Arc::new(PrefixState::new(prefix));
+        let state = SchedulerState::new(inbox.clone(), stats.clone(), prefix.clone());
         let handle = SchedulerHandle {
-            mailbox: Mailbox { inbox, tx, stats },
+            mailbox: Mailbox {
+                inbox,
+                tx,
+                stats,
+                prefix,
+            },
         };
         let actor = Self {
             deployment: deployment.to_owned(),

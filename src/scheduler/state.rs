@@ -10,9 +10,10 @@ use hashbrown::HashMap;
 
 use super::{Inbox, Op, ReleaseReason, SchedulerStats, WorkerStatus, DEFAULT_WORKER_IDLE};
 use crate::load::{LoadSums, RequestLoad, WorkerLoad};
+use crate::prefix::PrefixState;
 use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
 use crate::routing::{
-    Candidate, Chooser, RouteDecision, RouteOutcome, RouteRequest, RouteRequestError, RoutingConfig,
+    Candidate, Chooser, PrefixCredit, RouteDecision, RouteOutcome, RouteRequest, RouteRequestError, RoutingConfig,
 };
 use crate::types::{DpRank, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank};
 
@@ -39,10 +40,15 @@ pub(super) struct SchedulerState {
     batch: Vec<Op>,
     observer: Option<Arc<dyn ReplicaRequestLeaseObserver>>,
     stats: Arc<SchedulerStats>,
+    prefix: Arc<PrefixState>,
 }
 
 impl SchedulerState {
-    pub(super) fn new(inbox: Arc<Inbox>, stats: Arc<SchedulerStats>) -> Self {
+    pub(super) fn new(
+        inbox: Arc<Inbox>,
+        stats: Arc<SchedulerStats>,
+        prefix: Arc<PrefixState>,
+    ) -> Self {
         let now = Instant::now();
         Self {
             workers: HashMap::new(),
@@ -54,6 +60,7 @@ impl SchedulerState {
             batch: Vec::new(),
             observer: None,
             stats,
+            prefix,
         }
     }
 
@@ -210,7 +217,11 @@ impl SchedulerState {
     }
 
     /// Picks a member by the policy in force; `None` when there is none.
-    fn choose(&mut self, request: &RequestLoad) -> Option<(WorkerWithDpRank, Vec<Candidate>)> {
+    fn choose(
+        &mut self,
+        request: &RequestLoad,
+        prefix: PrefixCredit<'_>,
+    ) -> Option<(WorkerWithDpRank, Vec<Candidate>)> {
         let workers = &self.workers;
         let members = workers
             .iter()
@@ -218,7 +229,7 @@ impl SchedulerState {
             .map(|(w, e)| (w, &e.sums));
         let sums_of =
             |w: &WorkerWithDpRank| workers.get(w).map(|e| e.sums.load()).unwrap_or_default();
-        self.chooser.choose(members, sums_of, request)
+        self.chooser.choose(members, sums_of, request, prefix)
     }
 
     pub(super) fn route(
@@ -236,8 +247,20 @@ impl SchedulerState {
     }
 
     fn route_inner(&mut self, request: RouteRequest) -> Result<RouteDecision, RouteRequestError> {
-        let load = request.load();
-        let (worker, candidates) = self.choose(&load).ok_or(RouteRequestError::NoWorkers)?;
+        let block_size = self.prefix.config().block_size();
+        let blocks = request.blocks(block_size)?;
+        let overlaps: HashMap<WorkerWithDpRank, u32> = if blocks.is_empty() {
+            HashMap::new()
+        } else {
+            self.prefix.lock().overlaps(&blocks).into_iter().collect()
+        };
+        let mut load = request.load();
+        let (worker, candidates) = self
+            .choose(&load, PrefixCredit::new(&overlaps, block_size))
+            .ok_or(RouteRequestError::NoWorkers)?;
+        // The booking weighs what the decision counted on: the chosen worker's cached prefix
+        // needs no prefill (and is the prediction its `admitted` is compared with).
+        load.cached_tokens = candidates[0].cached_tokens;
         let booking = SchedulerBookingDescriptor::new(request.request_id, worker);
         match &self.observer {
             None => self.apply(Op::Book(worker, load.into())),
@@ -253,6 +276,8 @@ impl SchedulerState {
                 self.drain();
             }
         }
+        // The worker will hold the prompt's blocks: the next decision sees them there.
+        self.prefix.learn(worker, &blocks, None);
         Ok(RouteDecision {
             booking,
             policy: self.chooser.config().policy,

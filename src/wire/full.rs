@@ -107,6 +107,8 @@ enum Key {
     Outcome,
     CachedTokens,
     Leaving,
+    BlockHashes,
+    BlockCapacity,
     Unknown,
 }
 
@@ -162,6 +164,8 @@ impl Key {
             "outcome" => Key::Outcome,
             "ctok" => Key::CachedTokens,
             "leaving" => Key::Leaving,
+            "blk" => Key::BlockHashes,
+            "bcap" => Key::BlockCapacity,
             _ => Key::Unknown,
         }
     }
@@ -348,6 +352,18 @@ impl<'de> Visitor<'de> for RawSeed<'_> {
                     &mut raw.leaving,
                     keys::LEAVING,
                     &"nil or a boolean",
+                )?,
+                Key::BlockHashes => fill(
+                    &mut map,
+                    &mut raw.block_hashes,
+                    keys::BLOCK_HASHES,
+                    &"nil or an array of unsigned integers below 2^64",
+                )?,
+                Key::BlockCapacity => fill(
+                    &mut map,
+                    &mut raw.block_capacity,
+                    keys::BLOCK_CAPACITY,
+                    &U32_OR_NIL,
                 )?,
             }
         }

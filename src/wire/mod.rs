@@ -32,6 +32,8 @@
 //! | `otok` | u32 | `progressed`: output tokens produced so far |
 //! | `outcome` | string | `completed`: `finished`, `cancelled` or `failed` |
 //! | `leaving` | bool or nil | `worker_reset` (1.1, optional): true = the worker is leaving; absent = it (re)started |
+//! | `blk` | array of u64, or nil | `admitted` (1.3, optional): the prompt's first block hashes, at most [`MAX_BLOCK_HASHES`] |
+//! | `bcap` | u32 or nil | `admitted` (1.3, optional): blocks the worker rank's prefix cache holds at most |
 //!
 //! # Compatibility
 //!
@@ -97,6 +99,11 @@ pub use batch::{
 /// The schema major version this module writes and reads.
 pub const WIRE_VERSION: u16 = 1;
 
+/// Block hashes an `admitted` may carry (`blk`): the first 256 blocks of the prompt, 4,096
+/// tokens at the default block size. An 8,192-token prompt's event stays about 2.4 KB, well
+/// inside [`DEFAULT_MAX_EVENT_BYTES`]; more hashes are malformed.
+pub const MAX_BLOCK_HASHES: usize = 256;
+
 /// The default limit on the size of one encoded event.
 pub const DEFAULT_MAX_EVENT_BYTES: usize = 4096;
 
@@ -136,9 +143,13 @@ pub mod keys {
     pub const CACHED_TOKENS: &str = "ctok";
     /// The worker is leaving (bool or nil), `worker_reset`; since 1.1.
     pub const LEAVING: &str = "leaving";
+    /// The prompt's block hashes (array of u64, or nil), `admitted`; since 1.3.
+    pub const BLOCK_HASHES: &str = "blk";
+    /// Blocks the worker rank's prefix cache holds at most (u32 or nil), `admitted`; since 1.3.
+    pub const BLOCK_CAPACITY: &str = "bcap";
 
     /// Every key this version defines, in the order the encoder writes them.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 17] = [
         VERSION,
         PUBLISHER_ID,
         SEQUENCE,
@@ -150,6 +161,8 @@ pub mod keys {
         PROMPT_TOKENS,
         EXPECTED_OUTPUT_TOKENS,
         CACHED_TOKENS,
+        BLOCK_HASHES,
+        BLOCK_CAPACITY,
         STAGE,
         OUTPUT_TOKENS,
         OUTCOME,
@@ -304,6 +317,13 @@ pub struct Admitted {
     /// Prompt tokens the worker's prefix cache already held (wire 1.1, `ctok`): they need no
     /// prefill. `None` from publishers that do not say (counted as nothing cached).
     pub cached_tokens: Option<u32>,
+    /// The prompt's block hashes in prompt order (wire 1.3, `blk`), the first
+    /// [`MAX_BLOCK_HASHES`] at most: from then on the worker rank is taken to hold them.
+    /// Empty from publishers that do not say.
+    pub block_hashes: Vec<u64>,
+    /// Blocks the worker rank's prefix cache holds at most (wire 1.3, `bcap`); `None`: the
+    /// deployment's setting.
+    pub block_capacity: Option<u32>,
 }
 
 impl Admitted {
@@ -680,6 +700,8 @@ impl Serialize for Envelope {
             LeaseEvent::Admitted(e) => {
                 4 + usize::from(e.expected_output_tokens.is_some())
                     + usize::from(e.cached_tokens.is_some())
+                    + usize::from(!e.block_hashes.is_empty())
+                    + usize::from(e.block_capacity.is_some())
             }
             LeaseEvent::Progressed(_) => 5,
             LeaseEvent::Completed(_) => 4,
@@ -704,6 +726,12 @@ impl Serialize for Envelope {
                 }
                 if let Some(cached) = &e.cached_tokens {
                     map.serialize_entry(keys::CACHED_TOKENS, cached)?;
+                }
+                if !e.block_hashes.is_empty() {
+                    map.serialize_entry(keys::BLOCK_HASHES, &e.block_hashes)?;
+                }
+                if let Some(capacity) = &e.block_capacity {
+                    map.serialize_entry(keys::BLOCK_CAPACITY, capacity)?;
                 }
             }
             LeaseEvent::Progressed(e) => {

@@ -11,7 +11,7 @@
 
 use super::raw::{RawEnvelope, WireKind};
 use super::reader::Reader;
-use super::{EventKind, Outcome, ProgressStage, WIRE_VERSION};
+use super::{EventKind, Outcome, ProgressStage, MAX_BLOCK_HASHES, WIRE_VERSION};
 
 /// The event map at the start of `bytes`, and where it ends; `None` if it is not plain.
 pub(super) fn read(bytes: &[u8]) -> Option<(RawEnvelope, usize)> {
@@ -53,6 +53,8 @@ pub(super) fn read(bytes: &[u8]) -> Option<(RawEnvelope, usize)> {
                 put(&mut raw.outcome, outcome)?;
             }
             b"leaving" => put(&mut raw.leaving, bool_or_nil(&mut r)?)?,
+            b"blk" => put(&mut raw.block_hashes, hashes_or_nil(&mut r)?)?,
+            b"bcap" => put(&mut raw.block_capacity, u32_or_nil(&mut r)?)?,
             _ => return None,
         }
     }
@@ -83,6 +85,23 @@ fn u32_or_nil(r: &mut Reader<'_>) -> Option<Option<u32>> {
     u32(r).map(Some)
 }
 
+/// An array of unsigned integers, each in any width; `Some(None)` for nil. More than
+/// [`MAX_BLOCK_HASHES`] is left to the full decoder, which gives the error.
+fn hashes_or_nil(r: &mut Reader<'_>) -> Option<Option<Vec<u64>>> {
+    if r.nil() {
+        return Some(None);
+    }
+    let len = r.array_len()?;
+    if len > MAX_BLOCK_HASHES {
+        return None;
+    }
+    let mut hashes = Vec::with_capacity(len);
+    for _ in 0..len {
+        hashes.push(r.uint()?);
+    }
+    Some(Some(hashes))
+}
+
 /// `Some(None)` for nil.
 fn bool_or_nil(r: &mut Reader<'_>) -> Option<Option<bool>> {
     if r.nil() {
@@ -105,7 +124,7 @@ mod tests {
             u64::MAX,
             7,
             1_700_000_000_123_456,
-            Admitted {
+            Admitted { block_hashes: Vec::new(), block_capacity: None,
                 request_id: "req-7f3a".into(),
                 worker_id: 3,
                 dp_rank: 1,

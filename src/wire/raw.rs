@@ -6,7 +6,7 @@
 
 use super::{
     keys, Admitted, Completed, DecodeEventError, Envelope, EventKind, LeaseEvent, Outcome,
-    ProgressStage, Progressed, WorkerReset, WIRE_VERSION,
+    ProgressStage, Progressed, WorkerReset, MAX_BLOCK_HASHES, WIRE_VERSION,
 };
 
 /// Whatever the decoder has seen of an envelope, before validation.
@@ -28,6 +28,8 @@ pub(super) struct RawEnvelope {
     pub(super) outcome: Option<Outcome>,
     pub(super) cached_tokens: Option<Option<u32>>,
     pub(super) leaving: Option<Option<bool>>,
+    pub(super) block_hashes: Option<Option<Vec<u64>>>,
+    pub(super) block_capacity: Option<Option<u32>>,
 }
 
 fn missing(key: &str, kind: Option<EventKind>) -> DecodeEventError {
@@ -95,14 +97,27 @@ impl RawEnvelope {
                 None => return Err(missing(keys::DP_RANK, k)),
             };
             match kind {
-                EventKind::Admitted => LeaseEvent::Admitted(Admitted {
-                    request_id,
-                    worker_id,
-                    dp_rank,
-                    prompt_tokens: required(self.prompt_tokens, keys::PROMPT_TOKENS, k)?,
-                    expected_output_tokens: self.expected_output_tokens.flatten(),
-                    cached_tokens: self.cached_tokens.flatten(),
-                }),
+                EventKind::Admitted => {
+                    let block_hashes = self.block_hashes.flatten().unwrap_or_default();
+                    if block_hashes.len() > MAX_BLOCK_HASHES {
+                        return Err(DecodeEventError::Malformed(format!(
+                            "field `{}` holds {} hashes: at most {MAX_BLOCK_HASHES}, the \
+                             prompt's first blocks",
+                            keys::BLOCK_HASHES,
+                            block_hashes.len()
+                        )));
+                    }
+                    LeaseEvent::Admitted(Admitted {
+                        request_id,
+                        worker_id,
+                        dp_rank,
+                        prompt_tokens: required(self.prompt_tokens, keys::PROMPT_TOKENS, k)?,
+                        expected_output_tokens: self.expected_output_tokens.flatten(),
+                        cached_tokens: self.cached_tokens.flatten(),
+                        block_hashes,
+                        block_capacity: self.block_capacity.flatten(),
+                    })
+                }
                 EventKind::Progressed => LeaseEvent::Progressed(Progressed {
                     request_id,
                     worker_id,

@@ -7,7 +7,7 @@ pub(super) fn admitted() -> Envelope {
         0xdead_beef_0000_0001,
         1,
         1_700_000_000_123_456,
-        Admitted {
+        Admitted { block_hashes: Vec::new(), block_capacity: None,
             request_id: "req-1".into(),
             worker_id: 7,
             dp_rank: 2,
@@ -25,7 +25,7 @@ fn samples() -> Vec<Envelope> {
             9,
             2,
             3,
-            Admitted {
+            Admitted { block_hashes: Vec::new(), block_capacity: None,
                 request_id: "r".into(),
                 worker_id: u64::MAX,
                 dp_rank: u32::MAX,
@@ -358,7 +358,7 @@ fn other_integer_widths_and_key_order_decode() {
             2,
             3,
             4,
-            Admitted {
+            Admitted { block_hashes: Vec::new(), block_capacity: None,
                 request_id: "abc".into(),
                 worker_id: 9,
                 dp_rank: 3,

@@ -1,0 +1,144 @@
+//! A deployment's prefix index as its router shares it: the ingress teaches it (each
+//! `admitted`'s block hashes, each `worker_reset`), the scheduler reads it in every decision
+//! and teaches it the decision's own booking, the snapshot carries it; with the counters a
+//! dashboard shows of it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::{Mutex, MutexGuard};
+use serde::Serialize;
+
+use super::{PrefixIndex, PrefixIndexConfig};
+use crate::types::WorkerWithDpRank;
+
+/// The index behind one short lock (a decision's overlaps, one event's learning), and its
+/// counters.
+#[derive(Debug)]
+pub(crate) struct PrefixState {
+    config: PrefixIndexConfig,
+    index: Mutex<PrefixIndex>,
+    learned: AtomicU64,
+    forgotten: AtomicU64,
+    compared: AtomicU64,
+    predicted_tokens: AtomicU64,
+    reported_tokens: AtomicU64,
+    overpredicted_tokens: AtomicU64,
+    underpredicted_tokens: AtomicU64,
+}
+
+impl PrefixState {
+    pub(crate) fn new(config: PrefixIndexConfig) -> Self {
+        Self {
+            config,
+            index: Mutex::new(PrefixIndex::new(config)),
+            learned: AtomicU64::new(0),
+            forgotten: AtomicU64::new(0),
+            compared: AtomicU64::new(0),
+            predicted_tokens: AtomicU64::new(0),
+            reported_tokens: AtomicU64::new(0),
+            overpredicted_tokens: AtomicU64::new(0),
+            underpredicted_tokens: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn config(&self) -> PrefixIndexConfig {
+        self.config
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, PrefixIndex> {
+        self.index.lock()
+    }
+
+    /// A worker's `admitted` said it holds `hashes` (and, if it said so, how many blocks it
+    /// holds at most).
+    pub(crate) fn learn(&self, worker: WorkerWithDpRank, hashes: &[u64], capacity: Option<u32>) {
+        if hashes.is_empty() && capacity.is_none() {
+            return;
+        }
+        let mut index = self.index.lock();
+        if let Some(capacity) = capacity {
+            if index.worker_capacity(worker) != capacity.max(1) {
+                index.set_worker_capacity(worker, capacity);
+            }
+        }
+        index.learn(worker, hashes);
+        drop(index);
+        if !hashes.is_empty() {
+            self.learned.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A worker (every rank `covers` names) restarted or left: its cache is empty.
+    pub(crate) fn forget(&self, covers: impl Fn(WorkerWithDpRank) -> bool) {
+        let forgotten = self.index.lock().forget_where(covers);
+        self.forgotten
+            .fetch_add(forgotten as u64, Ordering::Relaxed);
+    }
+
+    /// A route decision counted on `predicted` cached tokens; the worker's `admitted` says its
+    /// engine found `reported`.
+    pub(crate) fn compare(&self, predicted: u32, reported: u32) {
+        self.compared.fetch_add(1, Ordering::Relaxed);
+        self.predicted_tokens
+            .fetch_add(u64::from(predicted), Ordering::Relaxed);
+        self.reported_tokens
+            .fetch_add(u64::from(reported), Ordering::Relaxed);
+        let (over, under) = (
+            predicted.saturating_sub(reported),
+            reported.saturating_sub(predicted),
+        );
+        self.overpredicted_tokens
+            .fetch_add(u64::from(over), Ordering::Relaxed);
+        self.underpredicted_tokens
+            .fetch_add(u64::from(under), Ordering::Relaxed);
+    }
+
+    pub(crate) fn figures(&self) -> PrefixFigures {
+        let (entries, workers, evicted) = {
+            let index = self.index.lock();
+            (index.len() as u64, index.workers() as u64, index.evicted())
+        };
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        PrefixFigures {
+            entries,
+            workers,
+            evicted,
+            learned_admissions: get(&self.learned),
+            forgotten_entries: get(&self.forgotten),
+            compared_admissions: get(&self.compared),
+            predicted_cached_tokens: get(&self.predicted_tokens),
+            reported_cached_tokens: get(&self.reported_tokens),
+            overpredicted_tokens: get(&self.overpredicted_tokens),
+            underpredicted_tokens: get(&self.underpredicted_tokens),
+        }
+    }
+}
+
+/// A point-in-time copy of a deployment's prefix index counters
+/// ([`Router::prefix_figures`](crate::Router::prefix_figures)). Counts are since the router
+/// started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PrefixFigures {
+    /// Entries held now (a block held by a worker rank).
+    pub entries: u64,
+    /// Worker ranks it keeps: those that hold a block or announced a capacity.
+    pub workers: u64,
+    /// Entries dropped to stay within a worker's capacity or the deployment's bound.
+    pub evicted: u64,
+    /// `admitted` events (and this replica's decisions) whose block hashes were learned.
+    pub learned_admissions: u64,
+    /// Entries forgotten because their worker restarted or left.
+    pub forgotten_entries: u64,
+    /// Admissions of this replica's route decisions whose worker reported its cached tokens
+    /// (`ctok`): each compares the decision's prediction with the engine's figure.
+    pub compared_admissions: u64,
+    /// Over those admissions: the cached tokens the decisions predicted.
+    pub predicted_cached_tokens: u64,
+    /// Over the same admissions: the cached tokens the engines reported.
+    pub reported_cached_tokens: u64,
+    /// Over the same admissions: tokens predicted cached that were not (prediction above the
+    /// report).
+    pub overpredicted_tokens: u64,
+    /// Over the same admissions: cached tokens the prediction missed.
+    pub underpredicted_tokens: u64,
+}
