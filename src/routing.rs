@@ -735,7 +735,13 @@ fn cheapest<'a>(
     }; KEEP];
     let mut kept = 0;
     for (worker, sums) in members {
-        let c = prefix.candidate(weights, *worker, sums.prefill_tokens, sums.kv_tokens, request);
+        let c = prefix.candidate(
+            weights,
+            *worker,
+            sums.prefill_tokens,
+            sums.kv_tokens,
+            request,
+        );
         if kept == KEEP && cheaper(&c, &best[KEEP - 1]).is_ge() {
             continue;
         }
@@ -805,7 +811,9 @@ mod tests {
             assert!(w.with_prefill(bad).validate().is_err(), "prefill {bad}");
             assert!(w.with_kv(bad).validate().is_err(), "kv {bad}");
         }
-        let request = |prompt, cached| RouteRequest { token_ids: None, block_hashes: None,
+        let request = |prompt, cached| RouteRequest {
+            token_ids: None,
+            block_hashes: None,
             request_id: RequestId::from("r"),
             prompt_tokens: prompt,
             cached_tokens: Some(cached),

@@ -262,7 +262,9 @@ async fn admit(
         publisher,
         seq,
         wire::unix_micros_now(),
-        Admitted { block_hashes: Vec::new(), block_capacity: None,
+        Admitted {
+            block_hashes: Vec::new(),
+            block_capacity: None,
             request_id: request_id.into(),
             worker_id,
             dp_rank: 0,

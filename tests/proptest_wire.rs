@@ -49,7 +49,9 @@ fn event() -> impl Strategy<Value = LeaseEvent> {
         )
             .prop_map(
                 |(request_id, worker_id, dp_rank, prompt_tokens, expected, cached)| {
-                    LeaseEvent::Admitted(Admitted { block_hashes: Vec::new(), block_capacity: None,
+                    LeaseEvent::Admitted(Admitted {
+                        block_hashes: Vec::new(),
+                        block_capacity: None,
                         request_id,
                         worker_id,
                         dp_rank,

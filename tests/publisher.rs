@@ -120,7 +120,9 @@ fn event(i: u64) -> LeaseEvent {
     let request_id = format!("req-{i}");
     let dp_rank = (i % 2) as u32;
     match i % 4 {
-        0 => wire::Admitted { block_hashes: Vec::new(), block_capacity: None,
+        0 => wire::Admitted {
+            block_hashes: Vec::new(),
+            block_capacity: None,
             request_id,
             worker_id,
             dp_rank,

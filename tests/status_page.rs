@@ -295,7 +295,9 @@ impl Workers {
                 self.next_request += 1;
                 let request_id = format!("req-{id}-{}", self.next_request);
                 publisher
-                    .send(Admitted { block_hashes: Vec::new(), block_capacity: None,
+                    .send(Admitted {
+                        block_hashes: Vec::new(),
+                        block_capacity: None,
                         request_id: request_id.clone(),
                         worker_id: *id,
                         dp_rank: 0,

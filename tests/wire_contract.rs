@@ -41,7 +41,9 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                 PUBLISHER_ID,
                 1,
                 TS,
-                Admitted { block_hashes: Vec::new(), block_capacity: None,
+                Admitted {
+                    block_hashes: Vec::new(),
+                    block_capacity: None,
                     request_id: "req-7f3a".into(),
                     worker_id: 3,
                     dp_rank: 1,
@@ -57,7 +59,9 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                 PUBLISHER_ID,
                 2,
                 TS + 250,
-                Admitted { block_hashes: Vec::new(), block_capacity: None,
+                Admitted {
+                    block_hashes: Vec::new(),
+                    block_capacity: None,
                     request_id: "req-8e21".into(),
                     worker_id: 3,
                     dp_rank: 0,
@@ -128,7 +132,9 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                 PUBLISHER_ID,
                 8,
                 TS + 3_000_100,
-                Admitted { block_hashes: Vec::new(), block_capacity: None,
+                Admitted {
+                    block_hashes: Vec::new(),
+                    block_capacity: None,
                     request_id: "req-9c04".into(),
                     worker_id: 3,
                     dp_rank: 1,
@@ -161,7 +167,9 @@ fn golden_batch() -> Vec<Envelope> {
             PUBLISHER_ID,
             21,
             TS + 5_000_000,
-            Admitted { block_hashes: Vec::new(), block_capacity: None,
+            Admitted {
+                block_hashes: Vec::new(),
+                block_capacity: None,
                 request_id: "req-b001".into(),
                 worker_id: 3,
                 dp_rank: 0,

@@ -18,6 +18,7 @@ use std::time::Duration;
 use lease_router::service::{ApiAuth, BearerToken, HostSettings};
 use lease_router::wire::{DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_EVENT_BYTES};
 use lease_router::{ApplyConfig, DeploymentName, LeaseStreamConfig, NatsConnectConfig};
+use lease_router::{PrefixIndexConfig, DEFAULT_AFFINITY_GAP};
 use lease_router::{RoutePolicy, DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_SNAPSHOT_INTERVAL};
 use lease_router::{DEFAULT_SNAPSHOT_KEEP, DEFAULT_STREAM_MAX_BYTES};
 
@@ -186,6 +187,33 @@ pub struct ServeArgs {
           value_parser = setting(duration(Duration::from_millis(10)..=Duration::from_secs(3600),
               5, "1500ms")))]
     pub provisional_deadline: Option<Parsed<Duration>>,
+    /// Tokens per prefix block: the engines' KV block size, which route requests'
+    /// token_ids are cut by and workers' block hashes (blk) are made with [default: 16].
+    #[arg(long, value_name = "TOKENS", env = "LEASE_ROUTER_BLOCK_SIZE",
+          value_parser = setting(whole(1..=65_536u32, false, "expected a whole number of \
+              tokens from 1 to 65536 (default 16): the engines' KV block size".to_owned())))]
+    pub block_size: Option<Parsed<u32>>,
+    /// Blocks the prefix index takes a worker rank to hold at most, least recent first out,
+    /// unless the worker announces its own (bcap) [default: 32768].
+    #[arg(long, value_name = "BLOCKS", env = "LEASE_ROUTER_PREFIX_WORKER_CAPACITY",
+          value_parser = setting(whole(1..=u32::MAX, true, format!("expected a whole number \
+              of blocks, at least 1 (default {})", PrefixIndexConfig::DEFAULT_WORKER_CAPACITY))))]
+    pub prefix_worker_capacity: Option<Parsed<u32>>,
+    /// Entries (a block held by a worker rank, about 45 bytes each) of each deployment's
+    /// prefix index; past it the rank holding the most gives up its least recent
+    /// [default: 4000000].
+    #[arg(long, value_name = "N", env = "LEASE_ROUTER_PREFIX_MAX_ENTRIES",
+          value_parser = setting(whole(1..=u32::MAX - 1, true, format!("expected a whole \
+              number of entries from 1 to {} (default {})", u32::MAX - 1,
+              PrefixIndexConfig::DEFAULT_MAX_ENTRIES))))]
+    pub prefix_max_entries: Option<Parsed<u32>>,
+    /// The hot-worker guard: a worker's cached prefix counts in a decision only while its
+    /// prefill tokens waiting are at most this many above the least waiting member's
+    /// [default: 8192].
+    #[arg(long, value_name = "TOKENS", env = "LEASE_ROUTER_AFFINITY_GAP",
+          value_parser = setting(whole(0..=u32::MAX, true, format!("expected a whole number \
+              of tokens (default {DEFAULT_AFFINITY_GAP})"))))]
+    pub affinity_gap: Option<Parsed<u32>>,
     /// The NATS servers, subject prefix, authentication and TLS, as for every subcommand.
     #[command(flatten)]
     pub nats: NatsArgs,
@@ -259,6 +287,10 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
         route_policy,
         worker_idle,
         provisional_deadline,
+        block_size,
+        prefix_worker_capacity,
+        prefix_max_entries,
+        affinity_gap,
         nats,
     } = &given.args;
     let (nats, subject_prefix) = nats.resolve(o)?;
@@ -297,6 +329,11 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
     h.route_policy = get!(o, route_policy).unwrap_or(h.route_policy);
     h.worker_idle = get!(o, worker_idle).or(h.worker_idle);
     h.provisional_deadline = get!(o, provisional_deadline).unwrap_or(h.provisional_deadline);
+    let p = h.prefix;
+    let p = p.with_block_size(get!(o, block_size).unwrap_or(p.block_size()));
+    let p = p.with_worker_capacity(get!(o, prefix_worker_capacity).unwrap_or(p.worker_capacity()));
+    h.prefix = p.with_max_entries(get!(o, prefix_max_entries).unwrap_or(p.max_entries()));
+    h.affinity_gap = get!(o, affinity_gap).unwrap_or(h.affinity_gap);
     h.lease_scan_interval = get!(o, lease_scan_interval).unwrap_or(h.lease_scan_interval);
     h.apply.max_event_bytes = get!(o, max_event_bytes).unwrap_or(h.apply.max_event_bytes);
     h.apply.max_batch_bytes = get!(o, max_batch_bytes).unwrap_or(h.apply.max_batch_bytes);
@@ -718,6 +755,9 @@ pub(crate) mod tests {
         let held = (a.max_tombstones, a.max_held_progress, a.max_publishers);
         assert_eq!(held, (4242, 4242, 4242));
         assert_eq!(h.max_active_leases, 4242);
+        let p = h.prefix;
+        let prefix = (p.block_size(), p.worker_capacity(), p.max_entries());
+        assert_eq!((prefix, h.affinity_gap), ((4242, 4242, 4242), 4242));
         assert_eq!(s.nats.subscription_capacity(), Some(4242));
         let durable = h.durable.as_ref().unwrap();
         assert_eq!((durable.replicas(), durable.max_bytes()), (3, 2_000_000));

@@ -641,7 +641,9 @@ impl Worker {
     }
 
     fn admitted(&self, plan: &RequestPlan) -> Admitted {
-        Admitted { block_hashes: Vec::new(), block_capacity: None,
+        Admitted {
+            block_hashes: Vec::new(),
+            block_capacity: None,
             request_id: plan.request_id.clone(),
             worker_id: self.worker_id,
             dp_rank: plan.dp_rank,

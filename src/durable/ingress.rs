@@ -573,6 +573,7 @@ async fn load_snapshot(
         batch.restore(lease);
     }
     batch.finish();
+    manager.restore_prefix(&snapshot.prefix);
     applier.restore_sequences(snapshot.sequences);
     applier.restore_reorder(snapshot.reorder);
     let header = snapshot.header;

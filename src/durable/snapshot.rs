@@ -39,6 +39,7 @@ use super::catch_up::CatchUpState;
 use super::stream::LeaseStreamConfig;
 use crate::ingress::{ReorderImage, SequenceImage};
 use crate::lease::{LeaseImage, WeakRequestLeaseManager};
+use crate::prefix::PrefixImage;
 use crate::router::TaskError;
 use crate::subject::Subjects;
 
@@ -59,6 +60,9 @@ pub(crate) struct Snapshot {
     /// Last, and optional: a snapshot written before it existed still loads.
     #[serde(default)]
     pub reorder: ReorderImage,
+    /// The prefix index (after `reorder`, and optional, for the same reason).
+    #[serde(default)]
+    pub prefix: PrefixImage,
 }
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -390,9 +394,10 @@ async fn write_one(
     cuts.send(reply).await.map_err(|_| Stop::Gone)?;
     let cut = cut.await.map_err(|_| Stop::Gone)?;
     let manager = manager.upgrade().ok_or(Stop::Gone)?;
-    let leases = tokio::task::spawn_blocking(move || manager.lease_images())
-        .await
-        .map_err(|e| Stop::Failed(boxed(e)))?;
+    let (leases, prefix) =
+        tokio::task::spawn_blocking(move || (manager.lease_images(), manager.prefix_image()))
+            .await
+            .map_err(|e| Stop::Failed(boxed(e)))?;
     let count = leases.len();
     let snapshot = Snapshot {
         header: Header {
@@ -405,6 +410,7 @@ async fn write_one(
         sequences: cut.sequences,
         leases,
         reorder: cut.reorder,
+        prefix,
     };
     let bytes = store.put(snapshot).await.map_err(Stop::Failed)?;
     Ok(Some((cut.stream_sequence, bytes, count)))

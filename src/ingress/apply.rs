@@ -764,7 +764,9 @@ mod tests {
     }
 
     fn admitted(id: &str, worker: u64) -> Admitted {
-        Admitted { block_hashes: Vec::new(), block_capacity: None,
+        Admitted {
+            block_hashes: Vec::new(),
+            block_capacity: None,
             request_id: id.into(),
             worker_id: worker,
             dp_rank: 0,

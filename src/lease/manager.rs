@@ -30,8 +30,8 @@ use super::key::{hash_id, LeaseKey};
 use super::weight::LeaseWeight;
 use crate::load::RequestLoad;
 use crate::load::WorkerLoad;
-use crate::prefix::PrefixState;
 use crate::observer::{AdmitOutcome, CompleteOutcome, ProgressOutcome};
+use crate::prefix::PrefixState;
 use crate::scheduler::{Op, ReleaseReason, SchedulerBookingCleanup};
 use crate::types::{
     AttemptId, DpRank, RequestId, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank,
@@ -666,7 +666,11 @@ impl LeaseBatch {
 
     /// The cached tokens this replica's route decision counted on for `request_id` on
     /// `worker`, while its lease is still that decision's provisional booking.
-    pub(crate) fn predicted_cached(&self, request_id: &str, worker: WorkerWithDpRank) -> Option<u32> {
+    pub(crate) fn predicted_cached(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+    ) -> Option<u32> {
         self.manager
             .find(request_id, |_, lease| {
                 (lease.provisional && lease.worker == worker)
@@ -1149,6 +1153,21 @@ impl RequestLeaseManager {
             state: lease.clock.state(),
             age: Duration::from_secs(u64::from(age)),
         }
+    }
+
+    /// The prefix index's counters.
+    pub(crate) fn prefix_figures(&self) -> crate::prefix::PrefixFigures {
+        self.inner.scheduler.prefix().figures()
+    }
+
+    /// Adds a snapshot's prefix index.
+    pub(crate) fn restore_prefix(&self, image: &crate::prefix::PrefixImage) {
+        self.inner.scheduler.prefix().restore(image);
+    }
+
+    /// The prefix index, as a snapshot keeps it.
+    pub(crate) fn prefix_image(&self) -> crate::prefix::PrefixImage {
+        self.inner.scheduler.prefix().image()
     }
 
     /// Every live lease that a worker admitted (not this replica's provisional bookings), as

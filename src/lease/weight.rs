@@ -299,7 +299,9 @@ mod property {
                     ptok,
                     ctok,
                     etok,
-                } => self.send(Admitted { block_hashes: Vec::new(), block_capacity: None,
+                } => self.send(Admitted {
+                    block_hashes: Vec::new(),
+                    block_capacity: None,
                     request_id: rid(&req),
                     worker_id: worker.0,
                     dp_rank: worker.1,

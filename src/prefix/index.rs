@@ -89,6 +89,29 @@ impl Default for PrefixIndexConfig {
     }
 }
 
+/// A [`PrefixIndex`] as a snapshot keeps it: per worker rank, its capacity and its blocks,
+/// least recent first, so that the restored index evicts in the same order.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct PrefixImage {
+    workers: Vec<WorkerImage>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct WorkerImage {
+    worker: WorkerWithDpRank,
+    capacity: u32,
+    /// Least recent first.
+    blocks: Vec<u64>,
+}
+
+impl PrefixImage {
+    /// Entries it holds.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.workers.iter().map(|w| w.blocks.len()).sum()
+    }
+}
+
 /// Which worker ranks hold which prefix blocks (see the module's documentation).
 #[derive(Debug)]
 pub struct PrefixIndex {
@@ -169,9 +192,11 @@ impl PrefixIndex {
     /// Blocks `worker` holds at most: its own figure if it announced one, else the
     /// deployment's.
     pub fn worker_capacity(&self, worker: WorkerWithDpRank) -> u32 {
-        self.slots.get(&worker).map_or(self.config.worker_capacity, |&s| {
-            self.workers[s as usize].capacity
-        })
+        self.slots
+            .get(&worker)
+            .map_or(self.config.worker_capacity, |&s| {
+                self.workers[s as usize].capacity
+            })
     }
 
     /// Blocks `worker` is taken to hold.
@@ -359,6 +384,42 @@ impl PrefixIndex {
         u32::try_from(held).unwrap_or(u32::MAX)
     }
 
+    /// What a snapshot keeps of it, ordered by worker.
+    pub(crate) fn image(&self) -> PrefixImage {
+        let mut workers: Vec<WorkerImage> = self
+            .slots
+            .values()
+            .map(|&slot| {
+                let w = &self.workers[slot as usize];
+                let mut blocks = Vec::with_capacity(w.len as usize);
+                let mut at = w.oldest;
+                while at != NIL {
+                    blocks.push(self.entries[at as usize].hash);
+                    at = self.entries[at as usize].newer;
+                }
+                WorkerImage {
+                    worker: w.worker,
+                    capacity: w.capacity,
+                    blocks,
+                }
+            })
+            .collect();
+        workers.sort_unstable_by_key(|w| w.worker);
+        PrefixImage { workers }
+    }
+
+    /// Adds what `image` holds, each worker's blocks in their order of recency (on an
+    /// empty index: the index the image was taken of, within this index's bounds).
+    pub(crate) fn restore(&mut self, image: &PrefixImage) {
+        for w in &image.workers {
+            let slot = self.slot(w.worker);
+            self.workers[slot as usize].capacity = w.capacity.max(1);
+            for &hash in &w.blocks {
+                self.learn_one(slot, hash);
+            }
+        }
+    }
+
     fn slot(&mut self, worker: WorkerWithDpRank) -> u32 {
         if let Some(&slot) = self.slots.get(&worker) {
             return slot;
@@ -503,7 +564,10 @@ mod tests {
             assert_eq!(ix.overlap(worker, &request), expected, "{worker:?}");
         }
         assert_eq!(ix.overlap(w(1), &[10, 99, 12]), 1, "up to the first miss");
-        assert_eq!(sorted(ix.overlaps(&[10, 99, 12])), vec![(w(1), 1), (w(2), 1)]);
+        assert_eq!(
+            sorted(ix.overlaps(&[10, 99, 12])),
+            vec![(w(1), 1), (w(2), 1)]
+        );
         assert!(ix.overlaps(&[]).is_empty());
         assert!(ix.overlaps(&[99, 10]).is_empty());
         assert_eq!((ix.len(), ix.worker_blocks(w(1))), (11, 4));
@@ -550,7 +614,11 @@ mod tests {
         );
         ix.learn(w(1), &[1, 2, 3, 4, 5, 6]);
         ix.learn(w(3), &[100, 101]);
-        assert_eq!(ix.overlap(w(1), &[1, 2, 3, 4, 5, 6]), 5, "the largest again");
+        assert_eq!(
+            ix.overlap(w(1), &[1, 2, 3, 4, 5, 6]),
+            5,
+            "the largest again"
+        );
         assert_eq!(
             ix.overlap(w(2), &[1, 2, 3]),
             3,
@@ -576,6 +644,28 @@ mod tests {
         ix.learn(w(3), &[7, 8, 9]);
         assert_eq!(ix.entries.len(), slab, "freed entries are reused");
         assert_eq!(ix.overlap(w(3), &[7, 8, 9]), 3);
+    }
+
+    #[test]
+    fn an_image_restores_the_same_index_and_the_same_order_of_eviction() {
+        let mut ix = index(4, 1000);
+        ix.learn(w(1), &[1, 2, 3]);
+        ix.learn(w(2), &[1, 2]);
+        ix.set_worker_capacity(w(2), 3);
+        ix.learn(w(1), &[1, 5]);
+        let image = ix.image();
+        assert_eq!(image.len(), ix.len());
+        let bytes = rmp_serde::to_vec_named(&image).unwrap();
+        let back: PrefixImage = rmp_serde::from_slice(&bytes).unwrap();
+        let mut restored = index(4, 1000);
+        restored.restore(&back);
+        assert_eq!(restored.image(), image);
+        for ix in [&mut ix, &mut restored] {
+            ix.learn(w(1), &[7]);
+            ix.learn(w(2), &[8, 9]);
+        }
+        assert_eq!(restored.image(), ix.image(), "the same blocks went");
+        assert_eq!(restored.worker_capacity(w(2)), 3);
     }
 
     /// Random operations against a plain model: per worker an ordered list of its blocks,

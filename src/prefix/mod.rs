@@ -7,6 +7,7 @@ mod index;
 mod state;
 
 pub use hash::{block_hashes, chain_block_hash, DEFAULT_BLOCK_SIZE, ROOT_PARENT_HASH};
+pub(crate) use index::PrefixImage;
 pub use index::{PrefixIndex, PrefixIndexConfig};
-pub(crate) use state::PrefixState;
 pub use state::PrefixFigures;
+pub(crate) use state::PrefixState;

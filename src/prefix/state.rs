@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::{Mutex, MutexGuard};
 use serde::Serialize;
 
-use super::{PrefixIndex, PrefixIndexConfig};
+use super::{PrefixImage, PrefixIndex, PrefixIndexConfig};
 use crate::types::WorkerWithDpRank;
 
 /// The index behind one short lock (a decision's overlaps, one event's learning), and its
@@ -91,6 +91,16 @@ impl PrefixState {
             .fetch_add(u64::from(over), Ordering::Relaxed);
         self.underpredicted_tokens
             .fetch_add(u64::from(under), Ordering::Relaxed);
+    }
+
+    /// What a snapshot keeps of the index.
+    pub(crate) fn image(&self) -> PrefixImage {
+        self.index.lock().image()
+    }
+
+    /// Adds a snapshot's index (on an empty one: the writer's).
+    pub(crate) fn restore(&self, image: &PrefixImage) {
+        self.index.lock().restore(image);
     }
 
     pub(crate) fn figures(&self) -> PrefixFigures {

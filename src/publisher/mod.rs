@@ -425,7 +425,9 @@ impl LeasePublisher {
         prompt_tokens: u32,
         expected_output_tokens: Option<u32>,
     ) -> Result<(), PublishEventError> {
-        self.publish(Admitted { block_hashes: Vec::new(), block_capacity: None,
+        self.publish(Admitted {
+            block_hashes: Vec::new(),
+            block_capacity: None,
             request_id: request_id.into(),
             worker_id,
             dp_rank,

@@ -221,10 +221,6 @@ impl SchedulerHandle {
         self.mailbox.prefix.config()
     }
 
-    pub(crate) fn prefix(&self) -> &Arc<PrefixState> {
-        &self.mailbox.prefix
-    }
-
     /// The load of every member worker, ordered by worker: a worker that left or was
     /// forgotten is not listed.
     pub async fn loads(&self) -> Result<Vec<(WorkerWithDpRank, WorkerLoad)>, QuerySchedulerError> {
@@ -255,6 +251,14 @@ impl SchedulerHandle {
                 .map_or_else(|_| RoutePolicy::default(), |r| r.policy);
             self.mailbox.stats.count_decision(policy, err.outcome());
             return Err(err);
+        }
+        // Token ids are hashed here, on the caller's task, not in the actor that every
+        // decision and booking waits for.
+        let mut request = request;
+        if let Some(ids) = request.token_ids.take() {
+            request.prompt_tokens = request.prompt_tokens.max(ids.len() as u32);
+            let block_size = self.mailbox.prefix.config().block_size() as usize;
+            request.block_hashes = Some(crate::prefix::block_hashes(&ids, block_size));
         }
         self.mailbox
             .ask(|reply| Command::Route(request, reply))

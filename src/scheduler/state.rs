@@ -10,10 +10,11 @@ use hashbrown::HashMap;
 
 use super::{Inbox, Op, ReleaseReason, SchedulerStats, WorkerStatus, DEFAULT_WORKER_IDLE};
 use crate::load::{LoadSums, RequestLoad, WorkerLoad};
-use crate::prefix::PrefixState;
 use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
+use crate::prefix::PrefixState;
 use crate::routing::{
-    Candidate, Chooser, PrefixCredit, RouteDecision, RouteOutcome, RouteRequest, RouteRequestError, RoutingConfig,
+    Candidate, Chooser, PrefixCredit, RouteDecision, RouteOutcome, RouteRequest, RouteRequestError,
+    RoutingConfig,
 };
 use crate::types::{DpRank, SchedulerBookingDescriptor, WorkerId, WorkerWithDpRank};
 

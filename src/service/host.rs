@@ -66,6 +66,11 @@ pub struct HostSettings {
     pub worker_idle: Option<Duration>,
     /// How long a route decision's provisional booking waits for its worker's `admitted`.
     pub provisional_deadline: Duration,
+    /// Each deployment's prefix index: block size and bounds.
+    pub prefix: crate::prefix::PrefixIndexConfig,
+    /// The hot-worker guard of prefix-aware decisions
+    /// ([`RoutingConfig::with_affinity_gap`](crate::RoutingConfig::with_affinity_gap)).
+    pub affinity_gap: u32,
 }
 
 impl Default for HostSettings {
@@ -80,6 +85,8 @@ impl Default for HostSettings {
             route_policy: Default::default(),
             worker_idle: None,
             provisional_deadline: crate::lease::DEFAULT_PROVISIONAL_DEADLINE,
+            prefix: crate::prefix::PrefixIndexConfig::default(),
+            affinity_gap: crate::routing::DEFAULT_AFFINITY_GAP,
         }
     }
 }
@@ -284,6 +291,9 @@ pub struct DeploymentFigures {
     pub routes_cancelled: u64,
     /// Durable mode only: the replay of the running router.
     pub catch_up: Option<CatchUpFigures>,
+    /// The running router's prefix index (counts since it started); `None` when no router
+    /// runs for this name.
+    pub prefix: Option<crate::prefix::PrefixFigures>,
 }
 
 /// Where a durable router's replay stands, and its stream.
@@ -808,10 +818,9 @@ impl DeploymentHost {
         let deployments = entries
             .into_iter()
             .map(|entry| {
-                let lease_stats = entry
-                    .manager
-                    .and_then(|weak| weak.upgrade())
-                    .map(|manager| manager.stats());
+                let manager = entry.manager.and_then(|weak| weak.upgrade());
+                let lease_stats = manager.as_ref().map(|manager| manager.stats());
+                let prefix = manager.as_ref().map(|manager| manager.prefix_figures());
                 DeploymentFigures {
                     name: entry.name,
                     ingress: entry.stats.snapshot(),
@@ -834,6 +843,7 @@ impl DeploymentHost {
                         stream: c.stream_figures(),
                         snapshots: c.snapshot_figures(),
                     }),
+                    prefix,
                 }
             })
             .collect();
@@ -947,8 +957,10 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
         .with_routing(crate::routing::RoutingConfig {
             policy: settings.route_policy,
             worker_idle: settings.worker_idle,
+            affinity_gap: Some(settings.affinity_gap),
             ..Default::default()
-        });
+        })
+        .with_prefix(settings.prefix);
     // Bounded for both modes: dropping an unfinished start cancels whatever it spawned.
     let waited = inner.connection.connect_deadline();
     let started = tokio::time::timeout(

@@ -594,6 +594,71 @@ pub(super) fn encode_snapshot(
         "Durable mode: the stream's age limit; older events are discarded.",
         &stream(|s| s.max_age.as_secs_f64()),
     )?;
+    let prefix = |value: fn(&crate::prefix::PrefixFigures) -> u64| {
+        deps.iter()
+            .filter_map(|d| Some(([("deployment", d.name.as_str())], value(d.prefix.as_ref()?))))
+            .collect::<Vec<_>>()
+    };
+    gauge_family(
+        encoder,
+        "prefix_index_entries",
+        "Entries of the prefix index now: a block held by a worker rank.",
+        &prefix(|p| p.entries),
+    )?;
+    gauge_family(
+        encoder,
+        "prefix_index_workers",
+        "Worker ranks the prefix index keeps (they hold a block or announced a capacity).",
+        &prefix(|p| p.workers),
+    )?;
+    counter_family(
+        encoder,
+        "prefix_index_evicted",
+        "Prefix index entries dropped to stay within a worker's capacity or the deployment's bound.",
+        &prefix(|p| p.evicted),
+    )?;
+    counter_family(
+        encoder,
+        "prefix_learned_admissions",
+        "Admissions (and this replica's route decisions) whose block hashes the prefix index learned.",
+        &prefix(|p| p.learned_admissions),
+    )?;
+    counter_family(
+        encoder,
+        "prefix_forgotten_entries",
+        "Prefix index entries forgotten because their worker restarted or left.",
+        &prefix(|p| p.forgotten_entries),
+    )?;
+    counter_family(
+        encoder,
+        "prefix_compared_admissions",
+        "Admissions of this replica's route decisions whose worker reported its cached tokens (ctok).",
+        &prefix(|p| p.compared_admissions),
+    )?;
+    counter_family(
+        encoder,
+        "prefix_predicted_cached_tokens",
+        "Over the compared admissions: the cached tokens the route decisions predicted.",
+        &prefix(|p| p.predicted_cached_tokens),
+    )?;
+    counter_family(
+        encoder,
+        "prefix_reported_cached_tokens",
+        "Over the compared admissions: the cached tokens the engines reported.",
+        &prefix(|p| p.reported_cached_tokens),
+    )?;
+    counter_family(
+        encoder,
+        "prefix_overpredicted_tokens",
+        "Over the compared admissions: tokens predicted cached that the engine did not find.",
+        &prefix(|p| p.overpredicted_tokens),
+    )?;
+    counter_family(
+        encoder,
+        "prefix_underpredicted_tokens",
+        "Over the compared admissions: cached tokens the prediction missed.",
+        &prefix(|p| p.underpredicted_tokens),
+    )?;
     counter_family(
         encoder,
         "leases_expired",
@@ -752,6 +817,7 @@ mod tests {
                     leases_expired: 4,
                     provisional_expired: 3,
                     routes_cancelled: 2,
+                    prefix: None,
                 },
                 DeploymentFigures {
                     name: "prod".into(),
@@ -763,6 +829,13 @@ mod tests {
                     leases_expired: 1,
                     provisional_expired: 0,
                     routes_cancelled: 5,
+                    prefix: Some(crate::prefix::PrefixFigures {
+                        entries: 12,
+                        compared_admissions: 3,
+                        predicted_cached_tokens: 96,
+                        reported_cached_tokens: 80,
+                        ..Default::default()
+                    }),
                 },
             ],
             hosted: 1,
@@ -824,6 +897,13 @@ mod tests {
         has("lease_router_leases_expired_total{deployment=\"gone\"} 4");
         has("lease_router_leases_expired_total{deployment=\"prod\"} 1");
         has("lease_router_provisional_expired_total{deployment=\"gone\"} 3");
+        has("lease_router_prefix_index_entries{deployment=\"prod\"} 12");
+        has("lease_router_prefix_predicted_cached_tokens_total{deployment=\"prod\"} 96");
+        has("lease_router_prefix_reported_cached_tokens_total{deployment=\"prod\"} 80");
+        assert!(
+            !text.contains("lease_router_prefix_index_entries{deployment=\"gone\"}"),
+            "no router, no index"
+        );
         has("lease_router_routes_cancelled_total{deployment=\"prod\"} 5");
         has("lease_router_sequence_gaps_total{deployment=\"prod\"} 3");
         has("lease_router_reorders_held_total{deployment=\"prod\"} 1");

@@ -413,7 +413,9 @@ mod tests {
             .map(|seq| {
                 let rid = format!("r-{seq}");
                 let event: crate::wire::LeaseEvent = match seq % 4 {
-                    0 => Admitted { block_hashes: Vec::new(), block_capacity: None,
+                    0 => Admitted {
+                        block_hashes: Vec::new(),
+                        block_capacity: None,
                         request_id: rid,
                         worker_id: 3,
                         dp_rank: 0,

@@ -124,7 +124,9 @@ mod tests {
             u64::MAX,
             7,
             1_700_000_000_123_456,
-            Admitted { block_hashes: Vec::new(), block_capacity: None,
+            Admitted {
+                block_hashes: Vec::new(),
+                block_capacity: None,
                 request_id: "req-7f3a".into(),
                 worker_id: 3,
                 dp_rank: 1,

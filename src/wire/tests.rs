@@ -7,7 +7,9 @@ pub(super) fn admitted() -> Envelope {
         0xdead_beef_0000_0001,
         1,
         1_700_000_000_123_456,
-        Admitted { block_hashes: Vec::new(), block_capacity: None,
+        Admitted {
+            block_hashes: Vec::new(),
+            block_capacity: None,
             request_id: "req-1".into(),
             worker_id: 7,
             dp_rank: 2,
@@ -25,7 +27,9 @@ fn samples() -> Vec<Envelope> {
             9,
             2,
             3,
-            Admitted { block_hashes: Vec::new(), block_capacity: None,
+            Admitted {
+                block_hashes: Vec::new(),
+                block_capacity: None,
                 request_id: "r".into(),
                 worker_id: u64::MAX,
                 dp_rank: u32::MAX,
@@ -358,7 +362,9 @@ fn other_integer_widths_and_key_order_decode() {
             2,
             3,
             4,
-            Admitted { block_hashes: Vec::new(), block_capacity: None,
+            Admitted {
+                block_hashes: Vec::new(),
+                block_capacity: None,
                 request_id: "abc".into(),
                 worker_id: 9,
                 dp_rank: 3,

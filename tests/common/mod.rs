@@ -149,7 +149,9 @@ impl RawPublisher {
 }
 
 pub fn admitted(request_id: &str, worker_id: u64, prompt_tokens: u32) -> Admitted {
-    Admitted { block_hashes: Vec::new(), block_capacity: None,
+    Admitted {
+        block_hashes: Vec::new(),
+        block_capacity: None,
         request_id: request_id.to_string(),
         worker_id,
         dp_rank: 0,

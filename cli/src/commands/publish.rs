@@ -104,7 +104,9 @@ impl PublishArgs {
                 prompt_tokens,
                 expected_output_tokens,
                 cached_tokens,
-            } => Admitted { block_hashes: Vec::new(), block_capacity: None,
+            } => Admitted {
+                block_hashes: Vec::new(),
+                block_capacity: None,
                 request_id: request_id.clone(),
                 worker_id,
                 dp_rank,
