@@ -145,6 +145,26 @@ fn golden() -> Vec<(&'static str, Envelope)> {
             ),
         ),
         (
+            "admitted_blocks",
+            Envelope::new(
+                PUBLISHER_ID,
+                9,
+                TS + 3_000_200,
+                Admitted {
+                    // The tokens 100 to 139: two full blocks of 16 (the 8 after them are
+                    // not hashed), as schemas/README.md's example.
+                    block_hashes: lease_router::block_hashes(&(100..140).collect::<Vec<_>>(), 16),
+                    block_capacity: Some(25_000),
+                    request_id: "req-b10c".into(),
+                    worker_id: 3,
+                    dp_rank: 0,
+                    prompt_tokens: 40,
+                    expected_output_tokens: Some(64),
+                    cached_tokens: Some(16),
+                },
+            ),
+        ),
+        (
             "worker_reset_rank",
             Envelope::new(
                 PUBLISHER_ID,
@@ -930,7 +950,10 @@ fn schema_matches_the_decoder() {
             .unwrap()
             .keys()
             .filter(|k| {
-                !["v", "pub", "seq", "ts", "kind", "etok", "ctok", "leaving"].contains(&k.as_str())
+                ![
+                    "v", "pub", "seq", "ts", "kind", "etok", "ctok", "blk", "bcap", "leaving",
+                ]
+                .contains(&k.as_str())
             })
             .filter(|k| !(kind == EventKind::WorkerReset && k.as_str() == "dp"))
             .cloned()

@@ -95,6 +95,20 @@ CASES = {
             "rid": "req-py-2", "wid": 12, "dp": 0, "ptok": 2048, "etok": 64, "ctok": 1536,
         },
     ),
+    # 1.3's optional fields of an admission: `blk` (its hashes in every unsigned width msgpack
+    # picks for them, from fixint to uint 64) and `bcap`.
+    "python_admitted_blocks": (
+        {
+            "bcap": 25000, "blk": [0, 127, 128, 65535, 2**32, 2**64 - 1], "kind": "admitted",
+            "rid": "req-py-blk", "wid": 12, "dp": 0, "ptok": 100, "v": 1, "pub": PUBLISHER_ID,
+            "seq": 20, "ts": TS + 20,
+        },
+        {
+            "v": 1, "pub": PUBLISHER_ID, "seq": 20, "ts": TS + 20, "kind": "admitted",
+            "rid": "req-py-blk", "wid": 12, "dp": 0, "ptok": 100,
+            "blk": [0, 127, 128, 65535, 2**32, 2**64 - 1], "bcap": 25000,
+        },
+    ),
     "python_worker_leaving": (
         {"leaving": True, "v": 1, "pub": PUBLISHER_ID, "seq": 11, "ts": TS + 11, "kind": "worker_reset", "wid": 12, "dp": None},
         {"v": 1, "pub": PUBLISHER_ID, "seq": 11, "ts": TS + 11, "kind": "worker_reset", "wid": 12, "leaving": True},
