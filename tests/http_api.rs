@@ -974,5 +974,49 @@ async fn route_over_http() {
             .await;
         assert_eq!(reply.json()["worker_id"], 7, "{}", reply.body);
     }
+
+    // A prompt's token ids: nothing cached anywhere yet, so the cheaper worker, whose index
+    // entry the decision makes at once: the same prompt again finds its two blocks there.
+    let tokens: Vec<u32> = (0..40).collect();
+    let with_tokens = |id: &str| format!(r#"{{"request_id": "{id}", "token_ids": {tokens:?}}}"#);
+    let first = service
+        .post_json("/v1/deployments/r/route", "POST", &with_tokens("p1"))
+        .await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let first = first.json();
+    let chosen = first["worker_id"].clone();
+    for candidate in first["candidates"].as_array().unwrap() {
+        assert_eq!(candidate["overlap_blocks"], 0, "{first}");
+    }
+    let again = service
+        .post_json("/v1/deployments/r/route", "POST", &with_tokens("p2"))
+        .await
+        .json();
+    let on_chosen = again["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["worker_id"] == chosen)
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (
+            on_chosen["overlap_blocks"].clone(),
+            on_chosen["cached_tokens"].clone()
+        ),
+        (2.into(), 32.into()),
+        "{again}"
+    );
+    for bad in [
+        r#"{"request_id": "z", "token_ids": ["a", "b"]}"#,
+        r#"{"request_id": "z", "prompt_tokens": 32, "block_hashes": [-1, 2]}"#,
+        r#"{"request_id": "z", "token_ids": [1, 2], "block_hashes": [1]}"#,
+        r#"{"request_id": "z", "prompt_tokens": 16, "block_hashes": [1, 2]}"#,
+        r#"{"request_id": "z", "prompt_tokens": 3, "token_ids": [1, 2]}"#,
+        r#"{"request_id": "z", "token_ids": []}"#,
+        r#"{"request_id": "z", "token_ids": 5}"#,
+    ] {
+        route(bad).await.assert_error(400, bad);
+    }
     service.stop().await;
 }

@@ -12,7 +12,7 @@
 //! | `DELETE /v1/deployments/{name}` | tear it down: 204, 404 if absent |
 //! | `GET /v1/deployments/{name}/leases?limit=N` | active leases (default limit 1000) |
 //! | `GET /v1/deployments/{name}/workers` | load by phase of each member worker, with its last-seen age, and the least loaded |
-//! | `POST /v1/deployments/{name}/route` | a routing decision for the JSON body `{"request_id", "prompt_tokens", "cached_tokens"?, "expected_output_tokens"?}`, booked provisionally: 200 with the worker, the policy and the candidates with their costs; 404 unknown deployment, 409 no live worker, 400 missing or nonsense sizes, 503 leases full or router gone |
+//! | `POST /v1/deployments/{name}/route` | a routing decision for the JSON body `{"request_id", "prompt_tokens", "cached_tokens"?, "expected_output_tokens"?, "token_ids"?, "block_hashes"?}`, booked provisionally: 200 with the worker, the policy and the candidates with their costs and prefix overlaps; 404 unknown deployment, 409 no live worker, 400 missing or nonsense sizes, 503 leases full or router gone |
 //! | `DELETE /v1/deployments/{name}/route/{request_id}` | release this replica's provisional booking of `request_id` at once (the request never reached its worker): 200 `{"request_id", "released": true}`, or `"released": false` when there is none (any more: released already, admitted by its worker, expired); idempotent; 404 unknown deployment |
 //!
 //! Every error is JSON, `{"error": "..."}`, also those axum would answer itself: an
