@@ -18,7 +18,7 @@ use lease_router::{
     ensure_stream, stream_name, CatchUpState, EnsureStreamError, JetStreamIngress,
     LeaseStreamConfig,
 };
-use lease_router::{DropReason, IngressStats};
+use lease_router::{DropReason, IngressStats, RouteRequest};
 use lease_router::{Router, RouterConfig};
 use lease_router_testkit::NatsCluster;
 
@@ -1277,6 +1277,83 @@ async fn a_late_replica_keeps_the_writers_tombstones_and_held_progress() {
         (2, 1, 0),
         "the revival refused as stale; the restored entries stood for no event here: {s:?}"
     );
+}
+
+/// The prefix index is part of the snapshot: a late replica that replays nothing holds what
+/// the writer learned from the stream, evicts in the same order, and decides alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_replica_starts_with_the_writers_prefix_index() {
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let writer = durable_router_with(&conn, "prefix", snapshotting(), NO_EXPIRY).await;
+    let prompt = |conversation: u32, len: u32| -> Vec<u32> {
+        (0..len).map(|i| conversation * 10_000 + i).collect()
+    };
+    let admitted_with = |rid: &str, worker: u64, tokens: &[u32]| wire::Admitted {
+        block_hashes: lease_router::block_hashes(tokens, 16),
+        ..admitted(rid, worker, tokens.len() as u32)
+    };
+    let events: Vec<LeaseEvent> = vec![
+        admitted_with("a", 1, &prompt(1, 640)).into(),
+        admitted_with("b", 2, &prompt(2, 320)).into(),
+        admitted_with("c", 2, &prompt(1, 160)).into(),
+        wire::Admitted {
+            block_capacity: Some(12),
+            ..admitted_with("d", 3, &prompt(3, 320))
+        }
+        .into(),
+    ];
+    let count = events.len() as u64;
+    let mut publisher = JsPublisher::new(conn.client().clone(), "prefix", 3);
+    publisher.publish_all(events).await;
+    let catch_up = writer.catch_up.clone();
+    assert!(
+        eventually(BOUND, || async {
+            catch_up.snapshot_figures().last_sequence == count
+        })
+        .await,
+        "{:?}",
+        catch_up.snapshot_figures()
+    );
+    let late = durable_router_with(&conn, "prefix", snapshotting(), NO_EXPIRY).await;
+    tokio::time::timeout(BOUND, late.catch_up.wait())
+        .await
+        .expect("catches up");
+    assert_eq!(
+        late.catch_up.replayed(),
+        0,
+        "everything came from the snapshot"
+    );
+    let (w, l) = (
+        writer.router.scheduler().prefix_figures(),
+        late.router.scheduler().prefix_figures(),
+    );
+    assert_eq!(
+        (w.entries, l.entries),
+        (40 + 30 + 12, 40 + 30 + 12),
+        "{w:?} {l:?}"
+    );
+    for conversation in 1..=3 {
+        let hashes = lease_router::block_hashes(&prompt(conversation, 800), 16);
+        let request = |id: &str| RouteRequest::new(id, 800).with_block_hashes(hashes.clone());
+        let on_writer = writer.router.scheduler().route(request("w")).await.unwrap();
+        let on_late = late.router.scheduler().route(request("l")).await.unwrap();
+        let overlaps = |d: &lease_router::RouteDecision| {
+            let mut v: Vec<_> = d
+                .candidates
+                .iter()
+                .map(|c| (c.worker, c.overlap_blocks))
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            overlaps(&on_late),
+            overlaps(&on_writer),
+            "conversation {conversation}"
+        );
+        assert!(on_late.candidates.iter().any(|c| c.overlap_blocks > 0));
+    }
 }
 
 /// In durable mode the holds count on the stream's clock: a replica replaying, in a few
