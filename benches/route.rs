@@ -17,7 +17,11 @@
 //! index (the same ranks, 10,000 blocks each, 10,000,000 entries; a 64-block system prompt
 //! held by a tenth of them), the prompt sharing a random number of blocks with one rank's
 //! earlier prompt: `prefix_overlaps_p99_us=`; and hashing that prompt,
-//! `block_hashes_8k_p99_us=`.
+//! `block_hashes_8k_p99_us=`. Last, whole prefix-aware decisions over that index:
+//! `SchedulerHandle::route` with the 8,192-token prompt's 512 block hashes, on a second
+//! scheduler whose index holds the same 10,000,000 entries for the same 1,000 members:
+//! `route_prefix_decision_p99_us=` (goal < 100). Each decision's booking is completed
+//! after it (untimed); its provisional blocks stay, as they would.
 
 mod common;
 
@@ -111,9 +115,102 @@ fn main() {
             "scheduler wakeups={} booked={}",
             stats.wakeups, stats.booked
         );
-        prefix_overlaps(&members, decisions);
+        let prompts = prefix_overlaps(&members, decisions);
+        prefix_decisions(&members, &prompts, decisions).await;
     });
 }
+
+/// Fills `learn` with what every rank holds: a tenth of them the system prompt, then earlier
+/// prompts' blocks up to `per_rank`; returns the prompts' seeds.
+fn fill(
+    members: &[WorkerWithDpRank],
+    per_rank: u32,
+    mut learn: impl FnMut(WorkerWithDpRank, &[u64]),
+) -> Vec<u32> {
+    let system = block_hashes(&prompt(u32::MAX), 16)[..SYSTEM_BLOCKS].to_vec();
+    let mut prompts = Vec::new();
+    for (r, rank) in members.iter().enumerate() {
+        let mut held = 0;
+        if r % 10 == 0 {
+            learn(*rank, &system);
+            held += SYSTEM_BLOCKS as u32;
+        }
+        while held < per_rank {
+            let seed = prompts.len() as u32;
+            let hashes = block_hashes(&prompt(seed), 16);
+            let take = hashes.len().min((per_rank - held) as usize);
+            learn(*rank, &hashes[..take]);
+            held += take as u32;
+            prompts.push(seed);
+        }
+    }
+    prompts
+}
+
+/// A request sharing a random number of blocks with one of `prompts`.
+fn request_tokens(rng: &mut Rng, prompts: &[u32]) -> Vec<u32> {
+    let earlier = prompt(prompts[rng.below(prompts.len() as u64) as usize]);
+    let shared = 16 * rng.below(512) as usize;
+    let mut tokens = earlier[..shared].to_vec();
+    tokens.extend((shared as u32..PROMPT_TOKENS).map(|t| t.wrapping_mul(2_654_435_761)));
+    tokens
+}
+
+async fn prefix_decisions(members: &[WorkerWithDpRank], prompts: &[u32], decisions: u64) {
+    let per_rank = PER_RANK;
+    let tracker = TaskTracker::new();
+    let (manager, scheduler, _task) = lease_router::internals::manager_and_scheduler_with_prefix(
+        "route-prefix",
+        LeaseConfig {
+            scan_interval: Duration::from_secs(3600),
+            ..LeaseConfig::default()
+        },
+        PrefixIndexConfig::new()
+            .with_worker_capacity(per_rank)
+            .with_max_entries(per_rank * members.len() as u32 + 1),
+        &tracker,
+    );
+    for (i, rank) in members.iter().enumerate() {
+        manager.admit_current(
+            &uuid_like(3, i as u64),
+            *rank,
+            RequestLoad::new(512, Some(64)),
+        );
+    }
+    fill(members, per_rank, |rank, hashes| {
+        lease_router::internals::learn_prefix(&manager, rank, hashes)
+    });
+    let mut rng = Rng::new(13);
+    let mut samples = Vec::new();
+    let mut overlapping = 0u64;
+    for round in 0..decisions + decisions / 10 {
+        let hashes = block_hashes(&request_tokens(&mut rng, prompts), 16);
+        let request =
+            RouteRequest::new(uuid_like(4, round), PROMPT_TOKENS).with_block_hashes(hashes);
+        let started = Instant::now();
+        let decision = scheduler.route(request).await.expect("routed");
+        let took = started.elapsed();
+        if round >= decisions / 10 {
+            samples.push(took.as_nanos() as u64);
+        }
+        overlapping += u64::from(decision.candidates[0].overlap_blocks > 0);
+        manager.complete_remote(&decision.booking);
+    }
+    samples.sort_unstable();
+    let us = |q: f64| percentile(&samples, q) as f64 / 1000.0;
+    println!(
+        "route_prefix_decision: entries={} p50_us={:.1} p99_us={:.1} max_us={:.1} chosen_with_overlap={:.2} goal_p99_us=100 met={}",
+        scheduler.prefix_figures().entries,
+        us(0.5),
+        us(0.99),
+        us(1.0),
+        overlapping as f64 / (decisions + decisions / 10) as f64,
+        us(0.99) < 100.0
+    );
+    println!("route_prefix_decision_p99_us={:.1}", us(0.99));
+}
+
+const PER_RANK: u32 = 10_000;
 
 const PROMPT_TOKENS: u32 = 8_192;
 const SYSTEM_BLOCKS: usize = 64;
@@ -124,31 +221,15 @@ fn prompt(seed: u32) -> Vec<u32> {
         .collect()
 }
 
-fn prefix_overlaps(members: &[WorkerWithDpRank], decisions: u64) {
-    let per_rank: u32 = 10_000;
+fn prefix_overlaps(members: &[WorkerWithDpRank], decisions: u64) -> Vec<u32> {
+    let per_rank = PER_RANK;
     let mut index = PrefixIndex::new(
         PrefixIndexConfig::new()
             .with_worker_capacity(per_rank)
             .with_max_entries(per_rank * members.len() as u32 + 1),
     );
-    let system = block_hashes(&prompt(u32::MAX), 16)[..SYSTEM_BLOCKS].to_vec();
     let started = Instant::now();
-    let mut prompts = Vec::new();
-    for (r, rank) in members.iter().enumerate() {
-        let mut held = 0;
-        if r % 10 == 0 {
-            index.learn(*rank, &system);
-            held += SYSTEM_BLOCKS as u32;
-        }
-        while held < per_rank {
-            let seed = prompts.len() as u32;
-            let hashes = block_hashes(&prompt(seed), 16);
-            let take = hashes.len().min((per_rank - held) as usize);
-            index.learn(*rank, &hashes[..take]);
-            held += take as u32;
-            prompts.push(seed);
-        }
-    }
+    let prompts = fill(members, per_rank, |rank, hashes| index.learn(rank, hashes));
     println!(
         "prefix index: {} entries over {} ranks in {:.1} s",
         index.len(),
@@ -160,10 +241,7 @@ fn prefix_overlaps(members: &[WorkerWithDpRank], decisions: u64) {
     let mut matched = 0u64;
     for round in 0..decisions + decisions / 10 {
         // An earlier prompt's first `shared` blocks, then its own.
-        let earlier = prompt(prompts[rng.below(prompts.len() as u64) as usize]);
-        let shared = 16 * rng.below(512) as usize;
-        let mut tokens = earlier[..shared].to_vec();
-        tokens.extend((shared as u32..PROMPT_TOKENS).map(|t| t.wrapping_mul(2_654_435_761)));
+        let tokens = request_tokens(&mut rng, &prompts);
         let t0 = Instant::now();
         let hashes = block_hashes(&tokens, 16);
         let t1 = Instant::now();
@@ -187,4 +265,5 @@ fn prefix_overlaps(members: &[WorkerWithDpRank], decisions: u64) {
     );
     println!("prefix_overlaps_p99_us={:.1}", us(&overlaps, 0.99));
     println!("block_hashes_8k_p99_us={:.1}", us(&hashing, 0.99));
+    prompts
 }

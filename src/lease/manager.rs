@@ -1155,6 +1155,12 @@ impl RequestLeaseManager {
         }
     }
 
+    /// Teaches the prefix index that `worker` holds `hashes` (what an `admitted` with them
+    /// does).
+    pub(crate) fn learn_prefix(&self, worker: WorkerWithDpRank, hashes: &[u64]) {
+        self.inner.scheduler.prefix().learn(worker, hashes, None);
+    }
+
     /// The prefix index's counters.
     pub(crate) fn prefix_figures(&self) -> crate::prefix::PrefixFigures {
         self.inner.scheduler.prefix().figures()

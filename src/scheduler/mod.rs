@@ -331,6 +331,7 @@ pub(crate) struct Scheduler {
 
 impl Scheduler {
     /// The actor's channel and the handle to it; nothing runs until [`Scheduler::spawn`].
+    #[cfg(test)]
     pub(crate) fn new(deployment: &str) -> (SchedulerHandle, Self) {
         Self::with_prefix(deployment, PrefixIndexConfig::default())
     }
