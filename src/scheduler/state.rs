@@ -42,6 +42,8 @@ pub(super) struct SchedulerState {
     observer: Option<Arc<dyn ReplicaRequestLeaseObserver>>,
     stats: Arc<SchedulerStats>,
     prefix: Arc<PrefixState>,
+    /// The blocks of the last decision's booking, learned once its answer is sent.
+    unlearned: Option<(WorkerWithDpRank, Vec<u64>)>,
 }
 
 impl SchedulerState {
@@ -62,6 +64,7 @@ impl SchedulerState {
             observer: None,
             stats,
             prefix,
+            unlearned: None,
         }
     }
 
@@ -277,13 +280,27 @@ impl SchedulerState {
                 self.drain();
             }
         }
-        // The worker will hold the prompt's blocks: the next decision sees them there.
-        self.prefix.learn(worker, &blocks, None);
+        // The worker will hold the prompt's blocks: learned right after the answer is sent
+        // (see [`Self::learn_decided`]), before the next decision.
+        // As much as a worker's `admitted` can tell: its first MAX_BLOCK_HASHES blocks.
+        if !blocks.is_empty() {
+            let mut blocks = blocks;
+            blocks.truncate(crate::wire::MAX_BLOCK_HASHES);
+            self.unlearned = Some((worker, blocks));
+        }
         Ok(RouteDecision {
             booking,
             policy: self.chooser.config().policy,
             candidates,
         })
+    }
+
+    /// Learns the blocks of the last decision's booking: after its answer, so the caller
+    /// does not wait for it, and before any other command, so the next decision sees them.
+    pub(super) fn learn_decided(&mut self) {
+        if let Some((worker, blocks)) = self.unlearned.take() {
+            self.prefix.learn(worker, &blocks, None);
+        }
     }
 
     /// Applies everything queued so far.
