@@ -16,6 +16,8 @@
 //! `nats_cpu_ms_per_million_events_single=`, `nats_cpu_ms_per_million_events_batched=`.
 //!
 //! Environment: `INGEST_EVENTS` (default 600000), `INGEST_ROUNDS` (default 7),
+//! `INGEST_BLOCK_HASHES` (default 0; 256: every `admitted` carries its prompt's block hashes,
+//! one per 16 tokens up to 256, as wire 1.3 allows, and the router's prefix index learns them),
 //! `INGEST_BREAKDOWN_ONLY` (set: only the in-process breakdown, e.g. under callgrind).
 
 mod common;
@@ -369,7 +371,11 @@ async fn bench() {
     let rounds = env_u64("INGEST_ROUNDS", 7).max(1);
     println!("machine: {}", common::machine());
     let subjects = subjects(DEPLOYMENT);
-    let shape = LifecycleShape::default();
+    let shape = LifecycleShape {
+        block_hashes: env_u64("INGEST_BLOCK_HASHES", 0) as usize,
+        ..LifecycleShape::default()
+    };
+    println!("block hashes per admitted: up to {}", shape.block_hashes);
     // ~4.9 events per request (1 + 3 + 0.9).
     let requests = (events as f64 / 4.9 / PUBLISHERS as f64).ceil() as u64;
     let streams: Vec<Vec<Encoded>> = (0..PUBLISHERS)

@@ -296,7 +296,8 @@ impl Workers {
                 let request_id = format!("req-{id}-{}", self.next_request);
                 publisher
                     .send(Admitted {
-                        block_hashes: Vec::new(),
+                        // Two blocks of its own prompt: the prefix index shows them.
+                        block_hashes: vec![*id << 32 | u64::from(i) << 1, *id << 32 | 1],
                         block_capacity: None,
                         request_id: request_id.clone(),
                         worker_id: *id,
@@ -385,6 +386,14 @@ async fn the_page_shows_every_worker_and_its_figures_change() {
         (all && dropped).then(|| shown.clone())
     })
     .await;
+    // Each llama worker holds its first block and the second of each of its 3 prompts.
+    let llama_prefix = until(&page, "the prefix index", |shown| {
+        deployment(shown, "llama-70b")
+            .and_then(|d| number(&d["figures"]["prefix_entries"]))
+            .filter(|&n| n == 4.0 * 4.0)
+    })
+    .await;
+    assert_eq!(llama_prefix, 16.0);
     assert_eq!(first["nats"], "connected", "{first:#}");
     assert_eq!(first["errors"], serde_json::json!([]), "{first:#}");
     assert_eq!(first["empty"], false);

@@ -196,6 +196,10 @@ pub struct LifecycleShape {
     pub max_progress: u64,
     /// Percent of requests that never send `completed` (their leases stay live).
     pub never_completed_pct: u64,
+    /// Block hashes each `admitted` carries at most (wire 1.3 `blk`): one per 16 prompt
+    /// tokens, up to this many; the first 32 from one of 8 shared system prompts, the rest
+    /// the request's own. 0: none.
+    pub block_hashes: usize,
 }
 
 impl Default for LifecycleShape {
@@ -205,6 +209,7 @@ impl Default for LifecycleShape {
             min_progress: 2,
             max_progress: 4,
             never_completed_pct: 10,
+            block_hashes: 0,
         }
     }
 }
@@ -253,13 +258,26 @@ impl LifecycleGen {
             let spread = self.shape.max_progress - self.shape.min_progress + 1;
             let progress_left = self.shape.min_progress + self.rng.below(spread);
             let completes = self.rng.below(100) >= self.shape.never_completed_pct;
+            let prompt_tokens = 256 + self.rng.below(4096) as u32;
+            let blocks = (prompt_tokens as usize / 16).min(self.shape.block_hashes);
+            // Drawn only when asked for, so that the streams without hashes stay as they were.
+            let system = if blocks > 0 { self.rng.below(8) } else { 0 };
+            let block_hashes = (0..blocks)
+                .map(|b| {
+                    if b < 32 {
+                        system << 32 | b as u64
+                    } else {
+                        self.rng.next_u64()
+                    }
+                })
+                .collect();
             let event = Admitted {
-                block_hashes: Vec::new(),
+                block_hashes,
                 block_capacity: None,
                 request_id: id.clone(),
                 worker_id: worker,
                 dp_rank: 0,
-                prompt_tokens: 256 + self.rng.below(4096) as u32,
+                prompt_tokens,
                 expected_output_tokens: Some(64 + self.rng.below(512) as u32),
                 cached_tokens: None,
             };

@@ -528,18 +528,23 @@ async fn get_deployment(
         .find(|d| d.name == name)
         .ok_or_else(|| unknown(&name))?;
     let stats = state.host.ingress_stats(&name).map(|s| s.snapshot());
-    let catch_up = state
+    let figures = state
         .host
         .figures()
         .deployments
         .into_iter()
-        .find(|d| d.name == name.as_str())
+        .find(|d| d.name == name.as_str());
+    let prefix = figures.as_ref().and_then(|d| d.prefix);
+    let catch_up = figures
         .and_then(|d| d.catch_up)
         .map(|c| json!({ "done": c.done, "replayed": c.replayed, "seconds": c.seconds }));
-    Ok(
-        Json(json!({ "deployment": summary, "ingress": stats, "catch_up": catch_up }))
-            .into_response(),
-    )
+    Ok(Json(json!({
+        "deployment": summary,
+        "ingress": stats,
+        "catch_up": catch_up,
+        "prefix": prefix,
+    }))
+    .into_response())
 }
 
 /// The optional body of a PUT: the deployment's routing.
