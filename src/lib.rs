@@ -34,7 +34,8 @@
 //!   durable.
 //! - `prefix`: where each prompt's prefix is cached: the [`block_hashes`] that name a
 //!   prefix (the scheme in `schemas/README.md`) and the [`PrefixIndex`] of which worker
-//!   holds which.
+//!   holds which, one per deployment, taught by `admitted` events and resets, read by every
+//!   prefix-aware decision ([`RouteRequest::with_block_hashes`]), kept in snapshots.
 //! - `connection`: [`connect`]ing to NATS with retry, and connection state.
 //! - `retry`: exponential backoff, the one module that uses the `backoff` crate.
 //! - `log_limit`: rate-limited warnings.
