@@ -125,7 +125,7 @@ impl PrefixState {
 }
 
 /// A point-in-time copy of a deployment's prefix index counters
-/// ([`Router::prefix_figures`](crate::Router::prefix_figures)). Counts are since the router
+/// ([`SchedulerHandle::prefix_figures`](crate::SchedulerHandle::prefix_figures)). Counts are since the router
 /// started.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct PrefixFigures {
