@@ -100,6 +100,8 @@ pub use prefix::{
     block_hashes, chain_block_hash, PrefixFigures, PrefixIndex, PrefixIndexConfig,
     DEFAULT_BLOCK_SIZE, ROOT_PARENT_HASH,
 };
+#[cfg(feature = "tokenizer")]
+pub use prefix::{LoadTokenizerError, PromptTokenizer, TokenizePromptError};
 pub use publisher::{
     Batching, FlushPublisherError, LeasePublisher, PublishEventError, PublisherConfig,
     PublisherFigures,

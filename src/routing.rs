@@ -268,6 +268,11 @@ pub struct RouteRequest {
     /// [`MAX_ROUTE_BLOCK_HASHES`], and no more than the prompt's full blocks.
     #[serde(default)]
     pub block_hashes: Option<Vec<u64>>,
+    /// The prompt as text, for the HTTP API of a router with a tokenizer file (`--tokenizer`):
+    /// tokenized there into `token_ids` before the decision. Exactly what the engine will
+    /// tokenize (after any chat template). Not with `token_ids` or `block_hashes`.
+    #[serde(default)]
+    pub prompt: Option<String>,
 }
 
 impl RouteRequest {
@@ -280,6 +285,7 @@ impl RouteRequest {
             expected_output_tokens: None,
             token_ids: None,
             block_hashes: None,
+            prompt: None,
         }
     }
 
@@ -346,13 +352,23 @@ impl RouteRequest {
     /// Refuses what no worker could be asked to do.
     ///
     /// # Errors
-    /// [`RouteRequestError::InvalidRequest`] for an empty request id, no prompt, more
+    /// [`RouteRequestError::InvalidRequest`] for an empty request id, prompt text (which only
+    /// the HTTP API with a tokenizer turns into token ids), no prompt, more
     /// cached tokens than prompt tokens, both `token_ids` and `block_hashes`, more of either
     /// than their limit, or `token_ids` of another length than `prompt_tokens`.
     pub fn validate(&self) -> Result<(), RouteRequestError> {
         let invalid = |why: String| Err(RouteRequestError::InvalidRequest(why));
         if self.request_id.is_empty() {
             return invalid("request_id is empty".into());
+        }
+        if self.prompt.is_some() {
+            return invalid(if self.token_ids.is_some() || self.block_hashes.is_some() {
+                "give one of prompt, token_ids and block_hashes".into()
+            } else {
+                "prompt text needs the router's tokenizer (lease-router serve --tokenizer FILE): \
+                 send token_ids or block_hashes instead"
+                    .into()
+            });
         }
         if let Some(ids) = &self.token_ids {
             if ids.len() > MAX_ROUTE_TOKEN_IDS {
@@ -812,6 +828,7 @@ mod tests {
             assert!(w.with_kv(bad).validate().is_err(), "kv {bad}");
         }
         let request = |prompt, cached| RouteRequest {
+            prompt: None,
             token_ids: None,
             block_hashes: None,
             request_id: RequestId::from("r"),

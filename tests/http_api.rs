@@ -116,6 +116,14 @@ impl Service {
     }
 
     async fn start_with(hook: Option<Arc<dyn ReadinessHook>>, connect_deadline: Duration) -> Self {
+        Self::start_settings(hook, connect_deadline, HostSettings::default()).await
+    }
+
+    async fn start_settings(
+        hook: Option<Arc<dyn ReadinessHook>>,
+        connect_deadline: Duration,
+        settings: HostSettings,
+    ) -> Self {
         let nats = common::server().await;
         let config = NatsConnectConfig::new([nats.url()])
             .with_name("http_api test")
@@ -126,7 +134,7 @@ impl Service {
                     .with_max_interval(Duration::from_millis(250)),
             );
         let connection = connect(&config).await.expect("connect");
-        let host = DeploymentHost::new(connection, HostSettings::default());
+        let host = DeploymentHost::new(connection, settings);
         let mut state = ApiState::new(host.clone());
         if let Some(hook) = hook {
             state = state.with_readiness_hook(hook);
@@ -1015,8 +1023,79 @@ async fn route_over_http() {
         r#"{"request_id": "z", "prompt_tokens": 3, "token_ids": [1, 2]}"#,
         r#"{"request_id": "z", "token_ids": []}"#,
         r#"{"request_id": "z", "token_ids": 5}"#,
+        r#"{"request_id": "z", "prompt": "hello world"}"#,
     ] {
         route(bad).await.assert_error(400, bad);
+    }
+    service.stop().await;
+}
+
+/// With a tokenizer file, a route request may carry its prompt as text: the router tokenizes
+/// it into the same ids a gateway would send (the second request, as ids, finds the first
+/// one's blocks on the worker it went to).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_with_prompt_text_through_the_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokenizer.json");
+    std::fs::write(
+        &file,
+        r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": {"hello": 0, "world": 1,
+        "[UNK]": 2}, "unk_token": "[UNK]"}}"#,
+    )
+    .unwrap();
+    let tokenizer = lease_router::PromptTokenizer::from_file(&file).unwrap();
+    let settings = HostSettings {
+        tokenizer: Some(Arc::new(tokenizer)),
+        ..HostSettings::default()
+    };
+    let service = Service::start_settings(None, CONNECT_DEADLINE, settings).await;
+    let publisher = common::client(&service.nats.url()).await.client().clone();
+    assert_eq!(
+        service
+            .post_json("/v1/deployments/t", "PUT", "")
+            .await
+            .status,
+        201
+    );
+    admit(&publisher, "t", 31, 1, 7, "a").await;
+    admit(&publisher, "t", 32, 1, 8, "b").await;
+    poll("both workers are members", || async {
+        let body = service.get("/v1/deployments/t/workers").await.json();
+        (body["workers"].as_array().unwrap().len() == 2).then_some(())
+    })
+    .await;
+    let text = "hello world ".repeat(16);
+    let body = format!(r#"{{"request_id": "text", "prompt": "{text}"}}"#);
+    let first = service
+        .post_json("/v1/deployments/t/route", "POST", &body)
+        .await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let chosen = first.json()["worker_id"].clone();
+    let ids: Vec<u32> = (0..32).map(|i| i % 2).collect();
+    let body = format!(r#"{{"request_id": "ids", "token_ids": {ids:?}}}"#);
+    let second = service
+        .post_json("/v1/deployments/t/route", "POST", &body)
+        .await
+        .json();
+    let on_chosen = second["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["worker_id"] == chosen)
+        .unwrap()
+        .clone();
+    assert_eq!(on_chosen["overlap_blocks"], 2, "{second}");
+    // Text with ids, or a prompt_tokens that is not the text's length: refused.
+    for bad in [
+        format!(r#"{{"request_id": "x", "prompt": "hello", "token_ids": [0]}}"#),
+        format!(r#"{{"request_id": "x", "prompt": "{text}", "prompt_tokens": 5}}"#),
+    ] {
+        service
+            .post_json("/v1/deployments/t/route", "POST", &bad)
+            .await
+            .assert_error(400, &bad);
     }
     service.stop().await;
 }

@@ -18,7 +18,7 @@ use std::time::Duration;
 use lease_router::service::{ApiAuth, BearerToken, HostSettings};
 use lease_router::wire::{DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_EVENT_BYTES};
 use lease_router::{ApplyConfig, DeploymentName, LeaseStreamConfig, NatsConnectConfig};
-use lease_router::{PrefixIndexConfig, DEFAULT_AFFINITY_GAP};
+use lease_router::{PrefixIndexConfig, PromptTokenizer, DEFAULT_AFFINITY_GAP};
 use lease_router::{RoutePolicy, DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_SNAPSHOT_INTERVAL};
 use lease_router::{DEFAULT_SNAPSHOT_KEEP, DEFAULT_STREAM_MAX_BYTES};
 
@@ -214,6 +214,12 @@ pub struct ServeArgs {
           value_parser = setting(whole(0..=u32::MAX, true, format!("expected a whole number \
               of tokens (default {DEFAULT_AFFINITY_GAP})"))))]
     pub affinity_gap: Option<Parsed<u32>>,
+    /// A Hugging Face tokenizer.json (the model's own): route requests may then carry the
+    /// prompt as text ("prompt"), exactly as the engine will tokenize it (after any chat
+    /// template) [default: none; such requests are refused].
+    #[arg(long, value_name = "FILE", env = "LEASE_ROUTER_TOKENIZER",
+          value_parser = setting(|s: &str| Ok::<_, String>(PathBuf::from(s.trim()))))]
+    pub tokenizer: Option<Parsed<PathBuf>>,
     /// The NATS servers, subject prefix, authentication and TLS, as for every subcommand.
     #[command(flatten)]
     pub nats: NatsArgs,
@@ -291,6 +297,7 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
         prefix_worker_capacity,
         prefix_max_entries,
         affinity_gap,
+        tokenizer,
         nats,
     } = &given.args;
     let (nats, subject_prefix) = nats.resolve(o)?;
@@ -334,6 +341,11 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
     let p = p.with_worker_capacity(get!(o, prefix_worker_capacity).unwrap_or(p.worker_capacity()));
     h.prefix = p.with_max_entries(get!(o, prefix_max_entries).unwrap_or(p.max_entries()));
     h.affinity_gap = get!(o, affinity_gap).unwrap_or(h.affinity_gap);
+    if let Some(path) = get!(o, tokenizer) {
+        let loaded = PromptTokenizer::from_file(&path)
+            .map_err(|err| o.invalid("tokenizer", path.display(), &err.reason))?;
+        h.tokenizer = Some(std::sync::Arc::new(loaded));
+    }
     h.lease_scan_interval = get!(o, lease_scan_interval).unwrap_or(h.lease_scan_interval);
     h.apply.max_event_bytes = get!(o, max_event_bytes).unwrap_or(h.apply.max_event_bytes);
     h.apply.max_batch_bytes = get!(o, max_batch_bytes).unwrap_or(h.apply.max_batch_bytes);
@@ -679,7 +691,7 @@ pub(crate) mod tests {
             vec![format!("--{long}"), env, arg.get_id().to_string()]
         });
         let declared: Vec<Vec<String>> = declared.collect();
-        assert_eq!(declared.len(), 34);
+        assert_eq!(declared.len(), 39);
         assert_eq!(
             readme, declared,
             "README's settings table (flag, environment, TOML key) must list exactly the \
@@ -706,10 +718,42 @@ pub(crate) mod tests {
     /// A file may hold every declared setting, and each one lands where it belongs (that
     /// `resolve` reads every declared setting, its exhaustive destructuring makes sure); flags
     /// (or the environment: clap puts both in the same field) beat the file.
+    /// A tokenizer.json of three words (a WordLevel model split on whitespace).
+    pub(crate) const TOKENIZER: &str = r#"{"version": "1.0", "truncation": null,
+        "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"hello": 0, "world": 1, "[UNK]": 2},
+        "unk_token": "[UNK]"}}"#;
+
+    /// A tokenizer file is loaded when the settings are resolved: a good one tokenizes, a bad
+    /// one (or none there) is refused naming the file and the loader's reason.
+    #[test]
+    fn a_tokenizer_file_loads_or_is_refused_at_start() {
+        let good = file(TOKENIZER);
+        let s = settings(&format!("--tokenizer {}", path(&good))).unwrap();
+        let tokenizer = s.host.tokenizer.expect("loaded");
+        assert_eq!(tokenizer.token_ids("hello world nope").unwrap(), [0, 1, 2]);
+        let bad = file("{\"model\": 5}");
+        let err = settings(&format!("--tokenizer {}", path(&bad)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("invalid setting tokenizer") && err.contains(path(&bad)),
+            "{err}"
+        );
+        let err = settings("--tokenizer /nonexistent/tokenizer.json")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("/nonexistent/tokenizer.json"), "{err}");
+        assert!(settings("").unwrap().host.tokenizer.is_none());
+    }
+
     #[test]
     fn a_file_with_every_setting_resolves_and_flags_beat_it() {
         let ca = file("-----BEGIN CERTIFICATE-----\n");
         let ca = format!("{:?}", ca.path());
+        let tokenizer = file(TOKENIZER);
+        let tokenizer = format!("{:?}", tokenizer.path());
         let mut text = String::new();
         for key in file_keys() {
             let value = match key.as_str() {
@@ -736,6 +780,7 @@ pub(crate) mod tests {
                 // The token inline; the file is the other way to give it.
                 "http_token" => "\"s3cret-token\"",
                 "http_token_file" => continue,
+                "tokenizer" => &tokenizer,
                 _ => "4242",
             };
             text.push_str(&format!("{key} = {value}\n"));

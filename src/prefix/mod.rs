@@ -5,9 +5,13 @@
 mod hash;
 mod index;
 mod state;
+#[cfg(feature = "tokenizer")]
+mod tokenizer;
 
 pub use hash::{block_hashes, chain_block_hash, DEFAULT_BLOCK_SIZE, ROOT_PARENT_HASH};
 pub(crate) use index::PrefixImage;
 pub use index::{PrefixIndex, PrefixIndexConfig};
 pub use state::PrefixFigures;
 pub(crate) use state::PrefixState;
+#[cfg(feature = "tokenizer")]
+pub use tokenizer::{LoadTokenizerError, PromptTokenizer, TokenizePromptError};

@@ -71,6 +71,10 @@ pub struct HostSettings {
     /// The hot-worker guard of prefix-aware decisions
     /// ([`RoutingConfig::with_affinity_gap`](crate::RoutingConfig::with_affinity_gap)).
     pub affinity_gap: u32,
+    /// Turns the prompt text of route requests (`"prompt"`) into token ids, for every
+    /// deployment; `None`: such requests are refused.
+    #[cfg(feature = "tokenizer")]
+    pub tokenizer: Option<Arc<crate::prefix::PromptTokenizer>>,
 }
 
 impl Default for HostSettings {
@@ -87,6 +91,8 @@ impl Default for HostSettings {
             provisional_deadline: crate::lease::DEFAULT_PROVISIONAL_DEADLINE,
             prefix: crate::prefix::PrefixIndexConfig::default(),
             affinity_gap: crate::routing::DEFAULT_AFFINITY_GAP,
+            #[cfg(feature = "tokenizer")]
+            tokenizer: None,
         }
     }
 }

@@ -790,6 +790,28 @@ async fn cancel_route(
     Ok(Json(json!({ "request_id": request_id, "released": released })).into_response())
 }
 
+/// Prompt text becomes token ids, with the host's tokenizer, on a blocking thread (a long
+/// prompt takes milliseconds); without a tokenizer the request is left as it is, and refused
+/// by its validation.
+#[cfg(feature = "tokenizer")]
+async fn tokenize(state: &ApiState, mut request: RouteRequest) -> Result<RouteRequest, ApiError> {
+    let Some(tokenizer) = state.host.settings().tokenizer.clone() else {
+        return Ok(request);
+    };
+    if request.token_ids.is_some() || request.block_hashes.is_some() {
+        return Ok(request);
+    }
+    let Some(text) = request.prompt.take() else {
+        return Ok(request);
+    };
+    let ids = tokio::task::spawn_blocking(move || tokenizer.token_ids(&text))
+        .await
+        .map_err(|err| ApiError(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()))?
+        .map_err(|err| ApiError(StatusCode::BAD_REQUEST, err.to_string()))?;
+    request.token_ids = Some(ids);
+    Ok(request)
+}
+
 async fn route(
     State(state): State<ApiState>,
     NameInPath(name): NameInPath,
@@ -803,6 +825,14 @@ async fn route(
         .map_err(unread_body)
         .and_then(|body| serde_json::from_slice(&body).map_err(bad_body));
     let request: RouteRequest = match parsed {
+        Ok(request) => request,
+        Err(err) => {
+            scheduler.count_invalid_request().await;
+            return Err(err);
+        }
+    };
+    #[cfg(feature = "tokenizer")]
+    let request = match tokenize(&state, request).await {
         Ok(request) => request,
         Err(err) => {
             scheduler.count_invalid_request().await;
