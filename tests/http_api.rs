@@ -1089,7 +1089,7 @@ async fn route_with_prompt_text_through_the_tokenizer() {
     assert_eq!(on_chosen["overlap_blocks"], 2, "{second}");
     // Text with ids, or a prompt_tokens that is not the text's length: refused.
     for bad in [
-        format!(r#"{{"request_id": "x", "prompt": "hello", "token_ids": [0]}}"#),
+        r#"{"request_id": "x", "prompt": "hello", "token_ids": [0]}"#.to_string(),
         format!(r#"{{"request_id": "x", "prompt": "{text}", "prompt_tokens": 5}}"#),
     ] {
         service
