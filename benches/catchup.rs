@@ -164,7 +164,9 @@ async fn run_one(conn: &NatsConnection, multiple: u64, live: u64, history: u64) 
     .expect("stream");
     let workers: Vec<u64> = (0..64).collect();
     let live_events = (0..live).map(|n| {
-        LeaseEvent::from(Admitted { block_hashes: Vec::new(), block_capacity: None,
+        LeaseEvent::from(Admitted {
+            block_hashes: Vec::new(),
+            block_capacity: None,
             request_id: uuid_like(1_000 + multiple, n),
             worker_id: n % 64,
             dp_rank: 0,

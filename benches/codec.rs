@@ -25,7 +25,9 @@ fn samples() -> Vec<(&'static str, Envelope)> {
         event(
             "admitted",
             1,
-            Admitted { block_hashes: Vec::new(), block_capacity: None,
+            Admitted {
+                block_hashes: Vec::new(),
+                block_capacity: None,
                 request_id: rid.clone(),
                 worker_id: 17,
                 dp_rank: 3,

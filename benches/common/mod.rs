@@ -253,7 +253,9 @@ impl LifecycleGen {
             let spread = self.shape.max_progress - self.shape.min_progress + 1;
             let progress_left = self.shape.min_progress + self.rng.below(spread);
             let completes = self.rng.below(100) >= self.shape.never_completed_pct;
-            let event = Admitted { block_hashes: Vec::new(), block_capacity: None,
+            let event = Admitted {
+                block_hashes: Vec::new(),
+                block_capacity: None,
                 request_id: id.clone(),
                 worker_id: worker,
                 dp_rank: 0,

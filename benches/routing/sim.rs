@@ -154,7 +154,9 @@ impl Feed {
         let id = request_id(index);
         match self {
             Self::Bus(publishers) => {
-                let _ = publishers[w].publish(Admitted { block_hashes: Vec::new(), block_capacity: None,
+                let _ = publishers[w].publish(Admitted {
+                    block_hashes: Vec::new(),
+                    block_capacity: None,
                     request_id: id,
                     worker_id: worker(w).worker_id.0,
                     dp_rank: 0,
