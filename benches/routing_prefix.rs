@@ -486,7 +486,7 @@ fn report(rows: &BTreeMap<Key, Row>, loads: &[f64], plot_path: &std::path::Path)
         std::fs::create_dir_all(dir).expect("creates the plot's directory");
     }
     let title = format!("{WORKERS} workers with prefix caches: p99 TTFT against load");
-    match plot::p99_ttft(plot_path, &title, &lines) {
+    match plot::p99_ttft_log(plot_path, &title, &lines) {
         Ok(()) => println!("routing_prefix_plot={}", plot_path.display()),
         Err(e) => println!("routing_prefix_plot_error={e}"),
     }
