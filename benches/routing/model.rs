@@ -2,8 +2,14 @@
 //! worker, stepped like a continuous-batching server with chunked prefill. Pure and
 //! deterministic: the same seed gives the same requests, the same decisions give the same
 //! times. The parameters and their sources are in the bench's module docs.
+//!
+//! A worker may keep a prefix cache ([`Worker::with_prefix_cache`], used by the
+//! `routing_prefix` bench): its requests then carry their [`Blocks`], and what a request
+//! finds cached depends on where earlier requests went. Without one (the `routing` bench) a
+//! request's `cached` tokens are taken as cached on every worker, as before.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use crate::common::Rng;
 
@@ -79,17 +85,17 @@ impl Request {
     }
 }
 
-fn uniform(rng: &mut Rng) -> f64 {
+pub fn uniform(rng: &mut Rng) -> f64 {
     (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
 }
 
-fn normal(rng: &mut Rng) -> f64 {
+pub fn normal(rng: &mut Rng) -> f64 {
     // Box-Muller; 1 - u keeps the logarithm finite.
     let (u, v) = (1.0 - uniform(rng), uniform(rng));
     (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
 }
 
-fn lognormal(rng: &mut Rng, median: f64, sigma: f64, max: u32) -> u32 {
+pub fn lognormal(rng: &mut Rng, median: f64, sigma: f64, max: u32) -> u32 {
     ((median * (sigma * normal(rng)).exp()).round() as u32).clamp(1, max)
 }
 
@@ -154,7 +160,85 @@ pub enum Happened {
     Completed(usize),
 }
 
-#[derive(Clone, Copy, Debug)]
+/// A request's prompt and output as blocks, for a worker with a prefix cache: prefixes of
+/// the block hashes of the token stream they belong to (a conversation's, which each turn
+/// extends), so that one stream serves every turn.
+#[allow(dead_code)]
+#[derive(Clone, Debug)]
+pub struct Blocks {
+    /// The chained block hashes of the whole stream.
+    pub stream: Arc<[u64]>,
+    /// Full blocks of the prompt.
+    pub prompt: usize,
+    /// Full blocks of the prompt and the output together.
+    pub sequence: usize,
+}
+
+#[allow(dead_code)]
+impl Blocks {
+    /// The prompt's block hashes.
+    pub fn prompt_hashes(&self) -> &[u64] {
+        &self.stream[..self.prompt]
+    }
+}
+
+/// An engine's prefix cache: blocks by chained hash, least recently used evicted first, at
+/// most `capacity` blocks. A block is used when a request holding it joins the batch and
+/// again when that request completes (its blocks go back to the free pool then, as vLLM's
+/// do); a prompt's first block is used last, so a prompt's tail goes before its head.
+#[allow(dead_code)]
+#[derive(Debug)]
+pub struct PrefixCache {
+    capacity: usize,
+    tick: u64,
+    last_use: HashMap<u64, u64>,
+    /// `(tick, hash)` in use order; entries whose tick is not the block's last use are stale.
+    order: VecDeque<(u64, u64)>,
+}
+
+#[allow(dead_code)]
+impl PrefixCache {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            tick: 0,
+            last_use: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    /// How many of `hashes`, from the first, the cache holds.
+    pub fn hit(&self, hashes: &[u64]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.last_use.contains_key(*h))
+            .count()
+    }
+
+    /// Uses `hashes` (a stream's, from its first block): each becomes the most recent, the
+    /// first last; then evicts down to the capacity.
+    pub fn touch(&mut self, hashes: &[u64]) {
+        for &h in hashes.iter().rev() {
+            self.tick += 1;
+            self.last_use.insert(h, self.tick);
+            self.order.push_back((self.tick, h));
+        }
+        while self.last_use.len() > self.capacity {
+            let Some((tick, h)) = self.order.pop_front() else {
+                break;
+            };
+            if self.last_use.get(&h) == Some(&tick) {
+                self.last_use.remove(&h);
+            }
+        }
+        if self.order.len() > 4 * self.capacity.max(1024) {
+            let last_use = &self.last_use;
+            self.order.retain(|(tick, h)| last_use.get(h) == Some(tick));
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
 struct Running {
     index: usize,
     prompt: u32,
@@ -165,13 +249,15 @@ struct Running {
     chunk: u32,
     /// Decodes one token this step.
     decoding: bool,
+    /// Its blocks, with a prefix cache.
+    blocks: Option<Blocks>,
 }
 
 /// One worker's engine: a FIFO queue, a running batch, and the step in progress.
 #[derive(Debug)]
 pub struct Worker {
     engine: Engine,
-    queue: VecDeque<(usize, Request)>,
+    queue: VecDeque<(usize, Request, Option<Blocks>)>,
     running: Vec<Running>,
     /// Prompt plus output so far of every running sequence.
     kv_held: u64,
@@ -181,6 +267,11 @@ pub struct Worker {
     step_prefill: f64,
     /// Prefill (compute) seconds of the steps that ended inside the measured window.
     pub prefill_busy: f64,
+    /// The prefix cache, if the worker keeps one, and its block size in tokens.
+    cache: Option<(PrefixCache, u32)>,
+    /// With a prefix cache: `(index, cached tokens)` of each request as it joined the batch
+    /// (for the driver to take).
+    pub joined: Vec<(usize, u32)>,
 }
 
 impl Worker {
@@ -193,12 +284,14 @@ impl Worker {
             step_end: None,
             step_prefill: 0.0,
             prefill_busy: 0.0,
+            cache: None,
+            joined: Vec::new(),
         }
     }
 
     /// Request `index` reaches this worker at `now`: it queues, and an idle engine starts.
     pub fn arrive(&mut self, now: f64, index: usize, request: Request) {
-        self.queue.push_back((index, request));
+        self.queue.push_back((index, request, None));
         if self.step_end.is_none() {
             self.start_step(now);
         }
@@ -209,22 +302,32 @@ impl Worker {
     /// rest of the step's budget to prefill chunks in arrival order.
     fn start_step(&mut self, now: f64) {
         let e = self.engine;
-        while let Some(&(index, r)) = self.queue.front() {
+        while let Some((_, r, _)) = self.queue.front() {
             if self.running.len() >= e.max_running
                 || self.kv_held + u64::from(r.prompt) > e.kv_capacity
             {
                 break;
             }
-            self.queue.pop_front();
+            let (index, r, blocks) = self.queue.pop_front().expect("a queued request");
             self.kv_held += u64::from(r.prompt);
+            let mut prefill_left = r.uncached();
+            if let (Some((cache, block_size)), Some(b)) = (&mut self.cache, &blocks) {
+                // The engine looks its cache up as the request joins the batch, and the
+                // prompt's blocks are in use (most recent) from then on.
+                let cached = cached_tokens(cache, *block_size, &r, b);
+                cache.touch(b.prompt_hashes());
+                prefill_left = r.prompt - cached;
+                self.joined.push((index, cached));
+            }
             self.running.push(Running {
                 index,
                 prompt: r.prompt,
                 output: r.output,
-                prefill_left: r.uncached(),
+                prefill_left,
                 produced: 0,
                 chunk: 0,
                 decoding: false,
+                blocks,
             });
         }
         let mut decoders = 0u32;
@@ -279,6 +382,10 @@ impl Worker {
             }
             if s.produced >= s.output {
                 out.push(Happened::Completed(s.index));
+                if let (Some((cache, _)), Some(b)) = (&mut self.cache, &s.blocks) {
+                    // Prompt and output blocks go back to the free pool, cached.
+                    cache.touch(&b.stream[..b.sequence]);
+                }
                 kv -= u64::from(s.prompt + s.produced);
                 return false;
             }
@@ -287,6 +394,45 @@ impl Worker {
         self.kv_held = kv;
         self.start_step(now);
     }
+}
+
+/// With a prefix cache (the `routing_prefix` bench; unused by the `routing` bench).
+#[allow(dead_code)]
+impl Worker {
+    /// A worker whose engine keeps a prefix cache of `blocks` blocks of `block_size` tokens:
+    /// a request arriving with [`arrive_with_blocks`](Self::arrive_with_blocks) prefills
+    /// only what the cache lacks when it joins the batch (at most `prompt - 1` tokens
+    /// cached, as vLLM recomputes the last prompt token for its logits).
+    pub fn with_prefix_cache(engine: Engine, blocks: usize, block_size: u32) -> Self {
+        Self {
+            cache: Some((PrefixCache::new(blocks), block_size)),
+            ..Self::new(engine)
+        }
+    }
+
+    /// The prompt tokens of `request` the cache holds now (0 without a cache).
+    pub fn cached_now(&self, request: &Request, blocks: &Blocks) -> u32 {
+        match &self.cache {
+            Some((cache, block_size)) => cached_tokens(cache, *block_size, request, blocks),
+            None => request.cached,
+        }
+    }
+
+    /// Request `index` with its blocks reaches this worker at `now` (see
+    /// [`arrive`](Self::arrive)).
+    pub fn arrive_with_blocks(&mut self, now: f64, index: usize, request: Request, blocks: Blocks) {
+        self.queue.push_back((index, request, Some(blocks)));
+        if self.step_end.is_none() {
+            self.start_step(now);
+        }
+    }
+}
+
+/// The prompt tokens of `request` that `cache` holds: its longest cached prefix of blocks,
+/// at most `prompt - 1` (and at least what the request says every worker holds).
+fn cached_tokens(cache: &PrefixCache, block_size: u32, request: &Request, blocks: &Blocks) -> u32 {
+    let hit = cache.hit(blocks.prompt_hashes()) as u64 * u64::from(block_size);
+    (hit.min(u64::from(request.prompt.saturating_sub(1))) as u32).max(request.cached)
 }
 
 /// Completed requests per second of one worker kept saturated (an endless queue of the

@@ -11,6 +11,7 @@ pub struct Line {
 }
 
 /// Writes an SVG of `lines` to `path`.
+#[allow(dead_code)]
 pub fn p99_ttft(
     path: &Path,
     title: &str,
@@ -30,6 +31,57 @@ pub fn p99_ttft(
         .configure_mesh()
         .x_desc("offered load, % of the deployment's capacity")
         .y_desc("p99 time to first token, ms")
+        .x_labels(12)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .light_line_style(WHITE)
+        .draw()?;
+    let colours = [RED, BLUE, BLACK, GREEN, MAGENTA, CYAN];
+    for (line, colour) in lines.iter().zip(colours) {
+        let style = ShapeStyle::from(&colour).stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(line.points.iter().copied(), style))?
+            .label(line.label.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], style));
+        chart.draw_series(
+            line.points
+                .iter()
+                .map(|&p| Circle::new(p, 4, ShapeStyle::from(&colour).filled())),
+        )?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// [`p99_ttft`] on a logarithmic time axis, for lines that span orders of magnitude (an
+/// overloaded setting next to one that keeps up).
+#[allow(dead_code)]
+pub fn p99_ttft_log(
+    path: &Path,
+    title: &str,
+    lines: &[Line],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let ys = lines.iter().flat_map(|l| l.points.iter().map(|p| p.1));
+    let (lo, hi) = ys.fold((f64::MAX, 0f64), |(lo, hi), y| (lo.min(y), hi.max(y)));
+    let (lo, hi) = ((lo * 0.7).max(1.0), (hi * 1.5).max(10.0));
+    let root = SVGBackend::new(path, (820, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(70)
+        .build_cartesian_2d(45f64..100f64, (lo..hi).log_scale())?;
+    chart
+        .configure_mesh()
+        .x_desc("offered load, % of the deployment's capacity")
+        .y_desc("p99 time to first token, ms (log scale)")
         .x_labels(12)
         .x_label_formatter(&|x| format!("{x:.0}"))
         .y_label_formatter(&|y| format!("{y:.0}"))
