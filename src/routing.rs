@@ -312,13 +312,14 @@ impl RouteRequest {
 
     /// The request's block hashes at `block_size` tokens a block: given, made from its
     /// token ids, or none.
-    pub(crate) fn blocks(&self, block_size: u32) -> Result<Vec<u64>, RouteRequestError> {
-        let hashes = match (&self.block_hashes, &self.token_ids) {
-            (Some(hashes), _) => hashes.clone(),
+    /// Moves the hashes out of the request (the decision needs them, the request no longer).
+    pub(crate) fn blocks(&mut self, block_size: u32) -> Result<Vec<u64>, RouteRequestError> {
+        let full_blocks = self.prompt_len() / block_size.max(1);
+        let hashes = match (self.block_hashes.take(), &self.token_ids) {
+            (Some(hashes), _) => hashes,
             (None, Some(ids)) => crate::prefix::block_hashes(ids, block_size as usize),
             (None, None) => return Ok(Vec::new()),
         };
-        let full_blocks = self.prompt_len() / block_size.max(1);
         if hashes.len() as u64 > u64::from(full_blocks) {
             return Err(RouteRequestError::InvalidRequest(format!(
                 "block_hashes holds {} blocks, but a prompt of {} tokens has {full_blocks} \

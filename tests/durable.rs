@@ -1338,15 +1338,6 @@ async fn a_late_replica_starts_with_the_writers_prefix_index() {
         let request = |id: &str| RouteRequest::new(id, 800).with_block_hashes(hashes.clone());
         let on_writer = writer.router.scheduler().route(request("w")).await.unwrap();
         let on_late = late.router.scheduler().route(request("l")).await.unwrap();
-        let overlaps = |d: &lease_router::RouteDecision| {
-            let mut v: Vec<_> = d
-                .candidates
-                .iter()
-                .map(|c| (c.worker, c.overlap_blocks))
-                .collect();
-            v.sort();
-            v
-        };
         assert_eq!(
             overlaps(&on_late),
             overlaps(&on_writer),

@@ -92,6 +92,17 @@ where
     }
 }
 
+/// The candidate of a route answer on worker `worker_id`.
+fn candidate_on(decision: &serde_json::Value, worker_id: &serde_json::Value) -> serde_json::Value {
+    decision["candidates"]
+        .as_array()
+        .expect("candidates")
+        .iter()
+        .find(|c| &c["worker_id"] == worker_id)
+        .unwrap_or_else(|| panic!("no candidate on worker {worker_id}: {decision}"))
+        .clone()
+}
+
 /// The value of the metrics line that starts with `series ` (name and labels), if any.
 fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines()
@@ -1000,13 +1011,7 @@ async fn route_over_http() {
         .post_json("/v1/deployments/r/route", "POST", &with_tokens("p2"))
         .await
         .json();
-    let on_chosen = again["candidates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["worker_id"] == chosen)
-        .unwrap()
-        .clone();
+    let on_chosen = candidate_on(&again, &chosen);
     assert_eq!(
         (
             on_chosen["overlap_blocks"].clone(),
@@ -1079,13 +1084,7 @@ async fn route_with_prompt_text_through_the_tokenizer() {
         .post_json("/v1/deployments/t/route", "POST", &body)
         .await
         .json();
-    let on_chosen = second["candidates"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["worker_id"] == chosen)
-        .unwrap()
-        .clone();
+    let on_chosen = candidate_on(&second, &chosen);
     assert_eq!(on_chosen["overlap_blocks"], 2, "{second}");
     // Text with ids, or a prompt_tokens that is not the text's length: refused.
     for bad in [

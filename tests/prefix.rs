@@ -297,15 +297,6 @@ async fn two_replicas_fed_the_same_events_give_the_same_overlaps() {
         let request = |id: &str| RouteRequest::new(id, 0).with_token_ids(tokens.clone());
         let da = a.scheduler().route(request("probe-a")).await.unwrap();
         let db = b.scheduler().route(request("probe-b")).await.unwrap();
-        let overlaps = |d: &RouteDecision| {
-            let mut v: Vec<_> = d
-                .candidates
-                .iter()
-                .map(|c| (c.worker, c.overlap_blocks))
-                .collect();
-            v.sort();
-            v
-        };
         assert_eq!(overlaps(&da), overlaps(&db), "conversation {conversation}");
         assert!(da.candidates.iter().any(|c| c.overlap_blocks > 0));
         assert_eq!(da.worker(), db.worker());

@@ -418,7 +418,6 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
             }
             Command::Route(request, reply) => {
                 let _ = reply.send(state.route(request));
-                state.learn_decided();
             }
             Command::SetRouting(routing, reply) => {
                 let worker_idle = state.routing().worker_idle;

@@ -42,8 +42,6 @@ pub(super) struct SchedulerState {
     observer: Option<Arc<dyn ReplicaRequestLeaseObserver>>,
     stats: Arc<SchedulerStats>,
     prefix: Arc<PrefixState>,
-    /// The blocks of the last decision's booking, learned once its answer is sent.
-    unlearned: Option<(WorkerWithDpRank, Vec<u64>)>,
 }
 
 impl SchedulerState {
@@ -64,7 +62,6 @@ impl SchedulerState {
             observer: None,
             stats,
             prefix,
-            unlearned: None,
         }
     }
 
@@ -250,7 +247,10 @@ impl SchedulerState {
         decided
     }
 
-    fn route_inner(&mut self, request: RouteRequest) -> Result<RouteDecision, RouteRequestError> {
+    fn route_inner(
+        &mut self,
+        mut request: RouteRequest,
+    ) -> Result<RouteDecision, RouteRequestError> {
         let block_size = self.prefix.config().block_size();
         let blocks = request.blocks(block_size)?;
         let overlaps: HashMap<WorkerWithDpRank, u32> = if blocks.is_empty() {
@@ -280,27 +280,17 @@ impl SchedulerState {
                 self.drain();
             }
         }
-        // The worker will hold the prompt's blocks: learned right after the answer is sent
-        // (see [`Self::learn_decided`]), before the next decision.
-        // As much as a worker's `admitted` can tell: its first MAX_BLOCK_HASHES blocks.
-        if !blocks.is_empty() {
-            let mut blocks = blocks;
-            blocks.truncate(crate::wire::MAX_BLOCK_HASHES);
-            self.unlearned = Some((worker, blocks));
-        }
+        // The worker will hold the prompt's blocks: learned before the answer, so that no
+        // event applied after it (a reset of that worker) is overtaken. As much as a worker's
+        // `admitted` can tell: its first MAX_BLOCK_HASHES blocks.
+        let mut blocks = blocks;
+        blocks.truncate(crate::wire::MAX_BLOCK_HASHES);
+        self.prefix.learn(worker, &blocks, None);
         Ok(RouteDecision {
             booking,
             policy: self.chooser.config().policy,
             candidates,
         })
-    }
-
-    /// Learns the blocks of the last decision's booking: after its answer, so the caller
-    /// does not wait for it, and before any other command, so the next decision sees them.
-    pub(super) fn learn_decided(&mut self) {
-        if let Some((worker, blocks)) = self.unlearned.take() {
-            self.prefix.learn(worker, &blocks, None);
-        }
     }
 
     /// Applies everything queued so far.

@@ -263,3 +263,16 @@ pub fn live_ids(router: &Router) -> HashSet<String> {
         .map(|l| l.booking.request_id.as_str().to_string())
         .collect()
 }
+
+/// Each candidate of `decision` with its overlap, ordered by worker.
+pub fn overlaps(
+    decision: &lease_router::RouteDecision,
+) -> Vec<(lease_router::WorkerWithDpRank, u32)> {
+    let mut v: Vec<_> = decision
+        .candidates
+        .iter()
+        .map(|c| (c.worker, c.overlap_blocks))
+        .collect();
+    v.sort();
+    v
+}
