@@ -584,11 +584,21 @@ impl<'a> PrefixCredit<'a> {
             // count, so the request goes where the load says.
             return (overlap, request.cached_tokens);
         }
-        let cached = overlap
+        (overlap, self.cached_on(overlap, request))
+    }
+
+    /// The prompt tokens `worker` has cached, guard or not: what a booking there weighs
+    /// (a worker the guard held back may still be chosen, and its cache still serves).
+    pub(crate) fn held_tokens(&self, worker: &WorkerWithDpRank, request: &RequestLoad) -> u32 {
+        let overlap = self.overlaps.get(worker).copied().unwrap_or(0);
+        self.cached_on(overlap, request)
+    }
+
+    fn cached_on(&self, overlap: u32, request: &RequestLoad) -> u32 {
+        overlap
             .saturating_mul(self.block_size)
             .min(request.prompt_tokens)
-            .max(request.cached_tokens);
-        (overlap, cached)
+            .max(request.cached_tokens)
     }
 
     fn candidate(
@@ -926,6 +936,68 @@ mod tests {
             seen.extend(candidates.iter().map(|c| c.worker));
         }
         assert_eq!(seen.len(), 3, "every member drawn: {seen:?}");
+    }
+
+    /// A worker's overlap counts (in tokens, at most the prompt, at least the request's own
+    /// `cached_tokens`) while its prefill waiting is within the gap of the least busy
+    /// member's; past it the guard withholds it from the cost, but not from the booking.
+    #[test]
+    fn the_guard_withholds_the_cache_of_a_worker_far_busier_than_the_least_busy() {
+        let held = WorkerWithDpRank::new(1, 0);
+        let other = WorkerWithDpRank::new(2, 0);
+        let overlaps = HashMap::from([(held, 3)]);
+        let mut credit = PrefixCredit::new(&overlaps, 16);
+        credit.floor = 100;
+        credit.gap = 1000;
+        let short = RequestLoad::new(40, None).with_cached_tokens(5);
+        assert_eq!(credit.credit(&held, 1100, &short), (3, 40), "at the gap");
+        assert_eq!(credit.credit(&held, 1101, &short), (3, 5), "past the gap");
+        assert_eq!(credit.held_tokens(&held, &short), 40);
+        assert_eq!(credit.credit(&other, 0, &short), (0, 5));
+        assert_eq!(credit.held_tokens(&other, &short), 5);
+        let long = RequestLoad::new(100, None).with_cached_tokens(10);
+        assert_eq!(credit.credit(&held, -50, &long), (3, 48));
+        let told = RequestLoad::new(100, None).with_cached_tokens(60);
+        assert_eq!(
+            credit.credit(&held, 0, &told),
+            (3, 60),
+            "the request knew more"
+        );
+        assert_eq!(credit.held_tokens(&held, &told), 60);
+    }
+
+    /// The guard's floor is the least prefill waiting among the members, and the gap the
+    /// configured one.
+    #[test]
+    fn the_guard_measures_from_the_least_busy_member() {
+        let held = WorkerWithDpRank::new(1, 0);
+        let members = [
+            (held, sums(12_000)),
+            (WorkerWithDpRank::new(2, 0), sums(5_000)),
+        ];
+        let overlaps = HashMap::from([(held, 100)]);
+        let request = RequestLoad::new(1_600, None);
+        let cached_on_held = |gap: u32| {
+            let mut c = chooser(RoutePolicy::WeightedCost);
+            c.set_config(c.config().with_affinity_gap(gap));
+            let (_, candidates) = c
+                .choose(
+                    members.iter().map(|(w, s)| (w, s)),
+                    |_| unreachable!(),
+                    &request,
+                    PrefixCredit::new(&overlaps, 16),
+                )
+                .unwrap();
+            candidates
+                .iter()
+                .find(|c| c.worker == held)
+                .unwrap()
+                .cached_tokens
+        };
+        // 12,000 waiting is within 8,192 of 5,000, not within 6,000 of it.
+        assert_eq!(cached_on_held(8_192), 1_600);
+        assert_eq!(cached_on_held(7_000), 1_600);
+        assert_eq!(cached_on_held(6_999), 0);
     }
 
     /// Weighted cost keeps the cheapest few in order; on a tie the lower worker wins.

@@ -262,9 +262,10 @@ impl SchedulerState {
         let (worker, candidates) = self
             .choose(&load, PrefixCredit::new(&overlaps, block_size))
             .ok_or(RouteRequestError::NoWorkers)?;
-        // The booking weighs what the decision counted on: the chosen worker's cached prefix
-        // needs no prefill (and is the prediction its `admitted` is compared with).
-        load.cached_tokens = candidates[0].cached_tokens;
+        // The booking weighs what the chosen worker has cached, even where the hot-worker
+        // guard did not count it: that prefix needs no prefill there (and is the prediction
+        // its `admitted` is compared with).
+        load.cached_tokens = PrefixCredit::new(&overlaps, block_size).held_tokens(&worker, &load);
         let booking = SchedulerBookingDescriptor::new(request.request_id, worker);
         match &self.observer {
             None => self.apply(Op::Book(worker, load.into())),

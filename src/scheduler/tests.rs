@@ -736,3 +736,43 @@ async fn equal_bookings_are_ranked_by_their_tokens() {
     };
     assert_eq!(load.rank(), (2, 7));
 }
+
+/// A worker the hot-worker guard held back may still be chosen (here by least bookings);
+/// its booking then weighs what it has cached, not the whole prompt.
+#[tokio::test]
+async fn a_booking_on_a_guarded_worker_weighs_its_cache() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) = Scheduler::new("t");
+    actor
+        .with_routing(RoutingConfig {
+            policy: RoutePolicy::LeastBookings,
+            ..RoutingConfig::default()
+        })
+        .spawn(None, &tracker);
+    submit(
+        &handle.cleanup(),
+        &[
+            Op::Admitted(worker(1), weight(20_000, None)),
+            Op::Admitted(worker(2), weight(1, None)),
+            Op::Admitted(worker(2), weight(1, None)),
+        ],
+    );
+    let ids: Vec<u32> = (0..72).collect();
+    handle
+        .cleanup()
+        .prefix()
+        .learn(worker(1), &crate::prefix::block_hashes(&ids, 16), None);
+    let before = handle.load(worker(1)).await.unwrap().prefill_tokens;
+    let decision = handle
+        .route(RouteRequest::new("x", 72).with_token_ids(ids))
+        .await
+        .unwrap();
+    assert_eq!(decision.worker(), worker(1));
+    assert_eq!(decision.candidates[0].overlap_blocks, 4);
+    assert_eq!(
+        decision.candidates[0].cached_tokens, 0,
+        "the guard withheld it"
+    );
+    let after = handle.load(worker(1)).await.unwrap().prefill_tokens;
+    assert_eq!(after - before, 72 - 64, "its 4 blocks need no prefill");
+}
