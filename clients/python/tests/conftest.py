@@ -87,9 +87,10 @@ class NatsServer:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     break
-                with contextlib.suppress(OSError), socket.create_connection(
-                    ("127.0.0.1", self.port), timeout=0.2
-                ) as conn:
+                with (
+                    contextlib.suppress(OSError),
+                    socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn,
+                ):
                     if conn.recv(4).startswith(b"INFO"):
                         return
                 time.sleep(0.02)
@@ -131,7 +132,7 @@ class Router:
 
     def __init__(self, nats_url: str, deployments: list[str], *extra: str) -> None:
         self.deployments = deployments
-        self.stderr = tempfile.TemporaryFile()
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
         args = [
             router_bin(),
             "serve",

@@ -70,8 +70,7 @@ async def stream_messages(nc: NatsClient, deployment: str) -> list[Any]:
     name = stream_name(deployment)
     info = await js.stream_info(name)
     return [
-        await js.get_msg(name, seq)
-        for seq in range(info.state.first_seq, info.state.last_seq + 1)
+        await js.get_msg(name, seq) for seq in range(info.state.first_seq, info.state.last_seq + 1)
     ]
 
 

@@ -58,9 +58,7 @@ def worker(router: Router, deployment: str, worker_id: int, dp: int = 0) -> dict
     return None
 
 
-async def test_every_event_kind_is_applied_by_the_router(
-    make_router: Any, nc: NatsClient
-) -> None:
+async def test_every_event_kind_is_applied_by_the_router(make_router: Any, nc: NatsClient) -> None:
     d = "kinds"
     router: Router = make_router([d])
     tap = await Tap.on(nc, d)
@@ -314,9 +312,7 @@ async def test_publish_from_another_thread(make_router: Any, nc: NatsClient) -> 
     await asyncio.gather(*(asyncio.to_thread(engine_thread, w) for w in (1, 2, 3)))
     stats = await publisher.close()
     assert stats.published == 1500
-    await wait_until(
-        "1500 admitted", lambda: router.metric("active_leases", deployment=d) == 1500
-    )
+    await wait_until("1500 admitted", lambda: router.metric("active_leases", deployment=d) == 1500)
     assert router.metric("events_dropped_total", deployment=d) == 0
 
 

@@ -1,4 +1,4 @@
-"""The encoder against the golden fixtures (byte for byte) and the block hashes against the vectors."""
+"""The encoder against the golden fixtures, byte for byte; the block hashes against the vectors."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Final
+from typing import Any, Final
 
 import msgpack
 
@@ -336,7 +336,7 @@ def encode_batch(encoded_events: Sequence[bytes]) -> bytes:
     return b"".join((BATCH_PREFIX, array_header(len(encoded_events)), *encoded_events))
 
 
-def decode_message(data: bytes) -> list[dict[str, object]]:
+def decode_message(data: bytes) -> list[dict[str, Any]]:
     """The events of one message as maps (a batch gives each of its events), for tests and tools.
 
     Nothing is validated beyond MessagePack itself: this is not the router's decoder.
