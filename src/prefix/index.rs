@@ -127,6 +127,11 @@ pub struct PrefixIndex {
     free_slots: Vec<u32>,
     len: u32,
     evicted: u64,
+    /// Slots that [`learn_deferred`](Self::learn_deferred) may have taken past a bound,
+    /// for the next [`trim`](Self::trim), each with the blocks it left to refresh there
+    /// (a range of `refresh`).
+    untrimmed: Vec<(u32, std::ops::Range<usize>)>,
+    refresh: Vec<u64>,
 }
 
 /// `(worker slot, entry)`.
@@ -166,6 +171,8 @@ impl PrefixIndex {
             free_slots: Vec::new(),
             len: 0,
             evicted: 0,
+            untrimmed: Vec::new(),
+            refresh: Vec::new(),
         }
     }
 
@@ -211,9 +218,7 @@ impl PrefixIndex {
     pub fn set_worker_capacity(&mut self, worker: WorkerWithDpRank, blocks: u32) {
         let slot = self.slot(worker);
         self.workers[slot as usize].capacity = blocks.max(1);
-        while self.workers[slot as usize].len > self.workers[slot as usize].capacity {
-            self.evict_oldest(slot);
-        }
+        self.keep_capacity(slot);
     }
 
     /// `worker` holds the blocks `hashes`: a prompt's, in prompt order from its first block
@@ -221,12 +226,70 @@ impl PrefixIndex {
     /// deepest the least, so a worker past its capacity gives up a prompt's tail before its
     /// head, as an engine's cache does (a block is only of use with the blocks before it).
     pub fn learn(&mut self, worker: WorkerWithDpRank, hashes: &[u64]) {
-        if hashes.is_empty() {
-            return;
+        if let Some(slot) = self.learn_slot(worker, hashes) {
+            for &hash in hashes.iter().rev() {
+                self.learn_one(slot, hash, true);
+            }
         }
-        let slot = self.slot(worker);
-        for &hash in hashes.iter().rev() {
-            self.learn_one(slot, hash);
+    }
+
+    /// As [`learn`](Self::learn), with the work that no overlap depends on left to the next
+    /// [`trim`](Self::trim): a decision learns its booking before its answer, and after it
+    /// refreshes the first `held` blocks (those the worker was found to hold already: only
+    /// their recency changes) and evicts past the bounds (a chase through the worker's
+    /// recency list, cache miss after miss).
+    pub(crate) fn learn_deferred(&mut self, worker: WorkerWithDpRank, hashes: &[u64], held: usize) {
+        let held = held.min(hashes.len());
+        if let Some(slot) = self.learn_slot(worker, &hashes[held..]) {
+            for &hash in hashes[held..].iter().rev() {
+                self.learn_one(slot, hash, false);
+            }
+            let start = self.refresh.len();
+            self.refresh.extend_from_slice(&hashes[..held]);
+            self.untrimmed.push((slot, start..self.refresh.len()));
+        } else if held > 0 {
+            let slot = self.slot(worker);
+            let start = self.refresh.len();
+            self.refresh.extend_from_slice(&hashes[..held]);
+            self.untrimmed.push((slot, start..self.refresh.len()));
+        }
+    }
+
+    /// Does what [`learn_deferred`](Self::learn_deferred) left: refreshes, then evicts past
+    /// the bounds.
+    pub(crate) fn trim(&mut self) {
+        let mut refresh = std::mem::take(&mut self.refresh);
+        for (slot, range) in std::mem::take(&mut self.untrimmed) {
+            for &hash in refresh[range].iter().rev() {
+                self.learn_one(slot, hash, false);
+            }
+            self.keep_capacity(slot);
+        }
+        refresh.clear();
+        self.refresh = refresh;
+        if self.len > self.config.max_entries {
+            self.shrink();
+        }
+    }
+
+    /// The slot of `worker`, when there is something to learn; the map's buckets of
+    /// `hashes` are read first, all at once: independent lookups whose cache misses the
+    /// processor overlaps, where the learning's own lookups would wait on one another.
+    fn learn_slot(&mut self, worker: WorkerWithDpRank, hashes: &[u64]) -> Option<u32> {
+        if hashes.is_empty() {
+            return None;
+        }
+        let known = hashes
+            .iter()
+            .filter(|h| self.blocks.contains_key(*h))
+            .count();
+        std::hint::black_box(known);
+        Some(self.slot(worker))
+    }
+
+    fn keep_capacity(&mut self, slot: u32) {
+        while self.workers[slot as usize].len > self.workers[slot as usize].capacity {
+            self.evict_oldest(slot);
         }
     }
 
@@ -293,7 +356,9 @@ impl PrefixIndex {
         }
     }
 
-    fn learn_one(&mut self, slot: u32, hash: u64) {
+    /// `bounded`: the worker's capacity and the index's bound are kept at once (else by the
+    /// next [`trim`](Self::trim)).
+    fn learn_one(&mut self, slot: u32, hash: u64, bounded: bool) {
         if let Some(entry) = self.holds(&hash, slot) {
             self.unlink(slot, entry);
             self.link_newest(slot, entry);
@@ -304,12 +369,11 @@ impl PrefixIndex {
         self.link_newest(slot, entry);
         self.workers[slot as usize].len += 1;
         self.len += 1;
-        let w = &self.workers[slot as usize];
-        if w.len > w.capacity {
-            self.evict_oldest(slot);
-        }
-        if self.len > self.config.max_entries {
-            self.shrink();
+        if bounded {
+            self.keep_capacity(slot);
+            if self.len > self.config.max_entries {
+                self.shrink();
+            }
         }
     }
 
@@ -324,6 +388,8 @@ impl PrefixIndex {
         }
         // Counted as forgotten, not as evicted to stay within the bounds.
         self.evicted -= forgotten as u64;
+        // What a decision left to refresh there is not this slot's next worker's.
+        self.untrimmed.retain(|&(s, _)| s != slot);
         self.free_slots.push(slot);
         forgotten
     }
@@ -415,7 +481,7 @@ impl PrefixIndex {
             let slot = self.slot(w.worker);
             self.workers[slot as usize].capacity = w.capacity.max(1);
             for &hash in &w.blocks {
-                self.learn_one(slot, hash);
+                self.learn_one(slot, hash, true);
             }
         }
     }
@@ -592,6 +658,64 @@ mod tests {
         assert_eq!(ix.overlap(w(1), &[5]), 1, "the most recent stays");
         ix.learn(w(1), &[6, 7]);
         assert_eq!((ix.worker_blocks(w(1)), ix.overlap(w(1), &[6])), (1, 1));
+    }
+
+    /// A decision's learning holds past the bounds until the trim, which then leaves what
+    /// learning within the bounds would have left.
+    #[test]
+    fn deferred_learning_is_trimmed_to_what_bounded_learning_keeps() {
+        let (mut bounded, mut deferred) = (index(3, 5), index(3, 5));
+        for ix in [&mut bounded, &mut deferred] {
+            ix.learn(w(1), &[1, 2]);
+            ix.learn(w(2), &[7, 8]);
+        }
+        bounded.learn(w(1), &[1, 3, 4, 5]);
+        deferred.learn_deferred(w(1), &[1, 3, 4, 5], 0);
+        assert_eq!(deferred.worker_blocks(w(1)), 5, "past its capacity of 3");
+        assert_eq!(deferred.len(), 7, "past the bound of 5");
+        deferred.trim();
+        assert_eq!(deferred.image(), bounded.image());
+        // Bounded, the head (learned last) went and came back: one eviction more.
+        assert_eq!((deferred.len(), deferred.evicted()), (bounded.len(), 2));
+        assert_eq!(bounded.evicted(), 3);
+        assert!(deferred.len() <= 5 && deferred.worker_blocks(w(1)) <= 3);
+        deferred.trim();
+        assert_eq!(
+            deferred.image(),
+            bounded.image(),
+            "a second trim changes nothing"
+        );
+        // A worker forgotten before the trim: the blocks left to refresh in its freed slot
+        // are not its next worker's.
+        deferred.learn(w(3), &[20, 21]);
+        deferred.learn_deferred(w(3), &[20, 21, 22, 23], 2);
+        deferred.forget_worker(w(3));
+        deferred.learn(w(4), &[30]);
+        deferred.trim();
+        assert_eq!(deferred.worker_blocks(w(4)), 1);
+        assert!(deferred.len() <= 5);
+    }
+
+    /// The blocks a decision found held are refreshed by the trim, before it evicts: the
+    /// worker keeps the prompt, as learning it within the bounds would, not what it used
+    /// least recently before.
+    #[test]
+    fn the_trim_refreshes_the_blocks_found_held_before_it_evicts() {
+        let (mut bounded, mut deferred) = (index(4, 100), index(4, 100));
+        for ix in [&mut bounded, &mut deferred] {
+            ix.learn(w(1), &[1, 2, 3]);
+            ix.learn(w(1), &[9]);
+        }
+        bounded.learn(w(1), &[1, 2, 3, 4]);
+        deferred.learn_deferred(w(1), &[1, 2, 3, 4], 3);
+        deferred.trim();
+        assert_eq!(deferred.image(), bounded.image());
+        assert_eq!(deferred.overlap(w(1), &[1, 2, 3, 4]), 4);
+        assert_eq!(
+            deferred.overlap(w(1), &[9]),
+            0,
+            "the least recently used went"
+        );
     }
 
     #[test]

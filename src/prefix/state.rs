@@ -68,6 +68,22 @@ impl PrefixState {
         }
     }
 
+    /// This replica booked a request with `hashes` on `worker`: learned at once, within
+    /// the bounds by the next [`trim`](Self::trim).
+    /// `held`: how many of its first blocks the decision found `worker` to hold.
+    pub(crate) fn learn_booked(&self, worker: WorkerWithDpRank, hashes: &[u64], held: usize) {
+        if hashes.is_empty() {
+            return;
+        }
+        self.index.lock().learn_deferred(worker, hashes, held);
+        self.learned.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Evicts what the bookings learned past the bounds.
+    pub(crate) fn trim(&self) {
+        self.index.lock().trim();
+    }
+
     /// A worker (every rank `covers` names) restarted or left: its cache is empty.
     pub(crate) fn forget(&self, covers: impl Fn(WorkerWithDpRank) -> bool) {
         let forgotten = self.index.lock().forget_where(covers);

@@ -418,6 +418,8 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
             }
             Command::Route(request, reply) => {
                 let _ = reply.send(state.route(request));
+                // The decision's learning evicts after its answer.
+                state.trim_prefix();
             }
             Command::SetRouting(routing, reply) => {
                 let worker_idle = state.routing().worker_idle;

@@ -283,15 +283,22 @@ impl SchedulerState {
         }
         // The worker will hold the prompt's blocks: learned before the answer, so that no
         // event applied after it (a reset of that worker) is overtaken. As much as a worker's
-        // `admitted` can tell: its first MAX_BLOCK_HASHES blocks.
+        // `admitted` can tell: its first MAX_BLOCK_HASHES blocks. Those it was found to hold
+        // only change their recency, left with the evictions to after the answer.
         let mut blocks = blocks;
         blocks.truncate(crate::wire::MAX_BLOCK_HASHES);
-        self.prefix.learn(worker, &blocks, None);
+        let held = overlaps.get(&worker).map_or(0, |&n| n as usize);
+        self.prefix.learn_booked(worker, &blocks, held);
         Ok(RouteDecision {
             booking,
             policy: self.chooser.config().policy,
             candidates,
         })
+    }
+
+    /// Keeps the prefix index within its bounds after a decision learned its booking.
+    pub(super) fn trim_prefix(&self) {
+        self.prefix.trim();
     }
 
     /// Applies everything queued so far.

@@ -776,3 +776,31 @@ async fn a_booking_on_a_guarded_worker_weighs_its_cache() {
     let after = handle.load(worker(1)).await.unwrap().prefill_tokens;
     assert_eq!(after - before, 72 - 64, "its 4 blocks need no prefill");
 }
+
+/// A decision learns its booking's blocks (the next decision sees them) and the index is
+/// trimmed to the worker's capacity after the answer, the prompt's tail first.
+#[tokio::test]
+async fn a_decision_learns_its_booking_within_the_capacity() {
+    let tracker = TaskTracker::new();
+    let (handle, actor) =
+        Scheduler::with_prefix("t", crate::PrefixIndexConfig::new().with_worker_capacity(3));
+    actor.spawn(None, &tracker);
+    submit(&handle.cleanup(), &[Op::Seen(worker(1))]);
+    let ids: Vec<u32> = (0..80).collect();
+    let first = handle
+        .route(RouteRequest::new("a", 80).with_token_ids(ids.clone()))
+        .await
+        .unwrap();
+    assert_eq!(first.candidates[0].overlap_blocks, 0);
+    let second = handle
+        .route(RouteRequest::new("b", 80).with_token_ids(ids))
+        .await
+        .unwrap();
+    assert_eq!(
+        second.candidates[0].overlap_blocks, 3,
+        "the first 3 of 5 blocks"
+    );
+    assert_eq!(second.candidates[0].cached_tokens, 48);
+    handle.load(worker(1)).await.unwrap();
+    assert_eq!(handle.prefix_figures().entries, 3);
+}
