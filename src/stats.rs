@@ -90,20 +90,10 @@ impl DropReason {
     }
 }
 
-pub(crate) const EVENT_KINDS: [EventKind; 4] = [
-    EventKind::Admitted,
-    EventKind::Progressed,
-    EventKind::Completed,
-    EventKind::WorkerReset,
-];
+pub(crate) const EVENT_KINDS: [EventKind; EventKind::ALL.len()] = EventKind::ALL;
 
 fn kind_index(kind: EventKind) -> usize {
-    match kind {
-        EventKind::Admitted => 0,
-        EventKind::Progressed => 1,
-        EventKind::Completed => 2,
-        EventKind::WorkerReset => 3,
-    }
+    kind as usize
 }
 
 /// Upper bounds, in seconds, of the publish-to-apply lag histogram buckets.
@@ -268,7 +258,7 @@ pub struct IngressStats {
     received: AtomicU64,
     batches: AtomicU64,
     batched_events: AtomicU64,
-    applied: [AtomicU64; 4],
+    applied: [AtomicU64; EVENT_KINDS.len()],
     dropped: [AtomicU64; DropReason::ALL.len()],
     /// A gauge: events held now by the appliers writing these stats.
     held: AtomicU64,

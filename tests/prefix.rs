@@ -435,3 +435,120 @@ async fn bad_prefix_input_is_refused_or_dropped_and_counted() {
             .contains("at least 1")
     );
 }
+
+/// A worker whose engine's KV events are relayed (wire 1.3) is exact: its first KV event
+/// replaces what `admitted` taught, decisions no longer teach it, an eviction shortens its
+/// overlap from the evicted block on, and a clear empties it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_kv_events_are_the_truth_for_the_workers_that_send_them() {
+    use lease_router::wire::{KvCleared, KvRemoved, KvStored};
+    let server = server().await;
+    let conn = client(&server.url()).await;
+    let (router, stats) = prefix_router(&conn, "exact").await;
+    let scheduler = router.scheduler().clone();
+    let mut publisher = RawPublisher::new(conn.client().clone(), "exact", 1);
+
+    let learned_prompt = prompt(1, 512, 1, 512);
+    publisher.send(admitted_with("a", 1, &learned_prompt)).await;
+    publisher.flush().await;
+    learned(&router, 1).await;
+    assert_eq!(scheduler.prefix_figures().entries, 32);
+
+    // The engine stored another prompt's 8 blocks, in two chains (the second's parent the
+    // first's last block).
+    let engine_prompt = prompt(2, 128, 2, 128);
+    let hashes = block_hashes(&engine_prompt, 16);
+    publisher
+        .send(KvStored {
+            worker_id: 1,
+            dp_rank: 0,
+            parent_hash: None,
+            block_hashes: hashes[..5].to_vec(),
+        })
+        .await;
+    publisher
+        .send(KvStored {
+            worker_id: 1,
+            dp_rank: 0,
+            parent_hash: Some(hashes[4]),
+            block_hashes: hashes[5..].to_vec(),
+        })
+        .await;
+    publisher.flush().await;
+    assert!(
+        eventually(BOUND, || async {
+            scheduler.prefix_figures().kv_stored_blocks == 8
+        })
+        .await
+    );
+    let figures = scheduler.prefix_figures();
+    assert_eq!(
+        (figures.entries, figures.exact_workers),
+        (8, 1),
+        "{figures:?}"
+    );
+    let overlap = |id: &'static str, hashes: Vec<u64>| {
+        let scheduler = scheduler.clone();
+        async move {
+            let decision = scheduler
+                .route(RouteRequest::new(id, 16 * hashes.len() as u32).with_block_hashes(hashes))
+                .await
+                .unwrap();
+            overlap_of(&decision, w(1))
+        }
+    };
+    assert_eq!(
+        overlap("x1", block_hashes(&learned_prompt, 16)).await,
+        Some(0)
+    );
+    assert_eq!(overlap("x2", hashes.clone()).await, Some(8));
+    // That decision booked a longer prompt on worker 1: not learned for an exact rank.
+    let longer = block_hashes(&prompt(2, 128, 9, 256), 16);
+    assert_eq!(overlap("x3", longer.clone()).await, Some(8));
+    assert_eq!(overlap("x4", longer).await, Some(8));
+
+    // The engine evicted block 3: the overlap ends before it.
+    publisher
+        .send(KvRemoved {
+            worker_id: 1,
+            dp_rank: 0,
+            block_hashes: vec![hashes[3]],
+        })
+        .await;
+    publisher.flush().await;
+    assert!(
+        eventually(BOUND, || async {
+            scheduler.prefix_figures().kv_removed_blocks == 1
+        })
+        .await
+    );
+    assert_eq!(overlap("x5", hashes.clone()).await, Some(3));
+
+    // An `admitted` of an exact rank teaches nothing; a clear empties the rank.
+    publisher.send(admitted_with("b", 1, &learned_prompt)).await;
+    publisher
+        .send(KvCleared {
+            worker_id: 1,
+            dp_rank: None,
+        })
+        .await;
+    publisher.flush().await;
+    assert!(
+        eventually(BOUND, || async {
+            scheduler.prefix_figures().kv_clears == 1
+        })
+        .await
+    );
+    assert_eq!(overlap("x6", hashes).await, Some(0));
+    assert_eq!(
+        overlap("x7", block_hashes(&learned_prompt, 16)).await,
+        Some(0)
+    );
+    let figures = scheduler.prefix_figures();
+    assert_eq!(
+        (figures.entries, figures.exact_workers),
+        (0, 1),
+        "{figures:?}"
+    );
+    assert_eq!(stats.snapshot().dropped_total(), 0);
+}

@@ -12,9 +12,10 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use lease_router::wire::{
-    self, keys, Admitted, BatchWriter, Completed, DecodeEventError, Envelope, EventKind,
-    LeaseEvent, Message, MessageLimits, Outcome, ProgressStage, Progressed, WorkerReset,
-    BATCH_KIND, DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_EVENT_BYTES, EVENTS_KEY, WIRE_VERSION,
+    self, keys, Admitted, BatchWriter, Completed, DecodeEventError, Envelope, EventKind, KvCleared,
+    KvRemoved, KvStored, LeaseEvent, Message, MessageLimits, Outcome, ProgressStage, Progressed,
+    WorkerReset, BATCH_KIND, DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_EVENT_BYTES, EVENTS_KEY,
+    WIRE_VERSION,
 };
 use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::Value;
@@ -174,6 +175,79 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                     worker_id: 3,
                     dp_rank: Some(1),
                     leaving: false,
+                },
+            ),
+        ),
+        (
+            "kv_stored",
+            Envelope::new(
+                PUBLISHER_ID,
+                10,
+                TS + 3_000_300,
+                KvStored {
+                    worker_id: 3,
+                    dp_rank: 0,
+                    // The tokens 100 to 147: the third block after the two of
+                    // `admitted_blocks`, its parent their last.
+                    parent_hash: Some(
+                        lease_router::block_hashes(&(100..132).collect::<Vec<_>>(), 16)[1],
+                    ),
+                    block_hashes: lease_router::block_hashes(&(100..148).collect::<Vec<_>>(), 16)
+                        [2..]
+                        .to_vec(),
+                },
+            ),
+        ),
+        (
+            "kv_stored_root",
+            Envelope::new(
+                PUBLISHER_ID,
+                11,
+                TS + 3_000_310,
+                KvStored {
+                    worker_id: 3,
+                    dp_rank: 0,
+                    parent_hash: None,
+                    block_hashes: lease_router::block_hashes(&(100..132).collect::<Vec<_>>(), 16),
+                },
+            ),
+        ),
+        (
+            "kv_removed",
+            Envelope::new(
+                PUBLISHER_ID,
+                12,
+                TS + 3_000_400,
+                KvRemoved {
+                    worker_id: 3,
+                    dp_rank: 0,
+                    block_hashes: lease_router::block_hashes(&(100..148).collect::<Vec<_>>(), 16)
+                        [2..]
+                        .to_vec(),
+                },
+            ),
+        ),
+        (
+            "kv_cleared",
+            Envelope::new(
+                PUBLISHER_ID,
+                13,
+                TS + 3_000_500,
+                KvCleared {
+                    worker_id: 3,
+                    dp_rank: Some(0),
+                },
+            ),
+        ),
+        (
+            "kv_cleared_all",
+            Envelope::new(
+                PUBLISHER_ID,
+                14,
+                TS + 3_000_600,
+                KvCleared {
+                    worker_id: 3,
+                    dp_rank: None,
                 },
             ),
         ),
@@ -473,9 +547,16 @@ fn the_batch_fixture_is_this_exact_layout() {
         writer.push(envelope).unwrap();
     }
     assert_eq!(writer.finish().unwrap(), bytes);
-    // What the fixture is meant to show: every kind, one publisher, `seq` rising, one worker.
+    // What the fixture is meant to show: every kind of 1.2 (the KV kinds of 1.3 batch alike),
+    // one publisher, `seq` rising, one worker.
     let kinds: BTreeSet<EventKind> = sent.iter().map(Envelope::kind).collect();
-    assert_eq!(kinds, EventKind::ALL.into_iter().collect());
+    let kinds_1_2 = [
+        EventKind::Admitted,
+        EventKind::Progressed,
+        EventKind::Completed,
+        EventKind::WorkerReset,
+    ];
+    assert_eq!(kinds, kinds_1_2.into_iter().collect());
     assert!(sent.iter().all(|e| e.publisher_id == PUBLISHER_ID));
     assert!(sent.windows(2).all(|w| w[0].sequence < w[1].sequence));
     assert!(sent.iter().all(|e| e.event.worker_id() == 3));
@@ -951,11 +1032,16 @@ fn schema_matches_the_decoder() {
             .keys()
             .filter(|k| {
                 ![
-                    "v", "pub", "seq", "ts", "kind", "etok", "ctok", "blk", "bcap", "leaving",
+                    "v", "pub", "seq", "ts", "kind", "etok", "ctok", "bcap", "leaving", "par",
                 ]
                 .contains(&k.as_str())
             })
-            .filter(|k| !(kind == EventKind::WorkerReset && k.as_str() == "dp"))
+            // `blk` is optional in `admitted` only.
+            .filter(|k| !(kind == EventKind::Admitted && k.as_str() == "blk"))
+            .filter(|k| {
+                !(matches!(kind, EventKind::WorkerReset | EventKind::KvCleared)
+                    && k.as_str() == "dp")
+            })
             .cloned()
             .collect();
         assert_eq!(required, written, "{name}");
@@ -1032,6 +1118,9 @@ fn lease_event_accessors_on_fixtures() {
         match &envelope.event {
             LeaseEvent::Admitted(a) => assert_eq!(a.worker().worker_id.0, 3),
             LeaseEvent::WorkerReset(r) => assert_eq!(r.worker_id, 3),
+            LeaseEvent::KvStored(_) | LeaseEvent::KvRemoved(_) | LeaseEvent::KvCleared(_) => {
+                assert!(envelope.event.request_id().is_none() && envelope.event.worker().is_none())
+            }
             other => assert!(other.request_id().is_some()),
         }
     }

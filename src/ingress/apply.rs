@@ -489,6 +489,23 @@ impl EventApplier {
             LeaseEvent::Progressed(e) => self.progressed(e)?,
             LeaseEvent::Completed(e) => self.completed(e)?,
             LeaseEvent::WorkerReset(e) => self.worker_reset(e)?,
+            LeaseEvent::KvStored(e) => {
+                self.leases()?
+                    .prefix()
+                    .kv_stored(e.worker(), &e.block_hashes);
+                Applied::Applied
+            }
+            LeaseEvent::KvRemoved(e) => {
+                self.leases()?
+                    .prefix()
+                    .kv_removed(e.worker(), &e.block_hashes);
+                Applied::Applied
+            }
+            LeaseEvent::KvCleared(e) => {
+                self.leases()?.prefix().kv_cleared(e.worker_id, e.dp_rank);
+                debug!(worker = e.worker_id, dp_rank = ?e.dp_rank, "engine KV cache cleared");
+                Applied::Applied
+            }
         };
         if outcome == Applied::Applied {
             self.counts.applied(kind);

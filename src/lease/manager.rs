@@ -1105,7 +1105,10 @@ impl RequestLeaseManager {
             });
         }
         // A restarted engine starts with an empty cache; a departed one holds nothing.
-        self.inner.scheduler.prefix().forget(|w| matches(&w));
+        self.inner
+            .scheduler
+            .prefix()
+            .forget(|w| matches(&w), leaving);
         // After the releases, in the same hand-over: the scheduler forgets a departed worker
         // once its sums are back to zero.
         pending.ops.push(Op::Membership {

@@ -17,6 +17,15 @@
 //! Each holder names its entry in `entries`, a slab whose entries are linked per rank in
 //! recency order (and, when free, into the free list): 16 bytes an entry, plus the map's
 //! 16-byte bucket of a block one rank holds, 8 more bytes a further holder.
+//!
+//! # Exact ranks
+//! A worker rank whose engine's KV events are relayed (wire 1.3 `kv_stored`, `kv_removed`,
+//! `kv_cleared`) is *exact*: the first such event empties what was learned of it, and from
+//! then on only those events change what it holds; `admitted` block hashes and this
+//! replica's own decisions no longer teach it anything. An engine evicts blocks in its own
+//! order, so an exact rank may hold a block without the ones before it: its overlap is
+//! counted block by block from the first. A reset keeps a rank exact (its relay tells the
+//! restarted engine's cache); a rank that leaves is no longer exact.
 
 use hashbrown::{HashMap, HashSet};
 
@@ -94,6 +103,9 @@ impl Default for PrefixIndexConfig {
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct PrefixImage {
     workers: Vec<WorkerImage>,
+    /// The exact ranks, sorted (last, and optional: an image written before it still loads).
+    #[serde(default)]
+    exact: Vec<WorkerWithDpRank>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -132,6 +144,8 @@ pub struct PrefixIndex {
     /// (a range of `refresh`).
     untrimmed: Vec<(u32, std::ops::Range<usize>)>,
     refresh: Vec<u64>,
+    /// The exact ranks (see the module's documentation), whether they hold blocks or not.
+    exact: HashSet<WorkerWithDpRank>,
 }
 
 /// `(worker slot, entry)`.
@@ -173,6 +187,7 @@ impl PrefixIndex {
             evicted: 0,
             untrimmed: Vec::new(),
             refresh: Vec::new(),
+            exact: HashSet::new(),
         }
     }
 
@@ -225,7 +240,15 @@ impl PrefixIndex {
     /// (all of them or the first few). The first block becomes the most recent and the
     /// deepest the least, so a worker past its capacity gives up a prompt's tail before its
     /// head, as an engine's cache does (a block is only of use with the blocks before it).
+    /// Nothing for an exact rank, which only its engine's events teach.
     pub fn learn(&mut self, worker: WorkerWithDpRank, hashes: &[u64]) {
+        if self.exact.contains(&worker) {
+            return;
+        }
+        self.learn_bounded(worker, hashes);
+    }
+
+    fn learn_bounded(&mut self, worker: WorkerWithDpRank, hashes: &[u64]) {
         if let Some(slot) = self.learn_slot(worker, hashes) {
             for &hash in hashes.iter().rev() {
                 self.learn_one(slot, hash, true);
@@ -239,6 +262,9 @@ impl PrefixIndex {
     /// their recency changes) and evicts past the bounds (a chase through the worker's
     /// recency list, cache miss after miss).
     pub(crate) fn learn_deferred(&mut self, worker: WorkerWithDpRank, hashes: &[u64], held: usize) {
+        if self.exact.contains(&worker) {
+            return;
+        }
         let held = held.min(hashes.len());
         if let Some(slot) = self.learn_slot(worker, &hashes[held..]) {
             for &hash in hashes[held..].iter().rev() {
@@ -377,6 +403,128 @@ impl PrefixIndex {
         }
     }
 
+    /// How many ranks are exact.
+    pub fn exact_workers(&self) -> usize {
+        self.exact.len()
+    }
+
+    /// Whether `worker`'s blocks come from its engine's KV events.
+    pub fn is_exact(&self, worker: WorkerWithDpRank) -> bool {
+        self.exact.contains(&worker)
+    }
+
+    /// Makes `worker` exact; the first time, what was learned of it is forgotten (its
+    /// capacity kept). Returns the entries forgotten.
+    fn make_exact(&mut self, worker: WorkerWithDpRank) -> usize {
+        if !self.exact.insert(worker) {
+            return 0;
+        }
+        self.empty_keeping_capacity(worker)
+    }
+
+    /// Forgets what `worker` holds, keeping the capacity it announced.
+    fn empty_keeping_capacity(&mut self, worker: WorkerWithDpRank) -> usize {
+        let Some(&slot) = self.slots.get(&worker) else {
+            return 0;
+        };
+        let capacity = self.workers[slot as usize].capacity;
+        let forgotten = self.forget_worker(worker);
+        if capacity != self.config.worker_capacity {
+            let slot = self.slot(worker);
+            self.workers[slot as usize].capacity = capacity;
+        }
+        forgotten
+    }
+
+    /// `worker`'s engine stored `hashes` (`kv_stored`): an exact rank holds them from now on,
+    /// within its capacity and the index's bound. Returns the entries forgotten because
+    /// this made the rank exact.
+    pub fn store_exact(&mut self, worker: WorkerWithDpRank, hashes: &[u64]) -> usize {
+        let forgotten = self.make_exact(worker);
+        self.learn_bounded(worker, hashes);
+        forgotten
+    }
+
+    /// `worker`'s engine evicted `hashes` (`kv_removed`); those it does not hold are
+    /// ignored. Returns `(entries forgotten because this made the rank exact, blocks
+    /// removed)`.
+    pub fn remove_exact(&mut self, worker: WorkerWithDpRank, hashes: &[u64]) -> (usize, usize) {
+        let forgotten = self.make_exact(worker);
+        let Some(&slot) = self.slots.get(&worker) else {
+            return (forgotten, 0);
+        };
+        let mut removed = 0;
+        for hash in hashes {
+            if let Some(entry) = self.holds(hash, slot) {
+                self.unlink(slot, entry);
+                self.remove_holder(*hash, slot);
+                self.entries[entry as usize].newer = self.free;
+                self.free = entry;
+                self.workers[slot as usize].len -= 1;
+                self.len -= 1;
+                removed += 1;
+            }
+        }
+        (forgotten, removed)
+    }
+
+    /// `worker`'s engine emptied its cache (`kv_cleared`): the rank is exact and holds
+    /// nothing. Returns the entries forgotten.
+    pub fn clear_exact(&mut self, worker: WorkerWithDpRank) -> usize {
+        self.make_exact(worker) + self.empty_keeping_capacity(worker)
+    }
+
+    /// Every rank of worker `worker_id` that the index knows (it holds blocks, announced a
+    /// capacity, or is exact) emptied its cache (`kv_cleared` without a rank).
+    pub fn clear_exact_worker(&mut self, worker_id: u64) -> usize {
+        let mut ranks: Vec<WorkerWithDpRank> = self
+            .slots
+            .keys()
+            .chain(self.exact.iter())
+            .copied()
+            .filter(|w| w.worker_id.0 == worker_id)
+            .collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        ranks.into_iter().map(|w| self.clear_exact(w)).sum()
+    }
+
+    /// The ranks `covers` names left: they are no longer exact (a rank that comes back is
+    /// exact again from its relay's first event).
+    pub fn forget_exact_where(&mut self, covers: impl Fn(WorkerWithDpRank) -> bool) {
+        self.exact.retain(|&w| !covers(w));
+    }
+
+    /// The blocks `worker` is taken to hold, sorted.
+    pub fn worker_hashes(&self, worker: WorkerWithDpRank) -> Vec<u64> {
+        let Some(&slot) = self.slots.get(&worker) else {
+            return Vec::new();
+        };
+        let w = &self.workers[slot as usize];
+        let mut hashes = Vec::with_capacity(w.len as usize);
+        let mut at = w.oldest;
+        while at != NIL {
+            hashes.push(self.entries[at as usize].hash);
+            at = self.entries[at as usize].newer;
+        }
+        hashes.sort_unstable();
+        hashes
+    }
+
+    /// The ranks of worker `worker_id` that the index knows, sorted.
+    pub fn ranks_of(&self, worker_id: u64) -> Vec<WorkerWithDpRank> {
+        let mut ranks: Vec<WorkerWithDpRank> = self
+            .slots
+            .keys()
+            .chain(self.exact.iter())
+            .copied()
+            .filter(|w| w.worker_id.0 == worker_id)
+            .collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        ranks
+    }
+
     /// Forgets everything `worker` was taken to hold (its engine restarted, or it left).
     pub fn forget_worker(&mut self, worker: WorkerWithDpRank) -> usize {
         let Some(slot) = self.slots.remove(&worker) else {
@@ -426,8 +574,14 @@ impl PrefixIndex {
                 // A rank without the first block (a learned list that did not start at a
                 // prompt's head) has no prefix of the request.
                 if seen.insert(slot) && self.holds(first, slot).is_some() {
-                    let blocks = u32::try_from(position + 1).unwrap_or(u32::MAX);
-                    found.push((self.workers[slot as usize].worker, blocks));
+                    let worker = self.workers[slot as usize].worker;
+                    let blocks = if self.exact.contains(&worker) {
+                        // Its engine may have evicted a block before this one.
+                        self.overlap(worker, &hashes[..=position])
+                    } else {
+                        u32::try_from(position + 1).unwrap_or(u32::MAX)
+                    };
+                    found.push((worker, blocks));
                 }
             }
             if found.len() >= wanted {
@@ -471,12 +625,15 @@ impl PrefixIndex {
             })
             .collect();
         workers.sort_unstable_by_key(|w| w.worker);
-        PrefixImage { workers }
+        let mut exact: Vec<WorkerWithDpRank> = self.exact.iter().copied().collect();
+        exact.sort_unstable();
+        PrefixImage { workers, exact }
     }
 
     /// Adds what `image` holds, each worker's blocks in their order of recency (on an
     /// empty index: the index the image was taken of, within this index's bounds).
     pub(crate) fn restore(&mut self, image: &PrefixImage) {
+        self.exact.extend(image.exact.iter().copied());
         for w in &image.workers {
             let slot = self.slot(w.worker);
             self.workers[slot as usize].capacity = w.capacity.max(1);
@@ -715,6 +872,108 @@ mod tests {
             deferred.overlap(w(1), &[9]),
             0,
             "the least recently used went"
+        );
+    }
+
+    fn rank(id: u64, dp: u32) -> WorkerWithDpRank {
+        WorkerWithDpRank::new(id, dp)
+    }
+
+    /// A rank's first KV event forgets what was learned of it; from then on only KV events
+    /// teach it, and its overlap stops at the first block its engine evicted.
+    #[test]
+    fn an_exact_rank_holds_what_its_engine_says() {
+        let mut ix = index(100, 1000);
+        ix.learn(w(1), &[1, 2, 3]);
+        ix.learn(w(2), &[20, 21, 22]);
+        assert_eq!(
+            ix.store_exact(w(1), &[20, 21, 22]),
+            3,
+            "the learned blocks go"
+        );
+        assert!(ix.is_exact(w(1)) && !ix.is_exact(w(2)));
+        assert_eq!(ix.worker_hashes(w(1)), vec![20, 21, 22]);
+        assert_eq!(ix.store_exact(w(1), &[23]), 0, "once");
+        ix.learn(w(1), &[1, 2]);
+        ix.learn_deferred(w(1), &[5, 6], 0);
+        ix.trim();
+        assert_eq!(
+            ix.worker_hashes(w(1)),
+            vec![20, 21, 22, 23],
+            "nothing learned"
+        );
+        assert_eq!(
+            ix.remove_exact(w(1), &[21, 99]),
+            (0, 1),
+            "99 it did not hold"
+        );
+        let mut overlaps = ix.overlaps(&[20, 21, 22, 23]);
+        overlaps.sort_unstable();
+        assert_eq!(overlaps, vec![(w(1), 1), (w(2), 3)]);
+        assert_eq!(ix.overlap(w(1), &[20, 21, 22]), 1);
+        assert_eq!(ix.remove_exact(w(1), &[20]), (0, 1));
+        assert_eq!(ix.overlaps(&[20, 21, 22, 23]), vec![(w(2), 3)]);
+        // A rank the index never saw: removing makes it exact, and holds nothing.
+        assert_eq!(ix.remove_exact(w(3), &[1]), (0, 0));
+        assert!(ix.is_exact(w(3)));
+        assert_eq!(ix.exact_workers(), 2);
+        assert_eq!(ix.len(), 3 + 2);
+    }
+
+    /// A clear empties a rank and keeps it exact with the capacity it announced; a reset
+    /// keeps it exact, leaving does not; a clear of a worker clears every rank it knows.
+    #[test]
+    fn clears_resets_and_leaving_of_exact_ranks() {
+        let mut ix = index(100, 1000);
+        ix.set_worker_capacity(rank(1, 0), 7);
+        ix.store_exact(rank(1, 0), &[1, 2]);
+        ix.learn(rank(1, 1), &[3]);
+        ix.learn(rank(2, 0), &[4]);
+        assert_eq!(ix.clear_exact(rank(1, 0)), 2);
+        assert_eq!(ix.worker_blocks(rank(1, 0)), 0);
+        assert_eq!(
+            ix.worker_capacity(rank(1, 0)),
+            7,
+            "its announced capacity stays"
+        );
+        assert!(ix.is_exact(rank(1, 0)));
+        assert_eq!(ix.ranks_of(1), vec![rank(1, 0), rank(1, 1)]);
+        assert_eq!(ix.clear_exact_worker(1), 1, "rank 1's learned block");
+        assert!(ix.is_exact(rank(1, 1)) && !ix.is_exact(rank(2, 0)));
+        assert_eq!(ix.worker_hashes(rank(2, 0)), vec![4]);
+        ix.store_exact(rank(1, 1), &[5]);
+        assert_eq!(ix.forget_where(|w| w.worker_id.0 == 1), 1);
+        assert!(ix.is_exact(rank(1, 1)), "a restart keeps its relay's word");
+        ix.learn(rank(1, 1), &[6]);
+        assert_eq!(ix.worker_blocks(rank(1, 1)), 0);
+        ix.forget_exact_where(|w| w == rank(1, 1));
+        assert!(!ix.is_exact(rank(1, 1)) && ix.is_exact(rank(1, 0)));
+        ix.learn(rank(1, 1), &[6]);
+        assert_eq!(
+            ix.worker_hashes(rank(1, 1)),
+            vec![6],
+            "learned again once it left"
+        );
+    }
+
+    #[test]
+    fn an_image_keeps_the_exact_ranks() {
+        let mut ix = index(100, 1000);
+        ix.store_exact(w(1), &[1, 2]);
+        ix.clear_exact(w(2));
+        ix.learn(w(3), &[3]);
+        let mut restored = index(100, 1000);
+        restored.restore(&ix.image());
+        assert_eq!(restored.image(), ix.image());
+        assert!(restored.is_exact(w(1)) && restored.is_exact(w(2)) && !restored.is_exact(w(3)));
+        // An image written before exact ranks existed still loads.
+        let old = rmp_serde::to_vec(&(vec![(w(3), 5u32, vec![9u64])],)).unwrap();
+        let image: PrefixImage = rmp_serde::from_slice(&old).unwrap();
+        let mut from_old = index(100, 1000);
+        from_old.restore(&image);
+        assert_eq!(
+            (from_old.worker_hashes(w(3)), from_old.exact_workers()),
+            (vec![9], 0)
         );
     }
 

@@ -12,6 +12,6 @@ pub use hash::{block_hashes, chain_block_hash, DEFAULT_BLOCK_SIZE, ROOT_PARENT_H
 pub(crate) use index::PrefixImage;
 pub use index::{PrefixIndex, PrefixIndexConfig};
 pub use state::PrefixFigures;
-pub(crate) use state::PrefixState;
+pub(crate) use state::{PrefixState, RankView};
 #[cfg(feature = "tokenizer")]
 pub use tokenizer::{LoadTokenizerError, PromptTokenizer, TokenizePromptError};

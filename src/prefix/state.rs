@@ -24,6 +24,9 @@ pub(crate) struct PrefixState {
     reported_tokens: AtomicU64,
     overpredicted_tokens: AtomicU64,
     underpredicted_tokens: AtomicU64,
+    kv_stored_blocks: AtomicU64,
+    kv_removed_blocks: AtomicU64,
+    kv_clears: AtomicU64,
 }
 
 impl PrefixState {
@@ -38,6 +41,9 @@ impl PrefixState {
             reported_tokens: AtomicU64::new(0),
             overpredicted_tokens: AtomicU64::new(0),
             underpredicted_tokens: AtomicU64::new(0),
+            kv_stored_blocks: AtomicU64::new(0),
+            kv_removed_blocks: AtomicU64::new(0),
+            kv_clears: AtomicU64::new(0),
         }
     }
 
@@ -84,11 +90,68 @@ impl PrefixState {
         self.index.lock().trim();
     }
 
-    /// A worker (every rank `covers` names) restarted or left: its cache is empty.
-    pub(crate) fn forget(&self, covers: impl Fn(WorkerWithDpRank) -> bool) {
-        let forgotten = self.index.lock().forget_where(covers);
-        self.forgotten
-            .fetch_add(forgotten as u64, Ordering::Relaxed);
+    /// A worker (every rank `covers` names) restarted or left: its cache is empty. A rank
+    /// that left is no longer exact.
+    pub(crate) fn forget(&self, covers: impl Fn(WorkerWithDpRank) -> bool, leaving: bool) {
+        let mut index = self.index.lock();
+        let forgotten = index.forget_where(&covers);
+        if leaving {
+            index.forget_exact_where(covers);
+        }
+        drop(index);
+        self.forgot(forgotten);
+    }
+
+    fn forgot(&self, entries: usize) {
+        self.forgotten.fetch_add(entries as u64, Ordering::Relaxed);
+    }
+
+    /// `kv_stored`: `worker`'s engine holds `hashes`.
+    pub(crate) fn kv_stored(&self, worker: WorkerWithDpRank, hashes: &[u64]) {
+        let forgotten = self.index.lock().store_exact(worker, hashes);
+        self.forgot(forgotten);
+        self.kv_stored_blocks
+            .fetch_add(hashes.len() as u64, Ordering::Relaxed);
+    }
+
+    /// `kv_removed`: `worker`'s engine evicted `hashes`.
+    pub(crate) fn kv_removed(&self, worker: WorkerWithDpRank, hashes: &[u64]) {
+        let (forgotten, removed) = self.index.lock().remove_exact(worker, hashes);
+        self.forgot(forgotten);
+        self.kv_removed_blocks
+            .fetch_add(removed as u64, Ordering::Relaxed);
+    }
+
+    /// `kv_cleared`: the engine of `worker_id` (its rank `dp_rank`, or every rank) holds
+    /// nothing.
+    pub(crate) fn kv_cleared(&self, worker_id: u64, dp_rank: Option<u32>) {
+        let forgotten = {
+            let mut index = self.index.lock();
+            match dp_rank {
+                Some(dp_rank) => index.clear_exact(WorkerWithDpRank::new(worker_id, dp_rank)),
+                None => index.clear_exact_worker(worker_id),
+            }
+        };
+        self.forgot(forgotten);
+        self.kv_clears.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// What the index holds of each known rank of `worker_id`.
+    pub(crate) fn worker_view(&self, worker_id: u64) -> Vec<RankView> {
+        let index = self.index.lock();
+        index
+            .ranks_of(worker_id)
+            .into_iter()
+            .map(|w| {
+                let hashes = index.worker_hashes(w);
+                RankView {
+                    dp_rank: w.dp_rank.0,
+                    exact: index.is_exact(w),
+                    blocks: hashes.len() as u64,
+                    hashes,
+                }
+            })
+            .collect()
     }
 
     /// A route decision counted on `predicted` cached tokens; the worker's `admitted` says its
@@ -120,9 +183,14 @@ impl PrefixState {
     }
 
     pub(crate) fn figures(&self) -> PrefixFigures {
-        let (entries, workers, evicted) = {
+        let (entries, workers, evicted, exact_workers) = {
             let index = self.index.lock();
-            (index.len() as u64, index.workers() as u64, index.evicted())
+            (
+                index.len() as u64,
+                index.workers() as u64,
+                index.evicted(),
+                index.exact_workers() as u64,
+            )
         };
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         PrefixFigures {
@@ -136,6 +204,10 @@ impl PrefixState {
             reported_cached_tokens: get(&self.reported_tokens),
             overpredicted_tokens: get(&self.overpredicted_tokens),
             underpredicted_tokens: get(&self.underpredicted_tokens),
+            exact_workers,
+            kv_stored_blocks: get(&self.kv_stored_blocks),
+            kv_removed_blocks: get(&self.kv_removed_blocks),
+            kv_clears: get(&self.kv_clears),
         }
     }
 }
@@ -167,4 +239,25 @@ pub struct PrefixFigures {
     pub overpredicted_tokens: u64,
     /// Over the same admissions: cached tokens the prediction missed.
     pub underpredicted_tokens: u64,
+    /// Worker ranks whose blocks come from their engines' KV events (exact ranks).
+    pub exact_workers: u64,
+    /// Blocks that `kv_stored` events reported stored.
+    pub kv_stored_blocks: u64,
+    /// Blocks that `kv_removed` events removed from the index (those it held).
+    pub kv_removed_blocks: u64,
+    /// `kv_cleared` events applied.
+    pub kv_clears: u64,
+}
+
+/// What the index holds of one worker rank (`GET /v1/deployments/{name}/prefix/{worker_id}`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub(crate) struct RankView {
+    /// The rank.
+    pub(crate) dp_rank: u32,
+    /// Whether its blocks come from its engine's KV events.
+    pub(crate) exact: bool,
+    /// How many blocks it holds.
+    pub(crate) blocks: u64,
+    /// The block hashes it holds, sorted.
+    pub(crate) hashes: Vec<u64>,
 }

@@ -57,7 +57,8 @@ mod tests;
 use task::{CoreNatsSink, EnvelopeSink, PublishLoop};
 
 use crate::wire::{
-    Admitted, Completed, LeaseEvent, Outcome, ProgressStage, Progressed, WorkerReset,
+    Admitted, Completed, KvCleared, KvRemoved, KvStored, LeaseEvent, Outcome, ProgressStage,
+    Progressed, WorkerReset,
 };
 
 /// The most worker subjects kept in the cache; past that it starts over (a worker process
@@ -195,6 +196,14 @@ pub enum PublishEventError {
     /// A per-request event with an empty request id: it could never be encoded.
     #[error("lease event has an empty request id")]
     EmptyRequestId,
+    /// A `kv_stored` or `kv_removed` of no block hashes or of more than
+    /// [`MAX_BLOCK_HASHES`](crate::wire::MAX_BLOCK_HASHES): it could never be encoded (split
+    /// a longer chain; each part's parent is the last hash of the part before).
+    #[error("KV event of {blocks} block hashes (1 to 256)")]
+    BlockCount {
+        /// How many it holds.
+        blocks: usize,
+    },
 }
 
 /// Why [`LeasePublisher::flush`] or [`LeasePublisher::close`] failed.
@@ -388,6 +397,15 @@ impl LeasePublisher {
             }
             return Err(PublishEventError::EmptyRequestId);
         }
+        if let LeaseEvent::KvStored(KvStored { block_hashes, .. })
+        | LeaseEvent::KvRemoved(KvRemoved { block_hashes, .. }) = &event
+        {
+            let blocks = block_hashes.len();
+            if blocks == 0 || blocks > crate::wire::MAX_BLOCK_HASHES {
+                stats.rejected_invalid.fetch_add(1, Ordering::AcqRel);
+                return Err(PublishEventError::BlockCount { blocks });
+            }
+        }
         // Counted before it is sent, so that the task can never count it published first.
         stats.queued.fetch_add(1, Ordering::AcqRel);
         match self.tx.try_send(Command::Event(event)) {
@@ -496,6 +514,49 @@ impl LeasePublisher {
             dp_rank,
             leaving: true,
         })
+    }
+
+    /// Queues a [`KvStored`] (wire 1.3): the engine of `worker_id`'s rank `dp_rank` stored
+    /// `blocks` (our hashes, chain order, 1 to 256), after the block `parent` (`None`: the
+    /// first is a prompt's first block). A rank that sends KV events is exact: routers take
+    /// only these for what it holds.
+    pub fn kv_stored(
+        &self,
+        worker_id: u64,
+        dp_rank: u32,
+        parent: Option<u64>,
+        blocks: Vec<u64>,
+    ) -> Result<(), PublishEventError> {
+        self.publish(KvStored {
+            worker_id,
+            dp_rank,
+            parent_hash: parent,
+            block_hashes: blocks,
+        })
+    }
+
+    /// Queues a [`KvRemoved`] (wire 1.3): the engine evicted `blocks` (1 to 256).
+    pub fn kv_removed(
+        &self,
+        worker_id: u64,
+        dp_rank: u32,
+        blocks: Vec<u64>,
+    ) -> Result<(), PublishEventError> {
+        self.publish(KvRemoved {
+            worker_id,
+            dp_rank,
+            block_hashes: blocks,
+        })
+    }
+
+    /// Queues a [`KvCleared`] (wire 1.3; `dp_rank: None`: every rank): the engine holds
+    /// nothing, or its relay can no longer tell what it holds.
+    pub fn kv_cleared(
+        &self,
+        worker_id: u64,
+        dp_rank: Option<u32>,
+    ) -> Result<(), PublishEventError> {
+        self.publish(KvCleared { worker_id, dp_rank })
     }
 
     /// Resolves once every event queued before the call has been handed to the NATS client

@@ -216,6 +216,11 @@ impl SchedulerHandle {
         self.mailbox.prefix.figures()
     }
 
+    /// What the prefix index holds of each rank of worker `worker_id`.
+    pub(crate) fn prefix_view(&self, worker_id: u64) -> Vec<crate::prefix::RankView> {
+        self.mailbox.prefix.worker_view(worker_id)
+    }
+
     /// The prefix index's settings (block size, bounds).
     pub fn prefix_config(&self) -> PrefixIndexConfig {
         self.mailbox.prefix.config()

@@ -336,6 +336,10 @@ pub fn router(state: ApiState) -> axum::Router {
         .route("/v1/deployments/{name}/workers", get(workers))
         .route("/v1/deployments/{name}/route", post(route))
         .route(
+            "/v1/deployments/{name}/prefix/{worker_id}",
+            get(worker_prefix),
+        )
+        .route(
             "/v1/deployments/{name}/route/{request_id}",
             axum::routing::delete(cancel_route),
         )
@@ -788,6 +792,35 @@ async fn cancel_route(
     let view = running_view(&state, &name)?;
     let released = view.manager().cancel_route_of(&request_id);
     Ok(Json(json!({ "request_id": request_id, "released": released })).into_response())
+}
+
+/// What the deployment's prefix index holds of one worker, rank by rank: to check it
+/// against an engine's cache (every hash, sorted).
+async fn worker_prefix(
+    State(state): State<ApiState>,
+    path: Result<Path<(String, String)>, axum::extract::rejection::PathRejection>,
+) -> ApiResult<Response> {
+    let Path((raw, worker)) = path.map_err(|err| {
+        ApiError(
+            err.status(),
+            format!(
+                "invalid deployment name or worker id in the path: {}",
+                err.body_text()
+            ),
+        )
+    })?;
+    let name = parse_name(&raw)?;
+    let worker_id: u64 = worker.parse().map_err(|_| {
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("worker id {worker:?} is not an unsigned 64-bit integer"),
+        )
+    })?;
+    let view = running_view(&state, &name)?;
+    let scheduler = view.scheduler().clone();
+    drop(view);
+    let ranks = scheduler.prefix_view(worker_id);
+    Ok(Json(json!({ "worker_id": worker_id, "ranks": ranks })).into_response())
 }
 
 /// Prompt text becomes token ids, with the host's tokenizer, on a blocking thread (a long

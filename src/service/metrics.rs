@@ -629,6 +629,30 @@ pub(super) fn encode_snapshot(
         "Prefix index entries forgotten because their worker restarted or left.",
         &prefix(|p| p.forgotten_entries),
     )?;
+    gauge_family(
+        encoder,
+        "prefix_exact_workers",
+        "Worker ranks whose prefix blocks come from their engines' KV events (kv_stored, kv_removed, kv_cleared).",
+        &prefix(|p| p.exact_workers),
+    )?;
+    counter_family(
+        encoder,
+        "prefix_kv_stored_blocks",
+        "Blocks that engines' kv_stored events reported stored.",
+        &prefix(|p| p.kv_stored_blocks),
+    )?;
+    counter_family(
+        encoder,
+        "prefix_kv_removed_blocks",
+        "Blocks that engines' kv_removed events removed from the prefix index.",
+        &prefix(|p| p.kv_removed_blocks),
+    )?;
+    counter_family(
+        encoder,
+        "prefix_kv_clears",
+        "Engines' kv_cleared events applied (an emptied cache, or a relay that lost track).",
+        &prefix(|p| p.kv_clears),
+    )?;
     counter_family(
         encoder,
         "prefix_compared_admissions",

@@ -109,6 +109,7 @@ enum Key {
     Leaving,
     BlockHashes,
     BlockCapacity,
+    ParentHash,
     Unknown,
 }
 
@@ -166,6 +167,7 @@ impl Key {
             "leaving" => Key::Leaving,
             "blk" => Key::BlockHashes,
             "bcap" => Key::BlockCapacity,
+            "par" => Key::ParentHash,
             _ => Key::Unknown,
         }
     }
@@ -364,6 +366,12 @@ impl<'de> Visitor<'de> for RawSeed<'_> {
                     &mut raw.block_capacity,
                     keys::BLOCK_CAPACITY,
                     &U32_OR_NIL,
+                )?,
+                Key::ParentHash => fill(
+                    &mut map,
+                    &mut raw.parent_hash,
+                    keys::PARENT_HASH,
+                    &"nil or an unsigned integer below 2^64",
                 )?,
             }
         }

@@ -21,10 +21,10 @@
 //! | `pub` | u64 | publisher id, random per publisher process |
 //! | `seq` | u64 | per-publisher sequence number, from 1 |
 //! | `ts` | u64 | publish time, unix microseconds |
-//! | `kind` | string | `admitted`, `progressed`, `completed` or `worker_reset` |
-//! | `rid` | string | request id (not empty); every kind but `worker_reset` |
+//! | `kind` | string | `admitted`, `progressed`, `completed`, `worker_reset`; 1.3: `kv_stored`, `kv_removed`, `kv_cleared` |
+//! | `rid` | string | request id (not empty); `admitted`, `progressed`, `completed` |
 //! | `wid` | u64 | worker id; every kind; must equal the worker named by the subject |
-//! | `dp` | u32 | data-parallel rank; nil or absent in `worker_reset` = every rank |
+//! | `dp` | u32 | data-parallel rank; nil or absent in `worker_reset` and `kv_cleared` = every rank |
 //! | `ptok` | u32 | `admitted`: prompt tokens |
 //! | `etok` | u32 or nil | `admitted`: expected output tokens; nil or absent = unknown |
 //! | `ctok` | u32 or nil | `admitted` (1.1, optional): prompt tokens already in the worker's prefix cache |
@@ -34,6 +34,8 @@
 //! | `leaving` | bool or nil | `worker_reset` (1.1, optional): true = the worker is leaving; absent = it (re)started |
 //! | `blk` | array of u64, or nil | `admitted` (1.3, optional): the prompt's first block hashes, at most [`MAX_BLOCK_HASHES`] |
 //! | `bcap` | u32 or nil | `admitted` (1.3, optional): blocks the worker rank's prefix cache holds at most |
+//! | `blk` | array of 1 to [`MAX_BLOCK_HASHES`] u64 | `kv_stored`, `kv_removed` (1.3): the blocks the engine stored or evicted, a stored chain in chain order |
+//! | `par` | u64 or nil | `kv_stored` (1.3, optional): the hash of the block before `blk[0]`; nil or absent = `blk[0]` is a prompt's first block |
 //!
 //! # Compatibility
 //!
@@ -147,9 +149,11 @@ pub mod keys {
     pub const BLOCK_HASHES: &str = "blk";
     /// Blocks the worker rank's prefix cache holds at most (u32 or nil), `admitted`; since 1.3.
     pub const BLOCK_CAPACITY: &str = "bcap";
+    /// The hash of the block before the stored ones (u64 or nil), `kv_stored`; since 1.3.
+    pub const PARENT_HASH: &str = "par";
 
     /// Every key this version defines, in the order the encoder writes them.
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 18] = [
         VERSION,
         PUBLISHER_ID,
         SEQUENCE,
@@ -163,6 +167,7 @@ pub mod keys {
         CACHED_TOKENS,
         BLOCK_HASHES,
         BLOCK_CAPACITY,
+        PARENT_HASH,
         STAGE,
         OUTPUT_TOKENS,
         OUTCOME,
@@ -223,6 +228,12 @@ pub enum LeaseEvent {
     Completed(Completed),
     /// A worker restarted or left.
     WorkerReset(WorkerReset),
+    /// A worker's engine stored prefix blocks in its KV cache (wire 1.3).
+    KvStored(KvStored),
+    /// A worker's engine evicted prefix blocks (wire 1.3).
+    KvRemoved(KvRemoved),
+    /// A worker's engine emptied its KV cache (wire 1.3).
+    KvCleared(KvCleared),
 }
 
 impl LeaseEvent {
@@ -233,6 +244,9 @@ impl LeaseEvent {
             Self::Progressed(_) => EventKind::Progressed,
             Self::Completed(_) => EventKind::Completed,
             Self::WorkerReset(_) => EventKind::WorkerReset,
+            Self::KvStored(_) => EventKind::KvStored,
+            Self::KvRemoved(_) => EventKind::KvRemoved,
+            Self::KvCleared(_) => EventKind::KvCleared,
         }
     }
 
@@ -243,36 +257,47 @@ impl LeaseEvent {
             Self::Progressed(e) => e.worker_id,
             Self::Completed(e) => e.worker_id,
             Self::WorkerReset(e) => e.worker_id,
+            Self::KvStored(e) => e.worker_id,
+            Self::KvRemoved(e) => e.worker_id,
+            Self::KvCleared(e) => e.worker_id,
         }
     }
 
-    /// The rank the body names; `None` for a reset of every rank of a worker.
+    /// The rank the body names; `None` for a reset (or a clear) of every rank of a worker.
     pub fn dp_rank(&self) -> Option<u32> {
         match self {
             Self::Admitted(e) => Some(e.dp_rank),
             Self::Progressed(e) => Some(e.dp_rank),
             Self::Completed(e) => Some(e.dp_rank),
             Self::WorkerReset(e) => e.dp_rank,
+            Self::KvStored(e) => Some(e.dp_rank),
+            Self::KvRemoved(e) => Some(e.dp_rank),
+            Self::KvCleared(e) => e.dp_rank,
         }
     }
 
-    /// The request the event is about; `None` for a worker reset.
+    /// The request the event is about; `None` for a worker reset and the KV events.
     pub fn request_id(&self) -> Option<&str> {
         match self {
             Self::Admitted(e) => Some(&e.request_id),
             Self::Progressed(e) => Some(&e.request_id),
             Self::Completed(e) => Some(&e.request_id),
-            Self::WorkerReset(_) => None,
+            Self::WorkerReset(_) | Self::KvStored(_) | Self::KvRemoved(_) | Self::KvCleared(_) => {
+                None
+            }
         }
     }
 
-    /// The worker and rank of a per-request event; `None` for a worker reset.
+    /// The worker and rank of a per-request event; `None` for a worker reset and the KV
+    /// events.
     pub fn worker(&self) -> Option<WorkerWithDpRank> {
         match self {
             Self::Admitted(e) => Some(e.worker()),
             Self::Progressed(e) => Some(e.worker()),
             Self::Completed(e) => Some(e.worker()),
-            Self::WorkerReset(_) => None,
+            Self::WorkerReset(_) | Self::KvStored(_) | Self::KvRemoved(_) | Self::KvCleared(_) => {
+                None
+            }
         }
     }
 }
@@ -298,6 +323,24 @@ impl From<Completed> for LeaseEvent {
 impl From<WorkerReset> for LeaseEvent {
     fn from(e: WorkerReset) -> Self {
         Self::WorkerReset(e)
+    }
+}
+
+impl From<KvStored> for LeaseEvent {
+    fn from(e: KvStored) -> Self {
+        Self::KvStored(e)
+    }
+}
+
+impl From<KvRemoved> for LeaseEvent {
+    fn from(e: KvRemoved) -> Self {
+        Self::KvRemoved(e)
+    }
+}
+
+impl From<KvCleared> for LeaseEvent {
+    fn from(e: KvCleared) -> Self {
+        Self::KvCleared(e)
     }
 }
 
@@ -424,6 +467,57 @@ impl WorkerReset {
     }
 }
 
+/// A worker's engine stored blocks in its KV cache (wire 1.3, `kv_stored`): from then on the
+/// rank is exact, and holds them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvStored {
+    /// The worker, as the subject names it.
+    pub worker_id: u64,
+    /// The data-parallel rank whose cache stored them.
+    pub dp_rank: u32,
+    /// Our hash ([`block_hashes`](crate::block_hashes)) of the block before `block_hashes[0]`;
+    /// `None` when that is a prompt's first block. Routers do not need it (a hash names its
+    /// whole prefix); it lets a reader rebuild the engine's tree.
+    pub parent_hash: Option<u64>,
+    /// Our hashes of the stored blocks, in chain order: 1 to [`MAX_BLOCK_HASHES`].
+    pub block_hashes: Vec<u64>,
+}
+
+impl KvStored {
+    /// The worker and rank whose cache stored them.
+    pub fn worker(&self) -> WorkerWithDpRank {
+        WorkerWithDpRank::new(self.worker_id, self.dp_rank)
+    }
+}
+
+/// A worker's engine evicted blocks from its KV cache (wire 1.3, `kv_removed`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvRemoved {
+    /// The worker, as the subject names it.
+    pub worker_id: u64,
+    /// The data-parallel rank whose cache evicted them.
+    pub dp_rank: u32,
+    /// Our hashes of the evicted blocks: 1 to [`MAX_BLOCK_HASHES`].
+    pub block_hashes: Vec<u64>,
+}
+
+impl KvRemoved {
+    /// The worker and rank whose cache evicted them.
+    pub fn worker(&self) -> WorkerWithDpRank {
+        WorkerWithDpRank::new(self.worker_id, self.dp_rank)
+    }
+}
+
+/// A worker's engine emptied its KV cache, or its relay can no longer tell what it holds
+/// (wire 1.3, `kv_cleared`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvCleared {
+    /// The worker, as the subject names it.
+    pub worker_id: u64,
+    /// `None`: every rank of the worker.
+    pub dp_rank: Option<u32>,
+}
+
 // ---------------------------------------------------------------------------------------------
 // Enums written as strings
 // ---------------------------------------------------------------------------------------------
@@ -510,6 +604,12 @@ pub enum EventKind {
     Completed,
     /// A [`WorkerReset`] event.
     WorkerReset,
+    /// A [`KvStored`] event.
+    KvStored,
+    /// A [`KvRemoved`] event.
+    KvRemoved,
+    /// A [`KvCleared`] event.
+    KvCleared,
 }
 
 wire_strings!(EventKind, "an event kind string", {
@@ -517,6 +617,9 @@ wire_strings!(EventKind, "an event kind string", {
     Progressed => "progressed",
     Completed => "completed",
     WorkerReset => "worker_reset",
+    KvStored => "kv_stored",
+    KvRemoved => "kv_removed",
+    KvCleared => "kv_cleared",
 });
 
 /// How far a request has moved.
@@ -659,6 +762,15 @@ pub enum EncodeEventError {
     /// [`encode_batch`] of no events.
     #[error("cannot encode a batch of no events")]
     EmptyBatch,
+    /// A `kv_stored` or `kv_removed` of no blocks, or of more than [`MAX_BLOCK_HASHES`]
+    /// (split them).
+    #[error("cannot encode a {kind} event of {blocks} block hashes (1 to {MAX_BLOCK_HASHES})")]
+    BlockCount {
+        /// The kind of the event.
+        kind: EventKind,
+        /// How many hashes it holds.
+        blocks: usize,
+    },
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -677,6 +789,17 @@ pub fn encode_into(envelope: &Envelope, out: &mut Vec<u8>) -> Result<(), EncodeE
         return Err(EncodeEventError::EmptyRequestId {
             kind: envelope.kind(),
         });
+    }
+    if let LeaseEvent::KvStored(KvStored { block_hashes, .. })
+    | LeaseEvent::KvRemoved(KvRemoved { block_hashes, .. }) = &envelope.event
+    {
+        let blocks = block_hashes.len();
+        if blocks == 0 || blocks > MAX_BLOCK_HASHES {
+            return Err(EncodeEventError::BlockCount {
+                kind: envelope.kind(),
+                blocks,
+            });
+        }
     }
     let start = out.len();
     let result = envelope.serialize(&mut rmp_serde::Serializer::new(&mut *out));
@@ -708,6 +831,9 @@ impl Serialize for Envelope {
             LeaseEvent::WorkerReset(e) => {
                 1 + usize::from(e.dp_rank.is_some()) + usize::from(e.leaving)
             }
+            LeaseEvent::KvStored(e) => 3 + usize::from(e.parent_hash.is_some()),
+            LeaseEvent::KvRemoved(_) => 3,
+            LeaseEvent::KvCleared(e) => 1 + usize::from(e.dp_rank.is_some()),
         };
         let mut map = serializer.serialize_map(Some(5 + event_fields))?;
         map.serialize_entry(keys::VERSION, &self.version)?;
@@ -754,6 +880,25 @@ impl Serialize for Envelope {
                 }
                 if e.leaving {
                     map.serialize_entry(keys::LEAVING, &true)?;
+                }
+            }
+            LeaseEvent::KvStored(e) => {
+                map.serialize_entry(keys::WORKER_ID, &e.worker_id)?;
+                map.serialize_entry(keys::DP_RANK, &e.dp_rank)?;
+                map.serialize_entry(keys::BLOCK_HASHES, &e.block_hashes)?;
+                if let Some(parent) = &e.parent_hash {
+                    map.serialize_entry(keys::PARENT_HASH, parent)?;
+                }
+            }
+            LeaseEvent::KvRemoved(e) => {
+                map.serialize_entry(keys::WORKER_ID, &e.worker_id)?;
+                map.serialize_entry(keys::DP_RANK, &e.dp_rank)?;
+                map.serialize_entry(keys::BLOCK_HASHES, &e.block_hashes)?;
+            }
+            LeaseEvent::KvCleared(e) => {
+                map.serialize_entry(keys::WORKER_ID, &e.worker_id)?;
+                if let Some(dp_rank) = &e.dp_rank {
+                    map.serialize_entry(keys::DP_RANK, dp_rank)?;
                 }
             }
         }

@@ -55,6 +55,7 @@ pub(super) fn read(bytes: &[u8]) -> Option<(RawEnvelope, usize)> {
             b"leaving" => put(&mut raw.leaving, bool_or_nil(&mut r)?)?,
             b"blk" => put(&mut raw.block_hashes, hashes_or_nil(&mut r)?)?,
             b"bcap" => put(&mut raw.block_capacity, u32_or_nil(&mut r)?)?,
+            b"par" => put(&mut raw.parent_hash, u64_or_nil(&mut r)?)?,
             _ => return None,
         }
     }
@@ -75,6 +76,14 @@ fn put<T>(slot: &mut Option<T>, value: T) -> Option<()> {
 /// An integer below 2^32, in any unsigned width.
 fn u32(r: &mut Reader<'_>) -> Option<u32> {
     u32::try_from(r.uint()?).ok()
+}
+
+/// `Some(None)` for nil.
+fn u64_or_nil(r: &mut Reader<'_>) -> Option<Option<u64>> {
+    if r.nil() {
+        return Some(None);
+    }
+    r.uint().map(Some)
 }
 
 /// `Some(None)` for nil.

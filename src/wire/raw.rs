@@ -5,8 +5,9 @@
 //! requires, so both answer alike.
 
 use super::{
-    keys, Admitted, Completed, DecodeEventError, Envelope, EventKind, LeaseEvent, Outcome,
-    ProgressStage, Progressed, WorkerReset, MAX_BLOCK_HASHES, WIRE_VERSION,
+    keys, Admitted, Completed, DecodeEventError, Envelope, EventKind, KvCleared, KvRemoved,
+    KvStored, LeaseEvent, Outcome, ProgressStage, Progressed, WorkerReset, MAX_BLOCK_HASHES,
+    WIRE_VERSION,
 };
 
 /// Whatever the decoder has seen of an envelope, before validation.
@@ -30,6 +31,7 @@ pub(super) struct RawEnvelope {
     pub(super) leaving: Option<Option<bool>>,
     pub(super) block_hashes: Option<Option<Vec<u64>>>,
     pub(super) block_capacity: Option<Option<u32>>,
+    pub(super) parent_hash: Option<Option<u64>>,
 }
 
 fn missing(key: &str, kind: Option<EventKind>) -> DecodeEventError {
@@ -80,6 +82,39 @@ impl RawEnvelope {
                 dp_rank: self.dp_rank.flatten(),
                 leaving: self.leaving.flatten().unwrap_or(false),
             })
+        } else if kind == EventKind::KvCleared {
+            LeaseEvent::KvCleared(KvCleared {
+                worker_id,
+                dp_rank: self.dp_rank.flatten(),
+            })
+        } else if matches!(kind, EventKind::KvStored | EventKind::KvRemoved) {
+            let dp_rank = rank(self.dp_rank, kind)?;
+            let block_hashes = match self.block_hashes.flatten() {
+                Some(hashes) if !hashes.is_empty() && hashes.len() <= MAX_BLOCK_HASHES => hashes,
+                Some(hashes) => {
+                    return Err(DecodeEventError::Malformed(format!(
+                        "field `{}` holds {} hashes: a `{kind}` event holds 1 to \
+                         {MAX_BLOCK_HASHES}",
+                        keys::BLOCK_HASHES,
+                        hashes.len()
+                    )))
+                }
+                None => return Err(missing(keys::BLOCK_HASHES, k)),
+            };
+            if kind == EventKind::KvStored {
+                LeaseEvent::KvStored(KvStored {
+                    worker_id,
+                    dp_rank,
+                    parent_hash: self.parent_hash.flatten(),
+                    block_hashes,
+                })
+            } else {
+                LeaseEvent::KvRemoved(KvRemoved {
+                    worker_id,
+                    dp_rank,
+                    block_hashes,
+                })
+            }
         } else {
             let request_id = required(self.request_id, keys::REQUEST_ID, k)?;
             if request_id.is_empty() {
@@ -87,15 +122,7 @@ impl RawEnvelope {
                     "field `rid` is empty".to_owned(),
                 ));
             }
-            let dp_rank = match self.dp_rank {
-                Some(Some(dp_rank)) => dp_rank,
-                Some(None) => {
-                    return Err(DecodeEventError::Malformed(format!(
-                        "field `dp` is nil (a rank is required in a `{kind}` event)"
-                    )))
-                }
-                None => return Err(missing(keys::DP_RANK, k)),
-            };
+            let dp_rank = rank(self.dp_rank, kind)?;
             match kind {
                 EventKind::Admitted => {
                     let block_hashes = self.block_hashes.flatten().unwrap_or_default();
@@ -125,7 +152,7 @@ impl RawEnvelope {
                     stage: required(self.stage, keys::STAGE, k)?,
                     output_tokens: required(self.output_tokens, keys::OUTPUT_TOKENS, k)?,
                 }),
-                EventKind::Completed | EventKind::WorkerReset => LeaseEvent::Completed(Completed {
+                _ => LeaseEvent::Completed(Completed {
                     request_id,
                     worker_id,
                     dp_rank,
@@ -140,6 +167,17 @@ impl RawEnvelope {
             published_at_us,
             event,
         })
+    }
+}
+
+/// The rank a per-request or per-block event requires.
+fn rank(slot: Option<Option<u32>>, kind: EventKind) -> Result<u32, DecodeEventError> {
+    match slot {
+        Some(Some(dp_rank)) => Ok(dp_rank),
+        Some(None) => Err(DecodeEventError::Malformed(format!(
+            "field `dp` is nil (a rank is required in a `{kind}` event)"
+        ))),
+        None => Err(missing(keys::DP_RANK, Some(kind))),
     }
 }
 

@@ -103,7 +103,169 @@ fn samples() -> Vec<Envelope> {
                 leaving: true,
             },
         ),
+        Envelope::new(
+            9,
+            9,
+            9,
+            KvStored {
+                worker_id: 7,
+                dp_rank: 2,
+                parent_hash: Some(u64::MAX),
+                block_hashes: vec![1, u64::MAX, 1 << 40],
+            },
+        ),
+        Envelope::new(
+            9,
+            10,
+            9,
+            KvStored {
+                worker_id: 7,
+                dp_rank: 0,
+                parent_hash: None,
+                block_hashes: (0..MAX_BLOCK_HASHES as u64).map(|i| i << 50).collect(),
+            },
+        ),
+        Envelope::new(
+            9,
+            11,
+            9,
+            KvRemoved {
+                worker_id: 7,
+                dp_rank: 2,
+                block_hashes: vec![u64::MAX],
+            },
+        ),
+        Envelope::new(
+            9,
+            12,
+            9,
+            KvCleared {
+                worker_id: 7,
+                dp_rank: None,
+            },
+        ),
+        Envelope::new(
+            9,
+            13,
+            9,
+            KvCleared {
+                worker_id: 7,
+                dp_rank: Some(3),
+            },
+        ),
     ]
+}
+
+/// The KV kinds' rules: blocks 1 to 256 where they are required, a rank where one is, and
+/// neither an encoder nor a decoder lets a wrong count through.
+#[test]
+fn kv_events_need_their_blocks_and_rank() {
+    let kv = |fields: fn(Mp) -> Mp, n: u8| {
+        fields(
+            Mp::default()
+                .map(6 + n)
+                .kv("v", 1)
+                .kv("pub", 1)
+                .kv("seq", 1)
+                .kv("ts", 1)
+                .kv("wid", 7),
+        )
+        .0
+    };
+    // Missing blocks, an empty array, a nil rank, a missing rank: each malformed.
+    let cases: [(fn(Mp) -> Mp, u8, &str); 5] = [
+        (
+            |m| m.ks("kind", "kv_stored").kv("dp", 0),
+            1,
+            "missing field `blk`",
+        ),
+        (
+            |m| m.ks("kind", "kv_removed").kv("dp", 0),
+            1,
+            "missing field `blk`",
+        ),
+        (
+            |m| {
+                m.ks("kind", "kv_stored")
+                    .kv("dp", 0)
+                    .str("blk")
+                    .raw(&[0x90])
+            },
+            2,
+            "holds 0 hashes",
+        ),
+        (
+            |m| {
+                m.ks("kind", "kv_removed")
+                    .str("dp")
+                    .raw(&[0xc0])
+                    .str("blk")
+                    .raw(&[0x91, 1])
+            },
+            2,
+            "field `dp` is nil",
+        ),
+        (
+            |m| m.ks("kind", "kv_stored").str("blk").raw(&[0x91, 1]),
+            1,
+            "missing field `dp`",
+        ),
+    ];
+    for (fields, n, message) in cases {
+        match decode_default(&kv(fields, n)) {
+            Err(DecodeEventError::Malformed(m)) => assert!(m.contains(message), "{m}"),
+            other => panic!("{message}: {other:?}"),
+        }
+    }
+    // 257 hashes: malformed.
+    let mut many = kv(|m| m.ks("kind", "kv_stored").kv("dp", 0).str("blk"), 2);
+    many.extend_from_slice(&[0xdc, 0x01, 0x01]);
+    many.extend(std::iter::repeat_n(1u8, 257));
+    assert!(matches!(
+        decode(&many, 1 << 20),
+        Err(DecodeEventError::Malformed(m)) if m.contains("holds 257 hashes")
+    ));
+    // A clear without a rank is every rank; one with a nil parent is a root chain.
+    let cleared = kv(|m| m.ks("kind", "kv_cleared"), 0);
+    assert_eq!(
+        decode_default(&cleared).unwrap().event,
+        LeaseEvent::KvCleared(KvCleared {
+            worker_id: 7,
+            dp_rank: None
+        })
+    );
+    let root = kv(
+        |m| {
+            m.ks("kind", "kv_stored")
+                .kv("dp", 1)
+                .str("blk")
+                .raw(&[0x91, 5])
+                .str("par")
+                .raw(&[0xc0])
+        },
+        3,
+    );
+    assert_eq!(
+        decode_default(&root).unwrap().event,
+        LeaseEvent::KvStored(KvStored {
+            worker_id: 7,
+            dp_rank: 1,
+            parent_hash: None,
+            block_hashes: vec![5]
+        })
+    );
+    // The encoder refuses what the decoder would.
+    for blocks in [0, MAX_BLOCK_HASHES + 1] {
+        let event = KvRemoved {
+            worker_id: 7,
+            dp_rank: 0,
+            block_hashes: vec![1; blocks],
+        };
+        assert!(matches!(
+            encode(&Envelope::new(1, 1, 1, event)),
+            Err(EncodeEventError::BlockCount { blocks: b, .. }) if b == blocks
+        ));
+    }
 }
 
 /// A small MessagePack writer for hand-made bodies.
@@ -265,8 +427,20 @@ fn accessors() {
     assert_eq!(reset.worker(), None);
     assert_eq!(
         EventKind::ALL.map(EventKind::as_str),
-        ["admitted", "progressed", "completed", "worker_reset"]
+        [
+            "admitted",
+            "progressed",
+            "completed",
+            "worker_reset",
+            "kv_stored",
+            "kv_removed",
+            "kv_cleared"
+        ]
     );
+    // The applied counters are indexed by declaration order, which ALL follows.
+    for (i, kind) in EventKind::ALL.into_iter().enumerate() {
+        assert_eq!(kind as usize, i);
+    }
     for kind in EventKind::ALL {
         assert_eq!(EventKind::from_wire(kind.as_str()), Some(kind));
         assert_eq!(kind.to_string(), kind.as_str());

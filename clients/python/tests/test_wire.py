@@ -16,6 +16,9 @@ from lease_router import (
     Admitted,
     Completed,
     Envelope,
+    KvCleared,
+    KvRemoved,
+    KvStored,
     LeaseEvent,
     Outcome,
     Progressed,
@@ -46,6 +49,12 @@ def event_of(j: dict[str, Any]) -> Envelope:
         ev = Progressed(j["rid"], j["wid"], j["dp"], ProgressStage(j["stage"]), j["otok"])
     elif kind == "completed":
         ev = Completed(j["rid"], j["wid"], j["dp"], Outcome(j["outcome"]))
+    elif kind == "kv_stored":
+        ev = KvStored(j["wid"], j["dp"], tuple(j["blk"]), j.get("par"))
+    elif kind == "kv_removed":
+        ev = KvRemoved(j["wid"], j["dp"], tuple(j["blk"]))
+    elif kind == "kv_cleared":
+        ev = KvCleared(j["wid"], j.get("dp"))
     else:
         assert kind == "worker_reset"
         ev = WorkerReset(j["wid"], j.get("dp"), bool(j.get("leaving")))
@@ -81,8 +90,17 @@ def test_the_fixtures_cover_every_kind_and_optional_field() -> None:
         for e in j["events"] if j["kind"] == "batch" else [j]:
             seen.add(e["kind"])
             seen.update(e)
-    assert {"admitted", "progressed", "completed", "worker_reset", "batch"} - {"batch"} <= seen
-    assert {"etok", "ctok", "blk", "bcap", "leaving", "stage", "outcome"} <= seen
+    assert {"admitted", "progressed", "completed", "worker_reset"} <= seen
+    assert {"kv_stored", "kv_removed", "kv_cleared"} <= seen
+    assert {"etok", "ctok", "blk", "bcap", "leaving", "stage", "outcome", "par"} <= seen
+
+
+@pytest.mark.parametrize("n", [0, 257])
+def test_a_kv_event_holds_1_to_256_blocks(n: int) -> None:
+    with pytest.raises(ValueError, match="1 to 256"):
+        KvStored(3, 0, tuple(range(n)))
+    with pytest.raises(ValueError, match="1 to 256"):
+        KvRemoved(3, 0, tuple(range(n)))
 
 
 @pytest.mark.parametrize("path", sorted((FIXTURES / "interop").glob("*.msgpack")), ids=str)

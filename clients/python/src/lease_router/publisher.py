@@ -50,6 +50,9 @@ from nats.js.errors import NotFoundError
 from .wire import (
     Admitted,
     Completed,
+    KvCleared,
+    KvRemoved,
+    KvStored,
     LeaseEvent,
     Outcome,
     Progressed,
@@ -514,7 +517,10 @@ class LeasePublisher:
         with self._lock:
             if self._closing:
                 raise PublisherClosedError("lease publisher is closed")
-            if not isinstance(event, (Admitted, Progressed, Completed, WorkerReset)):
+            if not isinstance(
+                event,
+                (Admitted, Progressed, Completed, WorkerReset, KvStored, KvRemoved, KvCleared),
+            ):
                 self._stats.rejected_invalid += 1
                 raise TypeError(f"not a lease event: {type(event).__name__}")
             if self._events_queued >= self._capacity:
@@ -602,6 +608,26 @@ class LeasePublisher:
     def worker_left(self, worker_id: int, dp_rank: int | None = None) -> bool:
         """Queues a ``worker_reset`` with ``leaving`` (1.1): on a clean shutdown."""
         return self.publish(WorkerReset(worker_id, dp_rank, True))
+
+    def kv_stored(
+        self,
+        worker_id: int,
+        dp_rank: int,
+        block_hashes: list[int] | tuple[int, ...],
+        parent_hash: int | None = None,
+    ) -> bool:
+        """Queues a ``kv_stored`` (1.3): the engine stored these blocks (chain order, 1-256)."""
+        return self.publish(KvStored(worker_id, dp_rank, tuple(block_hashes), parent_hash))
+
+    def kv_removed(
+        self, worker_id: int, dp_rank: int, block_hashes: list[int] | tuple[int, ...]
+    ) -> bool:
+        """Queues a ``kv_removed`` (1.3): the engine evicted these blocks (1-256)."""
+        return self.publish(KvRemoved(worker_id, dp_rank, tuple(block_hashes)))
+
+    def kv_cleared(self, worker_id: int, dp_rank: int | None = None) -> bool:
+        """Queues a ``kv_cleared`` (1.3): the engine's cache (of one rank, or all) is empty."""
+        return self.publish(KvCleared(worker_id, dp_rank))
 
     # ------------------------------------------------------------------------------------
     # Flush and close.

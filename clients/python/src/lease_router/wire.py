@@ -237,8 +237,110 @@ class WorkerReset:
         return out
 
 
+def _block_list(name: str, hashes: object) -> tuple[int, ...]:
+    """1 to :data:`MAX_BLOCK_HASHES` u64 hashes, as an immutable tuple."""
+    if not isinstance(hashes, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of ints")
+    out = tuple(hashes)
+    if not 1 <= len(out) <= MAX_BLOCK_HASHES:
+        raise ValueError(
+            f"{len(out)} block hashes: a KV event holds 1 to {MAX_BLOCK_HASHES} "
+            "(split a longer chain; each part's parent is the previous part's last hash)"
+        )
+    for block_hash in out:
+        _check_u64("a block hash", block_hash)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class KvStored:
+    """The engine stored blocks in its KV cache (``kv_stored``, 1.3).
+
+    ``block_hashes``: our hashes (:func:`lease_router.block_hashes`), chain order, 1 to 256;
+    ``parent_hash``: our hash of the block before the first, ``None`` for a prompt's first
+    block. A rank that sends KV events is exact: routers take only these for what it holds.
+    """
+
+    worker_id: int
+    dp_rank: int
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_u64("worker_id", self.worker_id)
+        _check_u32("dp_rank", self.dp_rank)
+        object.__setattr__(self, "block_hashes", _block_list("block_hashes", self.block_hashes))
+        if self.parent_hash is not None:
+            _check_u64("parent_hash", self.parent_hash)
+
+    @property
+    def kind(self) -> str:
+        """The wire ``kind``."""
+        return "kv_stored"
+
+    def fields(self) -> dict[str, object]:
+        """The event's own fields, in the contract's order, optional ones only when set."""
+        out: dict[str, object] = {
+            "wid": self.worker_id,
+            "dp": self.dp_rank,
+            "blk": list(self.block_hashes),
+        }
+        if self.parent_hash is not None:
+            out["par"] = self.parent_hash
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class KvRemoved:
+    """The engine evicted blocks from its KV cache (``kv_removed``, 1.3); 1 to 256 hashes."""
+
+    worker_id: int
+    dp_rank: int
+    block_hashes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_u64("worker_id", self.worker_id)
+        _check_u32("dp_rank", self.dp_rank)
+        object.__setattr__(self, "block_hashes", _block_list("block_hashes", self.block_hashes))
+
+    @property
+    def kind(self) -> str:
+        """The wire ``kind``."""
+        return "kv_removed"
+
+    def fields(self) -> dict[str, object]:
+        """The event's own fields, in the contract's order."""
+        return {"wid": self.worker_id, "dp": self.dp_rank, "blk": list(self.block_hashes)}
+
+
+@dataclass(frozen=True, slots=True)
+class KvCleared:
+    """The engine holds nothing in its KV cache (``kv_cleared``, 1.3); every rank when
+    ``dp_rank`` is ``None``."""
+
+    worker_id: int
+    dp_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_u64("worker_id", self.worker_id)
+        if self.dp_rank is not None:
+            _check_u32("dp_rank", self.dp_rank)
+
+    @property
+    def kind(self) -> str:
+        """The wire ``kind``."""
+        return "kv_cleared"
+
+    def fields(self) -> dict[str, object]:
+        """The event's own fields, optional ones only when set."""
+        out: dict[str, object] = {"wid": self.worker_id}
+        if self.dp_rank is not None:
+            out["dp"] = self.dp_rank
+        return out
+
+
 #: Any event of the contract.
-LeaseEvent = Admitted | Progressed | Completed | WorkerReset
+LeaseEvent = Admitted | Progressed | Completed | WorkerReset | KvStored | KvRemoved | KvCleared
 
 
 @dataclass(frozen=True, slots=True)
