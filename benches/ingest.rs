@@ -285,7 +285,11 @@ fn breakdown(streams: &[Vec<Encoded>], batched: &[Vec<Encoded>]) {
                     LeaseEvent::Completed(c) => {
                         batch.complete_current(&c.request_id, c.worker());
                     }
-                    LeaseEvent::WorkerReset(_) => {}
+                    // The generated traffic holds neither resets nor KV events.
+                    LeaseEvent::WorkerReset(_)
+                    | LeaseEvent::KvStored(_)
+                    | LeaseEvent::KvRemoved(_)
+                    | LeaseEvent::KvCleared(_) => {}
                 }
             }
         }

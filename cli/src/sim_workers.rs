@@ -622,15 +622,17 @@ struct Worker {
 impl Worker {
     fn send(&self, event: impl Into<LeaseEvent>) {
         let event = event.into();
+        // Simulated workers send no KV events (their caches are not modelled).
         let counter = match &event {
-            LeaseEvent::Admitted(_) => &self.counters.admitted,
-            LeaseEvent::Progressed(_) => &self.counters.progressed,
-            LeaseEvent::Completed(_) => &self.counters.completed_events,
-            LeaseEvent::WorkerReset(_) => &self.counters.resets,
+            LeaseEvent::Admitted(_) => Some(&self.counters.admitted),
+            LeaseEvent::Progressed(_) => Some(&self.counters.progressed),
+            LeaseEvent::Completed(_) => Some(&self.counters.completed_events),
+            LeaseEvent::WorkerReset(_) => Some(&self.counters.resets),
+            LeaseEvent::KvStored(_) | LeaseEvent::KvRemoved(_) | LeaseEvent::KvCleared(_) => None,
         };
         match self.publisher.publish(event) {
             Ok(()) => {
-                bump(counter);
+                counter.into_iter().for_each(bump);
                 bump(&self.counters.published);
             }
             Err(error) => {

@@ -173,7 +173,8 @@ fn kv_events_need_their_blocks_and_rank() {
         .0
     };
     // Missing blocks, an empty array, a nil rank, a missing rank: each malformed.
-    let cases: [(fn(Mp) -> Mp, u8, &str); 5] = [
+    type Fields = fn(Mp) -> Mp;
+    let cases: [(Fields, u8, &str); 5] = [
         (
             |m| m.ks("kind", "kv_stored").kv("dp", 0),
             1,

@@ -231,5 +231,21 @@ fn describe(event: &LeaseEvent) -> String {
             Some(rank) => format!("worker {} rank {rank}", e.worker_id),
             None => format!("worker {}, every rank", e.worker_id),
         },
+        LeaseEvent::KvStored(e) => format!(
+            "worker {} rank {}, {} blocks stored",
+            e.worker_id,
+            e.dp_rank,
+            e.block_hashes.len()
+        ),
+        LeaseEvent::KvRemoved(e) => format!(
+            "worker {} rank {}, {} blocks removed",
+            e.worker_id,
+            e.dp_rank,
+            e.block_hashes.len()
+        ),
+        LeaseEvent::KvCleared(e) => match e.dp_rank {
+            Some(rank) => format!("worker {} rank {rank}, cache cleared", e.worker_id),
+            None => format!("worker {}, every rank's cache cleared", e.worker_id),
+        },
     }
 }
