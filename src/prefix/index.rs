@@ -456,12 +456,7 @@ impl PrefixIndex {
         let mut removed = 0;
         for hash in hashes {
             if let Some(entry) = self.holds(hash, slot) {
-                self.unlink(slot, entry);
-                self.remove_holder(*hash, slot);
-                self.entries[entry as usize].newer = self.free;
-                self.free = entry;
-                self.workers[slot as usize].len -= 1;
-                self.len -= 1;
+                self.drop_entry(slot, entry);
                 removed += 1;
             }
         }
@@ -471,21 +466,14 @@ impl PrefixIndex {
     /// `worker`'s engine emptied its cache (`kv_cleared`): the rank is exact and holds
     /// nothing. Returns the entries forgotten.
     pub fn clear_exact(&mut self, worker: WorkerWithDpRank) -> usize {
-        self.make_exact(worker) + self.empty_keeping_capacity(worker)
+        self.exact.insert(worker);
+        self.empty_keeping_capacity(worker)
     }
 
     /// Every rank of worker `worker_id` that the index knows (it holds blocks, announced a
     /// capacity, or is exact) emptied its cache (`kv_cleared` without a rank).
     pub fn clear_exact_worker(&mut self, worker_id: u64) -> usize {
-        let mut ranks: Vec<WorkerWithDpRank> = self
-            .slots
-            .keys()
-            .chain(self.exact.iter())
-            .copied()
-            .filter(|w| w.worker_id.0 == worker_id)
-            .collect();
-        ranks.sort_unstable();
-        ranks.dedup();
+        let ranks = self.ranks_of(worker_id);
         ranks.into_iter().map(|w| self.clear_exact(w)).sum()
     }
 
@@ -500,13 +488,7 @@ impl PrefixIndex {
         let Some(&slot) = self.slots.get(&worker) else {
             return Vec::new();
         };
-        let w = &self.workers[slot as usize];
-        let mut hashes = Vec::with_capacity(w.len as usize);
-        let mut at = w.oldest;
-        while at != NIL {
-            hashes.push(self.entries[at as usize].hash);
-            at = self.entries[at as usize].newer;
-        }
+        let mut hashes = self.blocks_of(slot);
         hashes.sort_unstable();
         hashes
     }
@@ -604,6 +586,18 @@ impl PrefixIndex {
         u32::try_from(held).unwrap_or(u32::MAX)
     }
 
+    /// `slot`'s blocks, least recent first.
+    fn blocks_of(&self, slot: u32) -> Vec<u64> {
+        let w = &self.workers[slot as usize];
+        let mut blocks = Vec::with_capacity(w.len as usize);
+        let mut at = w.oldest;
+        while at != NIL {
+            blocks.push(self.entries[at as usize].hash);
+            at = self.entries[at as usize].newer;
+        }
+        blocks
+    }
+
     /// What a snapshot keeps of it, ordered by worker.
     pub(crate) fn image(&self) -> PrefixImage {
         let mut workers: Vec<WorkerImage> = self
@@ -611,16 +605,10 @@ impl PrefixIndex {
             .values()
             .map(|&slot| {
                 let w = &self.workers[slot as usize];
-                let mut blocks = Vec::with_capacity(w.len as usize);
-                let mut at = w.oldest;
-                while at != NIL {
-                    blocks.push(self.entries[at as usize].hash);
-                    at = self.entries[at as usize].newer;
-                }
                 WorkerImage {
                     worker: w.worker,
                     capacity: w.capacity,
-                    blocks,
+                    blocks: self.blocks_of(slot),
                 }
             })
             .collect();
@@ -720,6 +708,12 @@ impl PrefixIndex {
         if entry == NIL {
             return;
         }
+        self.drop_entry(slot, entry);
+        self.evicted += 1;
+    }
+
+    /// Takes `entry` out of `slot`'s blocks and back to the free list.
+    fn drop_entry(&mut self, slot: u32, entry: u32) {
         self.unlink(slot, entry);
         let hash = self.entries[entry as usize].hash;
         self.remove_holder(hash, slot);
@@ -727,7 +721,6 @@ impl PrefixIndex {
         self.free = entry;
         self.workers[slot as usize].len -= 1;
         self.len -= 1;
-        self.evicted += 1;
     }
 
     /// Past `max_entries`: the rank holding the most gives up its least recent blocks.

@@ -779,19 +779,27 @@ async fn cancel_route(
     State(state): State<ApiState>,
     path: Result<Path<(String, String)>, axum::extract::rejection::PathRejection>,
 ) -> ApiResult<Response> {
-    let Path((raw, request_id)) = path.map_err(|err| {
+    let (name, request_id) = name_and(path, "request id")?;
+    let view = running_view(&state, &name)?;
+    let released = view.manager().cancel_route_of(&request_id);
+    Ok(Json(json!({ "request_id": request_id, "released": released })).into_response())
+}
+
+/// A `/v1/deployments/{name}/.../{what}` path: the deployment and the last segment.
+fn name_and(
+    path: Result<Path<(String, String)>, axum::extract::rejection::PathRejection>,
+    what: &str,
+) -> Result<(DeploymentName, String), ApiError> {
+    let Path((raw, last)) = path.map_err(|err| {
         ApiError(
             err.status(),
             format!(
-                "invalid deployment name or request id in the path: {}",
+                "invalid deployment name or {what} in the path: {}",
                 err.body_text()
             ),
         )
     })?;
-    let name = parse_name(&raw)?;
-    let view = running_view(&state, &name)?;
-    let released = view.manager().cancel_route_of(&request_id);
-    Ok(Json(json!({ "request_id": request_id, "released": released })).into_response())
+    Ok((parse_name(&raw)?, last))
 }
 
 /// What the deployment's prefix index holds of one worker, rank by rank: to check it
@@ -800,16 +808,7 @@ async fn worker_prefix(
     State(state): State<ApiState>,
     path: Result<Path<(String, String)>, axum::extract::rejection::PathRejection>,
 ) -> ApiResult<Response> {
-    let Path((raw, worker)) = path.map_err(|err| {
-        ApiError(
-            err.status(),
-            format!(
-                "invalid deployment name or worker id in the path: {}",
-                err.body_text()
-            ),
-        )
-    })?;
-    let name = parse_name(&raw)?;
+    let (name, worker) = name_and(path, "worker id")?;
     let worker_id: u64 = worker.parse().map_err(|_| {
         ApiError(
             StatusCode::BAD_REQUEST,
