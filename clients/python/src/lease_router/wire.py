@@ -315,8 +315,10 @@ class KvRemoved:
 
 @dataclass(frozen=True, slots=True)
 class KvCleared:
-    """The engine holds nothing in its KV cache (``kv_cleared``, 1.3); every rank when
-    ``dp_rank`` is ``None``."""
+    """The engine holds nothing in its KV cache (``kv_cleared``, 1.3).
+
+    Every rank of the worker when ``dp_rank`` is ``None``.
+    """
 
     worker_id: int
     dp_rank: int | None = None
