@@ -9,6 +9,7 @@ use lease_router::wire::{
     self, Admitted, Completed, Envelope, LeaseEvent, Message, MessageLimits, Outcome,
     ProgressStage, Progressed, WorkerReset, DEFAULT_MAX_EVENT_BYTES, WIRE_VERSION,
 };
+use lease_router::wire::{KvCleared, KvRemoved, KvStored, MAX_BLOCK_HASHES};
 use lease_router::{DeploymentName, SubjectPrefix, Subjects, MAX_TOKEN_LEN};
 use proptest::prelude::*;
 
@@ -45,13 +46,24 @@ fn event() -> impl Strategy<Value = LeaseEvent> {
             any::<u32>(),
             any::<u32>(),
             any::<Option<u32>>(),
+            any::<Option<u32>>(),
+            prop::collection::vec(any::<u64>(), 0..=MAX_BLOCK_HASHES),
             any::<Option<u32>>()
         )
             .prop_map(
-                |(request_id, worker_id, dp_rank, prompt_tokens, expected, cached)| {
+                |(
+                    request_id,
+                    worker_id,
+                    dp_rank,
+                    prompt_tokens,
+                    expected,
+                    cached,
+                    block_hashes,
+                    block_capacity,
+                )| {
                     LeaseEvent::Admitted(Admitted {
-                        block_hashes: Vec::new(),
-                        block_capacity: None,
+                        block_hashes,
+                        block_capacity,
                         request_id,
                         worker_id,
                         dp_rank,
@@ -95,6 +107,35 @@ fn event() -> impl Strategy<Value = LeaseEvent> {
                     leaving,
                 })
             }
+        ),
+        (
+            any::<u64>(),
+            any::<u32>(),
+            any::<Option<u64>>(),
+            prop::collection::vec(any::<u64>(), 1..=MAX_BLOCK_HASHES)
+        )
+            .prop_map(|(worker_id, dp_rank, parent_hash, block_hashes)| {
+                LeaseEvent::KvStored(KvStored {
+                    worker_id,
+                    dp_rank,
+                    parent_hash,
+                    block_hashes,
+                })
+            }),
+        (
+            any::<u64>(),
+            any::<u32>(),
+            prop::collection::vec(any::<u64>(), 1..=MAX_BLOCK_HASHES)
+        )
+            .prop_map(|(worker_id, dp_rank, block_hashes)| {
+                LeaseEvent::KvRemoved(KvRemoved {
+                    worker_id,
+                    dp_rank,
+                    block_hashes,
+                })
+            }),
+        (any::<u64>(), any::<Option<u32>>()).prop_map(
+            |(worker_id, dp_rank)| LeaseEvent::KvCleared(KvCleared { worker_id, dp_rank })
         ),
     ]
 }

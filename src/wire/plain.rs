@@ -126,6 +126,7 @@ mod tests {
     use super::super::full::decode_full;
     use super::super::{encode, Admitted, Envelope, LeaseEvent, DEFAULT_MAX_EVENT_BYTES};
     use super::super::{Completed, Outcome, ProgressStage, Progressed, WorkerReset};
+    use super::super::{KvCleared, KvRemoved, KvStored};
     use super::*;
 
     fn admitted() -> Envelope {
@@ -148,8 +149,38 @@ mod tests {
 
     #[test]
     fn every_kind_the_encoder_writes_is_plain_and_read_whole() {
-        let events: [LeaseEvent; 5] = [
+        let events: [LeaseEvent; 10] = [
             admitted().event,
+            KvStored {
+                worker_id: 1 << 40,
+                dp_rank: 3,
+                parent_hash: Some(u64::MAX),
+                block_hashes: vec![0, 1 << 63, u64::MAX],
+            }
+            .into(),
+            KvStored {
+                worker_id: 1,
+                dp_rank: 0,
+                parent_hash: None,
+                block_hashes: vec![7; MAX_BLOCK_HASHES],
+            }
+            .into(),
+            KvRemoved {
+                worker_id: 2,
+                dp_rank: 1,
+                block_hashes: vec![42],
+            }
+            .into(),
+            KvCleared {
+                worker_id: 2,
+                dp_rank: None,
+            }
+            .into(),
+            KvCleared {
+                worker_id: 2,
+                dp_rank: Some(5),
+            }
+            .into(),
             Progressed {
                 request_id: "r".into(),
                 worker_id: 70_000,

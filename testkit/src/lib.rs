@@ -833,6 +833,28 @@ pub struct NatsCluster {
     timeout: Duration,
 }
 
+/// A leader elected is not yet a cluster that places streams: until every other peer is
+/// current with the meta leader, creating a replicated stream fails with "no suitable peers
+/// for placement, peer offline". The leader's `/jsz` lists the other peers.
+fn meta_peers_current(jsz: &serde_json::Value, want: usize) -> Result<(), String> {
+    let replicas = jsz
+        .pointer("/meta_cluster/replicas")
+        .and_then(|v| v.as_array())
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let current = replicas
+        .iter()
+        .filter(|r| {
+            r.get("current").and_then(|v| v.as_bool()).unwrap_or(false)
+                && !r.get("offline").and_then(|v| v.as_bool()).unwrap_or(false)
+        })
+        .count();
+    if current < want {
+        return Err(format!("{current} of {want} meta peers current"));
+    }
+    Ok(())
+}
+
 impl NatsCluster {
     /// Starts `n` nodes routed to each other and waits until every node is ready, every node
     /// has a route to every other, and (with JetStream) a meta leader is elected and the
@@ -958,6 +980,10 @@ impl NatsCluster {
                         "{} knows no JetStream meta leader",
                         node.server_name()
                     ));
+                }
+                if leader == node.server_name() {
+                    meta_peers_current(&jsz, want_routes as usize)
+                        .map_err(|e| format!("{} (meta leader): {e}", node.server_name()))?;
                 }
                 leaders.push(leader);
             }
