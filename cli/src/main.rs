@@ -14,6 +14,7 @@ mod commands;
 mod config;
 mod layering;
 mod nats_args;
+mod relay;
 mod sim_workers;
 
 use std::process::ExitCode;
@@ -59,6 +60,15 @@ enum Command {
     /// simulated workers against it, and shows a live view (a plain line per second when
     /// stdout is not a terminal) until Ctrl-C or --duration, then a summary.
     Demo(commands::demo::DemoArgs),
+    /// Relay one engine's KV cache events (vLLM's ZeroMQ publisher) to the routers as wire
+    /// 1.3 KV events, until SIGINT/SIGTERM.
+    ///
+    /// Subscribes to the engine's PUB socket (--endpoint), fills gaps from its replay socket
+    /// (--replay-endpoint), computes our block hashes from the token ids, and publishes
+    /// kv_stored / kv_removed / kv_cleared on the worker's subject. Prints `listening on
+    /// http://ADDR` (/healthz, /metrics) on stdout once connected to NATS. A first
+    /// SIGINT/SIGTERM publishes kv_cleared, flushes and exits 0.
+    Relay(commands::relay::RelayArgs),
 }
 
 fn main() -> ExitCode {
@@ -89,6 +99,7 @@ fn main() -> ExitCode {
                 Command::Publish(args) => commands::publish::run(args, &signals).await,
                 Command::Simulate(args) => commands::simulate::run(args, &signals).await,
                 Command::Demo(args) => commands::demo::run(args, &signals).await,
+                Command::Relay(args) => commands::relay::run(args, &signals).await,
             }
         };
         // A second signal drops whatever is running (children such as a demo's nats-server

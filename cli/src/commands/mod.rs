@@ -3,6 +3,7 @@
 
 pub mod demo;
 pub mod publish;
+pub mod relay;
 pub mod serve;
 pub mod simulate;
 

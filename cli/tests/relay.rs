@@ -1,0 +1,584 @@
+//! `lease-router relay` end to end: a fake vLLM engine (`fake_vllm_engine.py`: pyzmq and
+//! msgpack, vLLM's frames byte for byte, its replay socket), the real relay, a real `serve`
+//! over a real nats-server. After every step the router's view of the worker
+//! (`GET /v1/deployments/{d}/prefix/{worker}`) must equal our hashes (the library's
+//! `block_hashes` of the token ids) of what the relay can know of the engine's cache: all of
+//! it, except after a loss that replay cannot fill, when the index holds less (cleared, then
+//! what the engine stored since).
+//!
+//! The Python comes from `.tools/venv` (`scripts/tools`, PYTHON_PACKAGES: pyzmq, msgpack),
+//! else `python3` on PATH. Every wait is bounded and polls; children are killed on drop.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use lease_router::block_hashes;
+use lease_router_testkit::{pick_free_ports, NatsServer, NatsServerBuilder};
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_lease-router");
+const BOUND: Duration = Duration::from_secs(30);
+const BLOCK: usize = 16;
+const WORKER: u64 = 7;
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("cli/ is in the workspace")
+        .to_path_buf()
+}
+
+/// The Python with pyzmq and msgpack: `.tools/venv`'s, else `python3` on PATH.
+fn python() -> PathBuf {
+    let venv = workspace().join(".tools/venv/bin/python3");
+    let python = if venv.exists() {
+        venv
+    } else {
+        PathBuf::from("python3")
+    };
+    let probe = Command::new(&python)
+        .args(["-c", "import zmq, msgpack"])
+        .output();
+    match probe {
+        Ok(out) if out.status.success() => python,
+        other => panic!(
+            "{} lacks pyzmq or msgpack: `scripts/test` installs them into .tools/venv \
+             (scripts/tools, PYTHON_PACKAGES), or `pip install pyzmq msgpack` ({other:?})",
+            python.display()
+        ),
+    }
+}
+
+async fn nats(jetstream: bool) -> NatsServer {
+    NatsServerBuilder::new()
+        .jetstream(jetstream)
+        .spawn()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The binary, with none of the caller's settings leaking in.
+fn command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args).env("RUST_LOG", "info").stdin(Stdio::null());
+    for (key, _) in std::env::vars() {
+        if key.starts_with("LEASE_ROUTER_") || key.starts_with("NATS_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
+/// A running child whose output is collected by threads; killed on drop.
+struct Proc {
+    child: Child,
+    stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Proc {
+    fn spawn(cmd: &mut Command) -> Proc {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the binary starts");
+        let stdout = Arc::new(Mutex::new(String::new()));
+        let stderr = Arc::new(Mutex::new(String::new()));
+        collect(child.stdout.take().unwrap(), stdout.clone());
+        collect(child.stderr.take().unwrap(), stderr.clone());
+        Proc {
+            child,
+            stdout,
+            stderr,
+        }
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    fn wait_for_line(&mut self, prefix: &str) -> String {
+        let deadline = Instant::now() + BOUND;
+        loop {
+            let out = self.stdout.lock().unwrap().clone();
+            if let Some(rest) = out.lines().find_map(|l| l.strip_prefix(prefix)) {
+                return rest.to_owned();
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "exited ({status}) before {prefix:?}\n{out}\n{}",
+                    self.stderr()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {prefix:?}\n{}",
+                self.stderr()
+            );
+            thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// SIGTERM, then exit code 0 within the bound.
+    fn terminate(mut self) -> String {
+        let pid = self.child.id().to_string();
+        let killed = Command::new("kill").args(["-TERM", &pid]).status();
+        assert!(killed.expect("kill runs").success());
+        let deadline = Instant::now() + BOUND;
+        let status: ExitStatus = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "no exit\n{}", self.stderr());
+            thread::sleep(Duration::from_millis(25));
+        };
+        thread::sleep(Duration::from_millis(100));
+        assert_eq!(status.code(), Some(0), "{}", self.stderr());
+        self.stderr()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
+    thread::spawn(move || {
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        while matches!(reader.read_line(&mut line), Ok(n) if n > 0) {
+            into.lock().unwrap().push_str(&line);
+            line.clear();
+        }
+    });
+}
+
+/// One request per connection; the status and the body.
+fn http(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("read the answer");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    (status, if chunked { dechunk(body) } else { body.into() })
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = rest[size..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// The value of one metric series of the relay (the whole series name must match).
+fn metric(addr: SocketAddr, series: &str) -> f64 {
+    let (status, body) = http(addr, "/metrics");
+    assert_eq!(status, 200, "{body}");
+    body.lines()
+        .find_map(|line| {
+            let value = line.strip_prefix(series)?.strip_prefix(' ')?;
+            value.trim().parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no series {series} in\n{body}"))
+}
+
+/// Polls `check` until it holds, at most the bound; `what` and the last state on failure.
+fn eventually(what: &str, mut check: impl FnMut() -> Result<(), String>) {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        match check() {
+            Ok(()) => return,
+            Err(state) if Instant::now() >= deadline => panic!("{what}: {state}"),
+            Err(_) => thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// The fake engine: JSON commands on its stdin, one answer line each.
+struct Engine {
+    proc: Proc,
+    stdin: ChildStdin,
+    answers: Receiver<String>,
+    /// The last sequence number it used.
+    seq: Option<u64>,
+}
+
+impl Engine {
+    fn start(pub_endpoint: &str, replay_endpoint: &str, layout: &str, hashes: &str) -> Engine {
+        let script = workspace().join("cli/tests/fake_vllm_engine.py");
+        let mut child = Command::new(python())
+            .arg(script)
+            .args(["--pub", pub_endpoint, "--replay", replay_endpoint])
+            .args([
+                "--layout",
+                layout,
+                "--hashes",
+                hashes,
+                "--topic",
+                "kv-events",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("python starts");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let stderr = Arc::new(Mutex::new(String::new()));
+        collect(child.stderr.take().unwrap(), stderr.clone());
+        let (tx, answers) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let proc = Proc {
+            child,
+            stdout: Arc::default(),
+            stderr,
+        };
+        let mut engine = Engine {
+            proc,
+            stdin,
+            answers,
+            seq: None,
+        };
+        let ready = engine.answer();
+        assert_eq!(ready["ready"], true, "{ready}");
+        engine
+    }
+
+    fn answer(&mut self) -> Value {
+        let line = self.answers.recv_timeout(BOUND).unwrap_or_else(|e| {
+            panic!(
+                "the fake engine did not answer ({e})\n{}",
+                self.proc.stderr()
+            )
+        });
+        let value: Value = serde_json::from_str(&line).expect("a JSON answer");
+        assert!(value.get("error").is_none(), "the fake engine: {value}");
+        value
+    }
+
+    fn send(&mut self, command: Value) -> Value {
+        writeln!(self.stdin, "{command}").expect("the fake engine's stdin");
+        self.stdin.flush().unwrap();
+        let answer = self.answer();
+        self.seq = answer["seq"].as_i64().and_then(|s| u64::try_from(s).ok());
+        answer
+    }
+}
+
+/// Our hashes of the full blocks of `tokens`.
+fn ours(tokens: &[u32]) -> Vec<u64> {
+    block_hashes(tokens, BLOCK)
+}
+
+fn tokens(from: u32, n: usize) -> Vec<u32> {
+    (from..from + n as u32).collect()
+}
+
+fn store(tokens: &[u32], from: usize) -> Value {
+    json!({"op": "store", "tokens": tokens, "from": from})
+}
+
+struct Setup {
+    nats_url: String,
+    deployment: String,
+    pub_endpoint: String,
+    replay_endpoint: String,
+    durable: bool,
+}
+
+impl Setup {
+    fn relay(&self) -> (Proc, SocketAddr) {
+        let mut args = vec![
+            "relay",
+            "--nats-url",
+            &self.nats_url,
+            "--deployment",
+            &self.deployment,
+            "--worker-id",
+            "7",
+            "--endpoint",
+            &self.pub_endpoint,
+            "--replay-endpoint",
+            &self.replay_endpoint,
+            "--topic",
+            "kv-events",
+            "--block-size",
+            "16",
+            "--http-addr",
+            "127.0.0.1:0",
+        ];
+        if self.durable {
+            args.push("--durable");
+        }
+        let mut proc = Proc::spawn(&mut command(&args));
+        let addr = proc.wait_for_line("listening on http://");
+        (proc, addr.trim().parse().expect("an address"))
+    }
+}
+
+/// Until the relay has taken the engine's last message: no-op batches make a lost last
+/// message show as a gap (a real engine publishes all the time).
+fn sync(engine: &mut Engine, relay: SocketAddr) {
+    let deadline = Instant::now() + BOUND;
+    let mut nudge = Instant::now() + Duration::from_millis(500);
+    loop {
+        let seen = metric(relay, "lease_router_relay_last_sequence");
+        if engine.seq.is_some_and(|s| seen == s as f64) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the relay is at {seen}, the engine at {:?}",
+            engine.seq
+        );
+        if Instant::now() >= nudge {
+            engine.send(json!({"op": "noop"}));
+            nudge = Instant::now() + Duration::from_millis(500);
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The router's view of the worker's rank 0 equals `want`.
+fn view_is(router: SocketAddr, deployment: &str, want: &BTreeSet<u64>, step: &str) {
+    let path = format!("/v1/deployments/{deployment}/prefix/{WORKER}");
+    eventually(step, || {
+        let (status, body) = http(router, &path);
+        if status != 200 {
+            return Err(format!("{status} {body}"));
+        }
+        let view: Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+        let rank = view["ranks"]
+            .as_array()
+            .and_then(|ranks| ranks.iter().find(|r| r["dp_rank"] == 0));
+        let held: BTreeSet<u64> = rank
+            .and_then(|r| r["hashes"].as_array())
+            .map(|h| h.iter().filter_map(Value::as_u64).collect())
+            .unwrap_or_default();
+        if rank.is_some_and(|r| r["exact"] != true) {
+            return Err(format!("rank 0 is not exact: {body}"));
+        }
+        if &held == want {
+            Ok(())
+        } else {
+            Err(format!(
+                "the router holds {} blocks, the engine {}: {body}",
+                held.len(),
+                want.len()
+            ))
+        }
+    });
+}
+
+fn at_least(relay: SocketAddr, series: &str, n: f64) {
+    eventually(series, || {
+        let value = metric(relay, series);
+        (value >= n).then_some(()).ok_or(format!("{value} < {n}"))
+    });
+}
+
+async fn scenario(layout: &str, hashes: &str, durable: bool) {
+    let server = nats(durable).await;
+    let deployment = format!("relay-{}", layout.replace('.', "-"));
+    let mut serve_args = vec![
+        "serve",
+        "--nats-url",
+        server.url().leak(),
+        "--http-addr",
+        "127.0.0.1:0",
+        "--deployment",
+        deployment.clone().leak(),
+        "--block-size",
+        "16",
+    ];
+    if durable {
+        serve_args.push("--durable");
+    }
+    let mut serve = Proc::spawn(&mut command(&serve_args));
+    let router: SocketAddr = serve
+        .wait_for_line("listening on http://")
+        .trim()
+        .parse()
+        .unwrap();
+    let ports = pick_free_ports(2).expect("free ports");
+    let setup = Setup {
+        nats_url: server.url(),
+        deployment: deployment.clone(),
+        pub_endpoint: format!("tcp://127.0.0.1:{}", ports[0]),
+        replay_endpoint: format!("tcp://127.0.0.1:{}", ports[1]),
+        durable,
+    };
+    let mut engine = Engine::start(&setup.pub_endpoint, &setup.replay_endpoint, layout, hashes);
+    let (relay, addr) = setup.relay();
+    eventually("/healthz turns 200", || {
+        let (status, body) = http(addr, "/healthz");
+        (status == 200).then_some(()).ok_or(body)
+    });
+    let d = deployment.as_str();
+    let mut want = BTreeSet::new();
+
+    // Stores: a prompt, its continuation (parent: its last block), another prompt.
+    let a = tokens(1000, 88);
+    engine.send(store(&a[..48], 0));
+    engine.send(store(&a, 3));
+    let b = tokens(5000, 40);
+    engine.send(store(&b, 0));
+    want.extend(ours(&a));
+    want.extend(ours(&b));
+    assert_eq!(want.len(), 7);
+    sync(&mut engine, addr);
+    view_is(router, d, &want, "after the stores");
+
+    // Evictions, and a store and a removal in one batch.
+    engine.send(json!({"op": "remove", "tokens": a, "blocks": [4, 3]}));
+    let c = tokens(9000, 32);
+    engine.send(json!({"op": "batch", "items": [
+        {"op": "remove", "tokens": b, "blocks": [1]},
+        {"op": "store", "tokens": c},
+    ]}));
+    for gone in [ours(&a)[4], ours(&a)[3], ours(&b)[1]] {
+        want.remove(&gone);
+    }
+    want.extend(ours(&c));
+    sync(&mut engine, addr);
+    view_is(router, d, &want, "after the evictions");
+
+    // The engine's cache cleared.
+    engine.send(json!({"op": "clear"}));
+    let e = tokens(12000, 48);
+    engine.send(store(&e[..32], 0));
+    want = ours(&e[..32]).into_iter().collect();
+    sync(&mut engine, addr);
+    view_is(router, d, &want, "after a clear");
+
+    // A message the PUB socket lost, in the replay buffer: repaired.
+    engine.send(json!({"op": "store", "tokens": e, "from": 2, "drop": "pub"}));
+    want.extend(ours(&e));
+    sync(&mut engine, addr);
+    view_is(router, d, &want, "after a lost message");
+    at_least(addr, "lease_router_relay_gaps_repaired_total", 1.0);
+
+    // A loss replay cannot fill: cleared, then only what is stored afresh.
+    let f = tokens(20000, 32);
+    engine.send(json!({"op": "store", "tokens": f, "drop": "both"}));
+    sync(&mut engine, addr);
+    want.clear();
+    view_is(router, d, &want, "after a loss replay cannot fill");
+    at_least(addr, "lease_router_relay_gaps_cleared_total", 1.0);
+    let g = tokens(30000, 32);
+    engine.send(store(&g, 0));
+    // A continuation of a block from before the loss: its parent is unknown, skipped.
+    let e2 = tokens(12000, 64);
+    engine.send(store(&e2, 3));
+    want.extend(ours(&g));
+    sync(&mut engine, addr);
+    view_is(router, d, &want, "fresh stores after the loss");
+    at_least(addr, "lease_router_relay_unknown_parents_total", 1.0);
+
+    // The relay restarts: kv_cleared when it stops, the engine's history when it starts
+    // (through the hole, as the running relay saw it).
+    relay.terminate();
+    view_is(router, d, &BTreeSet::new(), "the relay stopped");
+    let (relay, addr) = setup.relay();
+    sync(&mut engine, addr);
+    view_is(router, d, &want, "after the relay restarted");
+
+    // The engine restarts: its sequence starts over, its cache is empty.
+    drop(engine);
+    let mut engine = Engine::start(&setup.pub_endpoint, &setup.replay_endpoint, layout, hashes);
+    let h = tokens(40000, 48);
+    engine.send(store(&h, 0));
+    want = ours(&h).into_iter().collect();
+    sync(&mut engine, addr);
+    view_is(router, d, &want, "after the engine restarted");
+    at_least(addr, "lease_router_relay_engine_restarts_total", 1.0);
+
+    // Malformed messages: counted and dropped; a payload that is not a batch clears.
+    let before = metric(addr, "lease_router_relay_malformed_frames_total");
+    engine.send(json!({"op": "malformed", "kind": "frames"}));
+    engine.send(json!({"op": "malformed", "kind": "seq"}));
+    let k = tokens(50000, 16);
+    engine.send(store(&k, 0));
+    want.extend(ours(&k));
+    sync(&mut engine, addr);
+    view_is(router, d, &want, "after malformed frames");
+    at_least(
+        addr,
+        "lease_router_relay_malformed_frames_total",
+        before + 2.0,
+    );
+    engine.send(json!({"op": "malformed", "kind": "payload"}));
+    sync(&mut engine, addr);
+    want.clear();
+    view_is(router, d, &want, "after a payload that is not a batch");
+    at_least(
+        addr,
+        "lease_router_relay_clears_total{reason=\"malformed\"}",
+        1.0,
+    );
+    let m = tokens(60000, 32);
+    engine.send(store(&m, 0));
+    want.extend(ours(&m));
+    sync(&mut engine, addr);
+    view_is(router, d, &want, "after the malformed payload");
+    let (status, body) = http(addr, "/healthz");
+    assert_eq!(status, 200, "{body}");
+
+    let log = relay.terminate();
+    assert!(!log.contains("panicked"), "{log}");
+    view_is(router, d, &BTreeSet::new(), "the relay stopped at the end");
+    drop(serve);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routers_view_follows_a_vllm_engine_array_layout_int_hashes() {
+    scenario("array", "int", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routers_view_follows_a_vllm_engine_map_layout_bytes_hashes_durable() {
+    scenario("map", "bytes", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routers_view_follows_a_vllm_0_9_engine() {
+    scenario("array-0.9", "int", false).await;
+}
