@@ -582,3 +582,53 @@ async fn the_routers_view_follows_a_vllm_engine_map_layout_bytes_hashes_durable(
 async fn the_routers_view_follows_a_vllm_0_9_engine() {
     scenario("array-0.9", "int", false).await;
 }
+
+/// The relay's throughput (BENCHMARKS.md, "KV event relay: ZeroMQ crate"): the fake engine
+/// sends RELAY_BENCH_BATCHES batches (default 50,000) of one `BlockStored` of 4 blocks back to
+/// back; the figure is batches per second from the first send to the relay's last sequence
+/// number. Run it on a release build:
+/// `cargo test --release -p lease-router-cli --test relay -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, not a check: run with --ignored on a release build"]
+async fn relay_throughput() {
+    let batches: u64 = std::env::var("RELAY_BENCH_BATCHES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50_000);
+    let server = nats(false).await;
+    let ports = pick_free_ports(2).expect("free ports");
+    let setup = Setup {
+        nats_url: server.url(),
+        deployment: "relay-bench".into(),
+        pub_endpoint: format!("tcp://127.0.0.1:{}", ports[0]),
+        replay_endpoint: format!("tcp://127.0.0.1:{}", ports[1]),
+        durable: false,
+    };
+    let mut engine = Engine::start(&setup.pub_endpoint, &setup.replay_endpoint, "array", "int");
+    let (relay, addr) = setup.relay();
+    engine.send(json!({"op": "noop"}));
+    sync(&mut engine, addr);
+    let started = Instant::now();
+    let answer = engine.send(json!({"op": "blast", "count": batches, "blocks": 4}));
+    let last = engine.seq.expect("a sequence number");
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while metric(addr, "lease_router_relay_last_sequence") < last as f64 {
+        assert!(Instant::now() < deadline, "the relay did not catch up");
+        thread::sleep(Duration::from_millis(5));
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let series = |name: &str| metric(addr, name);
+    println!(
+        "relay_batches_per_second={:.0} (batches {batches}, 4 blocks each, {:.2} s; the \
+         engine's sends took {:.2} s; gaps repaired {}, gaps cleared {}, publish dropped {}, \
+         blocks stored {})",
+        batches as f64 / seconds,
+        seconds,
+        answer["send_seconds"].as_f64().unwrap_or(f64::NAN),
+        series("lease_router_relay_gaps_repaired_total"),
+        series("lease_router_relay_gaps_cleared_total"),
+        series("lease_router_relay_publish_dropped_total"),
+        series("lease_router_relay_blocks_stored_total"),
+    );
+    relay.terminate();
+}

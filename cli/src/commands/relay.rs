@@ -24,7 +24,7 @@ use tracing::{error, info};
 use crate::config::LogFormat;
 use crate::layering::Sourced;
 use crate::nats_args::NatsArgs;
-use crate::relay::metrics::Metrics;
+use crate::relay::metrics::{Metrics, Outside};
 use crate::relay::{self, PublisherSink, RelaySettings};
 
 use super::serve::bind;
@@ -281,40 +281,18 @@ async fn healthz(State(state): State<HttpState>) -> Response {
 
 async fn prometheus(State(state): State<HttpState>) -> Response {
     let p = state.publisher.stats();
-    let nats = f64::from(u8::from(state.connection.stats().is_connected()));
-    let extra = [
-        (
-            "publisher_queued_total",
-            "counter",
-            "KV events queued by the publisher.",
-            p.queued as f64,
-        ),
-        (
-            "publisher_published_total",
-            "counter",
-            "KV events handed to NATS.",
-            p.published as f64,
-        ),
-        (
-            "publisher_failed_total",
-            "counter",
-            "KV events given up after their last publish attempt.",
-            p.failed as f64,
-        ),
-        (
-            "nats_connected",
-            "gauge",
-            "1 while the NATS connection is up.",
-            nats,
-        ),
-    ];
-    let text = state.metrics.render(&extra);
+    let outside = Outside {
+        queued: p.queued,
+        published: p.published,
+        failed: p.failed,
+        nats_connected: state.connection.stats().is_connected(),
+    };
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        text,
+        state.metrics.render(&outside),
     )
         .into_response()
 }

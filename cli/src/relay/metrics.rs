@@ -79,6 +79,16 @@ impl Default for WarnLimit {
     }
 }
 
+/// What `/metrics` shows beside the relay's own counters: its publisher's and its NATS
+/// connection's.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Outside {
+    pub queued: u64,
+    pub published: u64,
+    pub failed: u64,
+    pub nats_connected: bool,
+}
+
 /// Every counter of the relay. All counters are monotonic; the gauges say so.
 #[derive(Debug, Default)]
 pub struct Metrics {
@@ -278,7 +288,7 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition of every counter and gauge.
-    pub fn render(&self, extra: &[(&str, &str, &str, f64)]) -> String {
+    pub fn render(&self, outside: &Outside) -> String {
         let mut out = String::with_capacity(4096);
         let mut family = |name: &str, kind: &str, help: &str, samples: &[(&str, f64)]| {
             let _ = writeln!(out, "# HELP lease_router_relay_{name} {help}");
@@ -466,9 +476,30 @@ impl Metrics {
             "1 while the SUB socket is connected to the engine.",
             &[("", f64::from(u8::from(self.engine_connected.load(Relaxed))))],
         );
-        for (name, kind, help, value) in extra {
-            family(name, kind, help, &[("", *value)]);
-        }
+        family(
+            "publisher_queued_total",
+            "counter",
+            "KV events queued by the relay's publisher.",
+            &[("", outside.queued as f64)],
+        );
+        family(
+            "publisher_published_total",
+            "counter",
+            "KV events handed to NATS.",
+            &[("", outside.published as f64)],
+        );
+        family(
+            "publisher_failed_total",
+            "counter",
+            "KV events given up after their last publish attempt.",
+            &[("", outside.failed as f64)],
+        );
+        family(
+            "nats_connected",
+            "gauge",
+            "1 while the NATS connection is up.",
+            &[("", f64::from(u8::from(outside.nats_connected)))],
+        );
         out
     }
 }
@@ -482,7 +513,11 @@ mod tests {
         let m = Metrics::default();
         m.skip(Skip::Medium, "CPU");
         m.gaps_repaired.fetch_add(2, Relaxed);
-        let text = m.render(&[("publisher_published_total", "counter", "Published.", 3.0)]);
+        let outside = Outside {
+            published: 3,
+            ..Outside::default()
+        };
+        let text = m.render(&outside);
         assert!(
             text.contains("lease_router_relay_gaps_repaired_total 2\n"),
             "{text}"
@@ -493,6 +528,39 @@ mod tests {
         let types = text.lines().filter(|l| l.starts_with("# TYPE")).count();
         let helps = text.lines().filter(|l| l.starts_with("# HELP")).count();
         assert_eq!(types, helps);
+    }
+
+    /// The relay's metrics README.md describes (its "Prefix-aware routing with vLLM"
+    /// section's table), by name and type, are exactly those rendered.
+    #[test]
+    fn readme_documents_exactly_the_relay_metrics() {
+        let readme = include_str!("../../../README.md");
+        let section = readme
+            .split("\n## Prefix-aware routing with vLLM\n")
+            .nth(1)
+            .and_then(|rest| rest.split("\n## ").next())
+            .expect("README.md has a section Prefix-aware routing with vLLM");
+        let mut documented = std::collections::BTreeMap::new();
+        for row in section.lines().filter(|l| l.starts_with("| `relay_")) {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            for name in cells[1].split(',').map(|n| n.trim().trim_matches('`')) {
+                let previous = documented.insert(name.to_owned(), cells[2].to_owned());
+                assert!(previous.is_none(), "{name} documented twice");
+            }
+        }
+        let text = Metrics::default().render(&Outside::default());
+        let rendered: std::collections::BTreeMap<String, String> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE lease_router_"))
+            .map(|l| {
+                let (name, kind) = l.split_once(' ').expect("name and type");
+                (name.to_owned(), kind.to_owned())
+            })
+            .collect();
+        assert_eq!(
+            documented, rendered,
+            "README.md's relay metrics and /metrics differ"
+        );
     }
 
     #[test]

@@ -797,6 +797,26 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_hole_in_the_replay_buffer_clears_and_goes_on_after_it() {
+        // 2 was lost for good; a relay starting now sees what the running one saw.
+        let frames = vec![
+            frame(0, payload(vec![store(10, None, &[1, 2])])),
+            frame(1, payload(vec![store(11, None, &[3, 4])])),
+            frame(3, payload(vec![store(12, Some(10), &[5, 6])])),
+            frame(4, payload(vec![store(13, None, &[7, 8])])),
+        ];
+        let mut r = relay(Some(Buffer(frames, false)));
+        r.start().await;
+        assert_eq!(held(&r.sink), ours(&[7, 8]), "12's parent went with the clear");
+        assert_eq!(r.next, Some(5));
+        assert_eq!(r.metrics.gaps_cleared.load(Relaxed), 1);
+        assert_eq!(r.metrics.unknown_parents.load(Relaxed), 1);
+        r.on_frame(frame(4, payload(vec![]))).await;
+        assert_eq!(r.metrics.duplicates.load(Relaxed), 1);
+        assert_eq!(r.metrics.engine_restarts.load(Relaxed), 0);
+    }
+
+    #[tokio::test]
     async fn malformed_messages_are_counted_and_a_bad_payload_clears() {
         let mut r = relay(None);
         r.start().await;
