@@ -14,13 +14,17 @@
 //! - **shared-prefix**: the same, requests routed with their block hashes
 //!   (`with_block_hashes`); every replica's prefix index learns from every `admitted` on
 //!   the bus (its first [`MAX_BLOCK_HASHES`] block hashes) and from its own decisions (the
-//!   provisional booking enters the index at once, with all the prompt's blocks). R = 1, 2,
+//!   provisional booking enters the index at once, with the same first [`MAX_BLOCK_HASHES`] blocks). R = 1, 2,
 //!   4; at R = 4 and 80% also with the hot-worker guard off (`with_affinity_gap(u32::MAX)`)
 //!   next to the default ([`DEFAULT_AFFINITY_GAP`]).
 //! - **isolated-prefix**: prefix-aware, each replica a `Router` with `NoIngress` fed through
 //!   its manager (`admit_current` etc.) with only the requests it routed: its index learns
 //!   only from its own decisions, llm-d's active-active case. R = 4.
 //! - **single-prefix**: one prefix-aware replica routes everything and learns every event.
+//! - **shared-exact**: shared-prefix, and each worker's engine also says what its cache
+//!   stores and evicts (wire 1.3 `kv_stored` / `kv_removed`, what `lease-router relay`
+//!   publishes from vLLM's KV events): every replica's index takes those as the truth for
+//!   the worker, so it follows the engine's evictions instead of its own guess. R = 4.
 //!
 //! Arrival i goes to replica i mod R, so a session's turns reach replicas at random.
 //! Routers are told neither output lengths nor cached tokens (`cached_tokens` is not set):
@@ -86,7 +90,7 @@
 //! turn came before time 0 finds its history nowhere, about 2% of the follow-up turns), then
 //! requests arriving over 40 s are measured, the routers go on 5 s more, then the model runs
 //! on alone (arrivals placed in turn) until every measured request has its first token. The
-//! bus cases of one load (7 deployments at 80%, 6 at the others) run at once on one
+//! bus cases of one load (8 deployments at 80%, 7 at the others) run at once on one
 //! nats-server in real time; isolated and single run as fast as they compute: about 4
 //! minutes in all.
 //!
@@ -101,8 +105,9 @@
 //! full blocks). Then at R = 4 and 80% load the pinned lines
 //! `prefix_ttft_p99_aware_vs_blind=` (shared-prefix p99 / shared-load-only p99),
 //! `prefix_ttft_p99_shared_vs_single=` (shared-prefix / single-prefix),
-//! `prefix_hit_shared_vs_isolated=` (hit rates) and `prefix_guard_off_ttft_p99_vs_on=`,
-//! and the plot `benches/results/routing_prefix_ttft_p99.svg`.
+//! `prefix_hit_shared_vs_isolated=` (hit rates) and `prefix_guard_off_ttft_p99_vs_on=`;
+//! at R = 4 and the highest load (95%) `prefix_hit_exact_vs_approx=` (shared-exact's hit
+//! rate / shared-prefix's); and the plot `benches/results/routing_prefix_ttft_p99.svg`.
 //!
 //! Environment: `PREFIX_SEED` (1), `PREFIX_SECONDS` (measured, 40), `PREFIX_WARMUP` (30),
 //! `PREFIX_TAIL` (5), `PREFIX_PLOT` (the SVG's path), `PREFIX_QUICK=1` (80% load, R = 4
@@ -351,6 +356,7 @@ async fn run() {
         };
         cases.push(case(Setting::Single, 1));
         cases.push(case(Setting::Isolated, PIN_REPLICAS));
+        cases.push(case(Setting::Exact, PIN_REPLICAS));
         for &r in &replicas {
             cases.push(case(Setting::Blind, r));
             cases.push(case(Setting::Aware, r));
@@ -479,6 +485,7 @@ fn report(rows: &BTreeMap<Key, Row>, loads: &[f64], plot_path: &std::path::Path)
     let lines = [
         line(Setting::Blind, PIN_REPLICAS),
         line(Setting::Aware, PIN_REPLICAS),
+        line(Setting::Exact, PIN_REPLICAS),
         line(Setting::Isolated, PIN_REPLICAS),
         line(Setting::Single, 1),
     ];
@@ -507,4 +514,26 @@ fn report(rows: &BTreeMap<Key, Row>, loads: &[f64], plot_path: &std::path::Path)
         "prefix_guard_off_ttft_p99_vs_on={:.3}",
         guard_off.ttft_p99 / aware.ttft_p99
     );
+
+    // Exact (the engines' KV events) against approximate (learned from `admitted`), at the
+    // highest load measured (95% in a full run).
+    let top = loads
+        .iter()
+        .map(|&l| (l * 100.0).round() as u32)
+        .max()
+        .unwrap_or(pin);
+    let exact = rows[&(Setting::Exact, PIN_REPLICAS, top, false)];
+    let approx = rows[&(Setting::Aware, PIN_REPLICAS, top, false)];
+    println!(
+        "routing_prefix_exact replicas={PIN_REPLICAS} load={top}% hit: shared-exact={:.3} \
+         shared-prefix={:.3}; predicted_hit (what the deciding index counted on): \
+         shared-exact={:.3} shared-prefix={:.3}; p99_ms: shared-exact={:.0} shared-prefix={:.0}",
+        exact.hit,
+        approx.hit,
+        exact.predicted_hit,
+        approx.predicted_hit,
+        exact.ttft_p99,
+        approx.ttft_p99,
+    );
+    println!("prefix_hit_exact_vs_approx={:.3}", exact.hit / approx.hit);
 }

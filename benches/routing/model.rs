@@ -194,6 +194,20 @@ pub struct PrefixCache {
     last_use: HashMap<u64, u64>,
     /// `(tick, hash)` in use order; entries whose tick is not the block's last use are stale.
     order: VecDeque<(u64, u64)>,
+    /// With KV events on: what the cache stored and evicted, in the order an engine says it.
+    changes: Option<Vec<KvChange>>,
+}
+
+/// What an engine's KV events say of its cache (wire 1.3 `kv_stored` / `kv_removed`).
+#[allow(dead_code)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvChange {
+    /// A run of blocks in chain order, after `parent` (`None`: from a stream's first block).
+    Stored {
+        parent: Option<u64>,
+        blocks: Vec<u64>,
+    },
+    Removed(Vec<u64>),
 }
 
 #[allow(dead_code)]
@@ -204,7 +218,25 @@ impl PrefixCache {
             tick: 0,
             last_use: HashMap::new(),
             order: VecDeque::new(),
+            changes: None,
         }
+    }
+
+    /// Records what the cache stores and evicts from now on, for [`take_changes`].
+    ///
+    /// [`take_changes`]: Self::take_changes
+    pub fn with_changes(mut self) -> Self {
+        self.changes = Some(Vec::new());
+        self
+    }
+
+    /// What the cache stored and evicted since the last call (empty without
+    /// [`with_changes`](Self::with_changes)).
+    pub fn take_changes(&mut self) -> Vec<KvChange> {
+        self.changes
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// How many of `hashes`, from the first, the cache holds.
@@ -218,17 +250,48 @@ impl PrefixCache {
     /// Uses `hashes` (a stream's, from its first block): each becomes the most recent, the
     /// first last; then evicts down to the capacity.
     pub fn touch(&mut self, hashes: &[u64]) {
+        // The runs of blocks new to the cache, as `(first index, end)`.
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        if self.changes.is_some() {
+            for (i, h) in hashes.iter().enumerate() {
+                if self.last_use.contains_key(h) {
+                    continue;
+                }
+                match runs.last_mut() {
+                    Some((_, end)) if *end == i => *end = i + 1,
+                    _ => runs.push((i, i + 1)),
+                }
+            }
+        }
         for &h in hashes.iter().rev() {
             self.tick += 1;
             self.last_use.insert(h, self.tick);
             self.order.push_back((self.tick, h));
         }
+        let mut evicted = Vec::new();
         while self.last_use.len() > self.capacity {
             let Some((tick, h)) = self.order.pop_front() else {
                 break;
             };
             if self.last_use.get(&h) == Some(&tick) {
                 self.last_use.remove(&h);
+                evicted.push(h);
+            }
+        }
+        if let Some(changes) = &mut self.changes {
+            // An engine evicts to make room before it stores; said in that order, a router
+            // bounded at the same capacity never evicts on its own.
+            for chunk in evicted.chunks(lease_router::wire::MAX_BLOCK_HASHES) {
+                changes.push(KvChange::Removed(chunk.to_vec()));
+            }
+            for (first, end) in runs {
+                for at in (first..end).step_by(lease_router::wire::MAX_BLOCK_HASHES) {
+                    let to = (at + lease_router::wire::MAX_BLOCK_HASHES).min(end);
+                    changes.push(KvChange::Stored {
+                        parent: at.checked_sub(1).map(|p| hashes[p]),
+                        blocks: hashes[at..to].to_vec(),
+                    });
+                }
             }
         }
         if self.order.len() > 4 * self.capacity.max(1024) {
@@ -408,6 +471,25 @@ impl Worker {
             cache: Some((PrefixCache::new(blocks), block_size)),
             ..Self::new(engine)
         }
+    }
+
+    /// Its engine says what its cache stores and evicts ([`take_kv_changes`]), as vLLM's
+    /// KV events through `lease-router relay` do.
+    ///
+    /// [`take_kv_changes`]: Self::take_kv_changes
+    pub fn with_kv_events(mut self) -> Self {
+        if let Some((cache, size)) = self.cache.take() {
+            self.cache = Some((cache.with_changes(), size));
+        }
+        self
+    }
+
+    /// What the cache stored and evicted since the last call.
+    pub fn take_kv_changes(&mut self) -> Vec<KvChange> {
+        self.cache
+            .as_mut()
+            .map(|(cache, _)| cache.take_changes())
+            .unwrap_or_default()
     }
 
     /// The prompt tokens of `request` the cache holds now (0 without a cache).

@@ -16,7 +16,7 @@ use lease_router::{
 };
 use tokio::time::Instant;
 
-use crate::model::{Blocks, Happened, Request, Worker};
+use crate::model::{Blocks, Happened, KvChange, Request, Worker};
 use crate::sessions::Arrival;
 use crate::sim::{Plan, MAX_DRAIN};
 
@@ -31,6 +31,9 @@ pub enum Setting {
     Blind,
     /// Shared bus, prefix-aware: every replica's index learns from every `admitted`.
     Aware,
+    /// Shared bus, prefix-aware, the workers' engines sending their KV events (what their
+    /// caches store and evict), which every replica's index takes as the truth.
+    Exact,
     /// Prefix-aware, each replica learning only about the requests it routed (its index only
     /// from its own decisions).
     Isolated,
@@ -43,13 +46,14 @@ impl Setting {
         match self {
             Self::Blind => "shared-load-only",
             Self::Aware => "shared-prefix",
+            Self::Exact => "shared-exact",
             Self::Isolated => "isolated-prefix",
             Self::Single => "single-prefix",
         }
     }
 
     pub fn bus(self) -> bool {
-        matches!(self, Self::Blind | Self::Aware)
+        matches!(self, Self::Blind | Self::Aware | Self::Exact)
     }
 
     fn aware(self) -> bool {
@@ -144,6 +148,22 @@ impl Feed {
                 let load = RequestLoad::new(r.prompt, None).with_cached_tokens(cached);
                 managers[replica].admit_current(&id, worker(w), load);
             }
+        }
+    }
+
+    /// Worker `w`'s engine says what its cache stored and evicted (on the bus only).
+    fn kv_changes(&self, changes: Vec<KvChange>, w: usize) {
+        let Self::Bus(publishers) = self else {
+            return;
+        };
+        let id = worker(w).worker_id.0;
+        for change in changes {
+            let _ = match change {
+                KvChange::Stored { parent, blocks } => {
+                    publishers[w].kv_stored(id, 0, parent, blocks)
+                }
+                KvChange::Removed(blocks) => publishers[w].kv_removed(id, 0, blocks),
+            };
         }
     }
 
@@ -355,8 +375,16 @@ pub async fn run(
     let replicas = Replicas::start(&case, &plan, &deployment, nats_url.as_deref()).await;
     replicas.wait_members(plan.workers).await;
 
+    let exact = case.setting == Setting::Exact;
     let mut workers: Vec<Worker> = (0..plan.workers)
-        .map(|_| Worker::with_prefix_cache(plan.engine, CACHE_BLOCKS, BLOCK_SIZE as u32))
+        .map(|_| {
+            let worker = Worker::with_prefix_cache(plan.engine, CACHE_BLOCKS, BLOCK_SIZE as u32);
+            if exact {
+                worker.with_kv_events()
+            } else {
+                worker
+            }
+        })
         .collect();
     let n = arrivals.len();
     let mut placed = vec![0usize; n];
@@ -437,10 +465,18 @@ pub async fn run(
             placed_on[index] = w;
             workers[w].arrive_with_blocks(t, index, r, a.blocks.clone());
             take_joined(&mut workers[w], &mut cached);
+            let changes = workers[w].take_kv_changes();
+            if !draining {
+                replicas.feed.kv_changes(changes, w);
+            }
         } else {
             let w = step.expect("a step").1;
             workers[w].end_step(in_window(t), &mut happened);
             take_joined(&mut workers[w], &mut cached);
+            let changes = workers[w].take_kv_changes();
+            if !draining {
+                replicas.feed.kv_changes(changes, w);
+            }
             for h in happened.drain(..) {
                 let index = match h {
                     Happened::FirstToken(i) => {
