@@ -121,6 +121,7 @@ pub struct Metrics {
     pub unknown_removed: AtomicU64,
     pub map_evictions: AtomicU64,
     pub publish_drops: AtomicU64,
+    pub publish_waits: AtomicU64,
     skipped: [AtomicU64; 4],
     /// Gauge: blocks in the engine-hash map.
     pub map_blocks: AtomicU64,
@@ -247,8 +248,8 @@ impl Metrics {
         }
     }
 
-    pub fn publish_dropped(&self, why: &str) {
-        let n = self.publish_drops.fetch_add(1, Relaxed) + 1;
+    pub fn publish_dropped(&self, events: u64, why: &str) {
+        let n = self.publish_drops.fetch_add(events, Relaxed) + events;
         if let Some(suppressed) = self.warn_publish.check() {
             tracing::warn!(
                 why,
@@ -449,8 +450,14 @@ impl Metrics {
         family(
             "publish_dropped_total",
             "counter",
-            "KV events the publisher did not take (queue full or closed).",
+            "KV events lost on the way to the publisher (its queue full for 5 s, or closed).",
             &[("", c(&self.publish_drops))],
+        );
+        family(
+            "publish_waits_total",
+            "counter",
+            "Times the relay waited for its publisher's full queue (a burst: it holds back).",
+            &[("", c(&self.publish_waits))],
         );
         family(
             "map_blocks",

@@ -74,6 +74,7 @@ pub mod frames;
 pub mod metrics;
 pub mod translate;
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -81,6 +82,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures::StreamExt;
+use lease_router::wire::{KvCleared, KvRemoved, KvStored, LeaseEvent};
 use lease_router::{LeasePublisher, PublishEventError};
 use tokio_util::sync::CancellationToken;
 use xxhash_rust::xxh3::xxh3_64;
@@ -246,6 +248,16 @@ impl<S: KvSink, R: ReplaySource> Relay<S, R> {
             Ok(frame) => self.on_frame(frame).await,
             Err(error) => self.metrics.malformed_frame(&error.to_string()),
         }
+        self.settle().await;
+    }
+
+    /// Waits for the sink to take what it held back; an event it lost clears the rank.
+    pub async fn settle(&mut self) {
+        self.sink.settle().await;
+        if self.sink.take_lost() {
+            self.clear(ClearReason::PublishLost);
+            self.sink.settle().await;
+        }
     }
 
     async fn on_frame(&mut self, frame: Frame) {
@@ -320,6 +332,11 @@ impl<S: KvSink, R: ReplaySource> Relay<S, R> {
 
     /// The SUB socket connected again: the same engine (fill in what was missed) or another?
     pub async fn on_reconnect(&mut self) {
+        self.check_reconnect().await;
+        self.settle().await;
+    }
+
+    async fn check_reconnect(&mut self) {
         let last = match self.next {
             // Nothing known: the start found no replay socket.
             None => return,
@@ -391,13 +408,21 @@ impl<S: KvSink, R: ReplaySource> Relay<S, R> {
     }
 }
 
-/// The index's events into a [`LeasePublisher`], for one worker rank.
+/// How long the relay waits for its publisher's queue to take the events held back before
+/// it gives them up (then `kv_cleared` follows): NATS is down that long.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The index's events into a [`LeasePublisher`], for one worker rank. A full queue holds the
+/// relay back (the engine's messages wait in ZeroMQ, its replay covers what its PUB socket
+/// drops meanwhile) rather than losing events.
 pub struct PublisherSink {
     publisher: LeasePublisher,
     worker_id: u64,
     dp_rank: u32,
     metrics: Arc<Metrics>,
-    /// An event was not queued since the last `kv_cleared` that was.
+    /// Events the queue had no room for, in order, for [`KvSink::settle`].
+    pending: VecDeque<LeaseEvent>,
+    /// An event was lost since the last `kv_cleared` that was queued.
     lost: bool,
 }
 
@@ -413,49 +438,88 @@ impl PublisherSink {
             worker_id,
             dp_rank,
             metrics,
+            pending: VecDeque::new(),
             lost: false,
         }
     }
 
-    fn queued(&mut self, result: Result<(), PublishEventError>) -> bool {
-        match result {
-            Ok(()) => true,
-            Err(error) => {
-                self.metrics.publish_dropped(&error.to_string());
-                self.lost = true;
-                false
-            }
+    fn offer(&mut self, event: LeaseEvent) {
+        if !self.pending.is_empty() {
+            self.pending.push_back(event);
+            return;
+        }
+        match self.publisher.publish(event.clone()) {
+            Ok(()) => self.queued(&event),
+            Err(PublishEventError::QueueFull) => self.pending.push_back(event),
+            Err(error) => self.lose(1, &error.to_string()),
         }
     }
-}
 
-impl KvSink for PublisherSink {
-    fn stored(&mut self, parent: Option<u64>, blocks: Vec<u64>) {
-        let result = self
-            .publisher
-            .kv_stored(self.worker_id, self.dp_rank, parent, blocks);
-        self.queued(result);
-    }
-
-    fn removed(&mut self, blocks: Vec<u64>) {
-        let result = self
-            .publisher
-            .kv_removed(self.worker_id, self.dp_rank, blocks);
-        self.queued(result);
-    }
-
-    fn cleared(&mut self) {
-        let result = self
-            .publisher
-            .kv_cleared(self.worker_id, Some(self.dp_rank));
-        if self.queued(result) {
+    fn queued(&mut self, event: &LeaseEvent) {
+        if matches!(event, LeaseEvent::KvCleared(_)) {
             // Everything before it is forgotten by the index, the losses too.
             self.lost = false;
         }
     }
 
+    fn lose(&mut self, events: u64, why: &str) {
+        self.metrics.publish_dropped(events, why);
+        self.lost = true;
+    }
+}
+
+impl KvSink for PublisherSink {
+    fn stored(&mut self, parent: Option<u64>, blocks: Vec<u64>) {
+        self.offer(LeaseEvent::KvStored(KvStored {
+            worker_id: self.worker_id,
+            dp_rank: self.dp_rank,
+            parent_hash: parent,
+            block_hashes: blocks,
+        }));
+    }
+
+    fn removed(&mut self, blocks: Vec<u64>) {
+        self.offer(LeaseEvent::KvRemoved(KvRemoved {
+            worker_id: self.worker_id,
+            dp_rank: self.dp_rank,
+            block_hashes: blocks,
+        }));
+    }
+
+    fn cleared(&mut self) {
+        self.offer(LeaseEvent::KvCleared(KvCleared {
+            worker_id: self.worker_id,
+            dp_rank: Some(self.dp_rank),
+        }));
+    }
+
     fn take_lost(&mut self) -> bool {
         self.lost
+    }
+
+    async fn settle(&mut self) {
+        while let Some(event) = self.pending.front().cloned() {
+            match self.publisher.publish(event.clone()) {
+                Ok(()) => {
+                    self.pending.pop_front();
+                    self.queued(&event);
+                }
+                Err(PublishEventError::QueueFull) => {
+                    self.metrics.publish_waits.fetch_add(1, Relaxed);
+                    let flushed =
+                        tokio::time::timeout(SETTLE_TIMEOUT, self.publisher.flush()).await;
+                    if flushed.is_err() {
+                        let held = self.pending.len() as u64;
+                        self.pending.clear();
+                        self.lose(held, "the publisher's queue stayed full");
+                    }
+                }
+                Err(error) => {
+                    self.pending.pop_front();
+                    self.lose(1, &error.to_string());
+                }
+            }
+        }
     }
 }
 
@@ -552,7 +616,7 @@ pub async fn run<S: KvSink + Send>(
     loop {
         let connected = tokio::select! {
             result = socket.connect(&settings.endpoint) => result,
-            _ = cancel.cancelled() => return Ok(finish(relay)),
+            _ = cancel.cancelled() => return Ok(finish(relay).await),
         };
         match connected {
             Ok(()) => break,
@@ -567,7 +631,7 @@ pub async fn run<S: KvSink + Send>(
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(250)) => {}
-                    _ = cancel.cancelled() => return Ok(finish(relay)),
+                    _ = cancel.cancelled() => return Ok(finish(relay).await),
                 }
             }
         }
@@ -576,6 +640,7 @@ pub async fn run<S: KvSink + Send>(
     tracing::info!(endpoint = %settings.endpoint, "subscribed to the engine's KV events");
     // The start's `kv_cleared` went out above; now the history.
     relay.refill_from_zero().await;
+    relay.settle().await;
 
     let mut disconnected = false;
     loop {
@@ -612,11 +677,12 @@ pub async fn run<S: KvSink + Send>(
             },
         }
     }
-    Ok(finish(relay))
+    Ok(finish(relay).await)
 }
 
-fn finish<S: KvSink, R: ReplaySource>(mut relay: Relay<S, R>) -> S {
+async fn finish<S: KvSink, R: ReplaySource>(mut relay: Relay<S, R>) -> S {
     relay.clear(ClearReason::Shutdown);
+    relay.sink.settle().await;
     relay.sink
 }
 
@@ -807,7 +873,11 @@ mod tests {
         ];
         let mut r = relay(Some(Buffer(frames, false)));
         r.start().await;
-        assert_eq!(held(&r.sink), ours(&[7, 8]), "12's parent went with the clear");
+        assert_eq!(
+            held(&r.sink),
+            ours(&[7, 8]),
+            "12's parent went with the clear"
+        );
         assert_eq!(r.next, Some(5));
         assert_eq!(r.metrics.gaps_cleared.load(Relaxed), 1);
         assert_eq!(r.metrics.unknown_parents.load(Relaxed), 1);

@@ -27,6 +27,10 @@ pub trait KvSink {
     fn take_lost(&mut self) -> bool {
         false
     }
+    /// Waits until what the sink holds back (a publisher's full queue) is handed on.
+    fn settle(&mut self) -> impl std::future::Future<Output = ()> + Send {
+        async {}
+    }
 }
 
 /// The engine-hash to our-hash map, at most `capacity` blocks; past that the block entered
