@@ -167,6 +167,7 @@ async fn run_one(conn: &NatsConnection, multiple: u64, live: u64, history: u64) 
         LeaseEvent::from(Admitted {
             block_hashes: Vec::new(),
             block_capacity: None,
+            class: None,
             request_id: uuid_like(1_000 + multiple, n),
             worker_id: n % 64,
             dp_rank: 0,

@@ -28,6 +28,7 @@ fn samples() -> Vec<(&'static str, Envelope)> {
             Admitted {
                 block_hashes: Vec::new(),
                 block_capacity: None,
+                class: None,
                 request_id: rid.clone(),
                 worker_id: 17,
                 dp_rank: 3,

@@ -19,6 +19,9 @@
 //!   breaks the router's ownership cycle lives beside the manager.
 //! - `routing`: how a router chooses a worker ([`RoutePolicy`], [`RouteDecision`]): the
 //!   policies, over the load the scheduler keeps.
+//! - `admission`: a deployment's admission classes ([`AdmissionConfig`]: priority bands
+//!   and weights) and what each class has in flight across the fleet ([`ClassLoad`]),
+//!   kept from the leases; without classes there is no admission.
 //! - `scheduler`: the actor that owns per-worker load (sums only: the leases are the
 //!   per-booking record) and makes route decisions: [`SchedulerHandle`].
 //! - `router`: one deployment's [`Router`]: one-pass wiring under a drop guard, teardown,
@@ -50,6 +53,7 @@
 
 #![warn(unreachable_pub, unnameable_types, missing_docs)]
 
+mod admission;
 mod connection;
 mod durable;
 mod ingress;
@@ -71,6 +75,10 @@ mod subject;
 mod types;
 pub mod wire;
 
+pub use admission::{
+    AdmissionClass, AdmissionConfig, ClassLoad, ConfigureAdmissionError, MAX_CLASSES,
+    MAX_CLASS_NAME_LEN, MAX_CLASS_WEIGHT,
+};
 pub use connection::{
     connect, redact_url, ConnectNatsError, ConnectionStats, NatsAuth, NatsConnectConfig,
     NatsConnection, NatsTls, DEFAULT_NATS_URL, DEFAULT_PING_INTERVAL,

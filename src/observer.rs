@@ -83,6 +83,19 @@ pub trait ReplicaRequestLeaseObserver: Send + Sync {
         self.admitted(booking, load)
     }
 
+    /// [`Self::routed`] for a request of admission class `class` (see
+    /// [`AdmissionConfig`](crate::AdmissionConfig)); forwards to
+    /// `book_provisional_in_class`. The default ignores the class.
+    fn routed_in_class(
+        &self,
+        booking: SchedulerBookingDescriptor,
+        load: RequestLoad,
+        class: Option<&str>,
+    ) -> Result<AdmitOutcome, DeliverEventError> {
+        let _ = class;
+        self.routed(booking, load)
+    }
+
     /// A worker restarted or left (all its ranks when `dp_rank` is `None`); forwards to
     /// `reset_worker`. Returns the leases dropped.
     fn worker_reset(

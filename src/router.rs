@@ -106,6 +106,7 @@ pub struct RouterConfig {
     lease: LeaseConfig,
     routing: crate::routing::RoutingConfig,
     prefix: PrefixIndexConfig,
+    admission: crate::admission::AdmissionConfig,
 }
 
 impl RouterConfig {
@@ -116,7 +117,21 @@ impl RouterConfig {
             lease: LeaseConfig::default(),
             routing: Default::default(),
             prefix: PrefixIndexConfig::default(),
+            admission: Default::default(),
         }
+    }
+
+    /// Sets the deployment's admission classes (default: none, no admission); checked when
+    /// the router starts ([`StartRouterError::Admission`]), and changed later with
+    /// [`SchedulerHandle::set_admission`](crate::SchedulerHandle::set_admission).
+    pub fn with_admission(mut self, admission: crate::admission::AdmissionConfig) -> Self {
+        self.admission = admission;
+        self
+    }
+
+    /// The deployment's admission classes.
+    pub fn admission(&self) -> &crate::admission::AdmissionConfig {
+        &self.admission
     }
 
     /// Sets the prefix index's block size and bounds.
@@ -175,6 +190,15 @@ pub enum StartRouterError {
         /// The ingress's error.
         #[source]
         source: TaskError,
+    },
+    /// The [`RouterConfig::with_admission`] classes were refused.
+    #[error("deployment {deployment}: {source}")]
+    Admission {
+        /// The router's deployment.
+        deployment: String,
+        /// Why the classes were refused.
+        #[source]
+        source: crate::admission::ConfigureAdmissionError,
     },
 }
 
@@ -260,6 +284,12 @@ impl Router {
         let guard = cancel.clone().drop_guard();
 
         let (scheduler, actor) = Scheduler::with_prefix(&deployment, config.prefix);
+        scheduler
+            .set_admission(config.admission)
+            .map_err(|source| StartRouterError::Admission {
+                deployment: deployment.to_string(),
+                source,
+            })?;
         let worker_idle = config.routing.worker_idle;
         let actor = actor
             .with_routing(config.routing)

@@ -273,6 +273,11 @@ pub struct RouteRequest {
     /// tokenize (after any chat template). Not with `token_ids` or `block_hashes`.
     #[serde(default)]
     pub prompt: Option<String>,
+    /// The request's admission class (see [`AdmissionConfig`](crate::AdmissionConfig));
+    /// `None`, or a class the deployment does not have: its default class. The worker
+    /// should name the same class on its `admitted` (`cls`), which every replica counts.
+    #[serde(default)]
+    pub class: Option<String>,
 }
 
 impl RouteRequest {
@@ -286,7 +291,14 @@ impl RouteRequest {
             token_ids: None,
             block_hashes: None,
             prompt: None,
+            class: None,
         }
+    }
+
+    /// Sets [`class`](Self::class).
+    pub fn with_class(mut self, class: impl Into<String>) -> Self {
+        self.class = Some(class.into());
+        self
     }
 
     /// Sets [`token_ids`](Self::token_ids) (and the prompt's length to theirs).
@@ -353,7 +365,9 @@ impl RouteRequest {
     /// Refuses what no worker could be asked to do.
     ///
     /// # Errors
-    /// [`RouteRequestError::InvalidRequest`] for an empty request id, prompt text (which only
+    /// [`RouteRequestError::InvalidRequest`] for an empty request id, a class that is not a
+    /// class name (a valid name the deployment does not have is its default class), prompt
+    /// text (which only
     /// the HTTP API with a tokenizer turns into token ids), no prompt, more
     /// cached tokens than prompt tokens, both `token_ids` and `block_hashes`, more of either
     /// than their limit, or `token_ids` of another length than `prompt_tokens`.
@@ -395,6 +409,15 @@ impl RouteRequest {
                 return invalid(format!(
                     "block_hashes holds {} hashes: at most {MAX_ROUTE_BLOCK_HASHES}",
                     hashes.len()
+                ));
+            }
+        }
+        if let Some(class) = &self.class {
+            if !crate::admission::is_valid_class_name(class) {
+                return invalid(format!(
+                    "class {:?} is not a class name: 1 to {} ASCII letters, digits, '-' and '_'",
+                    class.chars().take(80).collect::<String>(),
+                    crate::admission::MAX_CLASS_NAME_LEN
                 ));
             }
         }
@@ -839,6 +862,7 @@ mod tests {
             assert!(w.with_kv(bad).validate().is_err(), "kv {bad}");
         }
         let request = |prompt, cached| RouteRequest {
+            class: None,
             prompt: None,
             token_ids: None,
             block_hashes: None,

@@ -78,7 +78,7 @@ impl fmt::Display for Shown<'_> {
 }
 
 /// Whether `token` is one valid subject token.
-fn is_valid_token(token: &str) -> bool {
+pub(crate) fn is_valid_token(token: &str) -> bool {
     !token.is_empty()
         && token.len() <= MAX_TOKEN_LEN
         && token

@@ -1299,6 +1299,7 @@ async fn a_late_replica_starts_with_the_writers_prefix_index() {
         admitted_with("c", 2, &prompt(1, 160)).into(),
         wire::Admitted {
             block_capacity: Some(12),
+            class: None,
             ..admitted_with("d", 3, &prompt(3, 320))
         }
         .into(),

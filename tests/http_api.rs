@@ -284,6 +284,7 @@ async fn admit(
         Admitted {
             block_hashes: Vec::new(),
             block_capacity: None,
+            class: None,
             request_id: request_id.into(),
             worker_id,
             dp_rank: 0,
@@ -1096,5 +1097,202 @@ async fn route_with_prompt_text_through_the_tokenizer() {
             .await
             .assert_error(400, &bad);
     }
+    service.stop().await;
+}
+
+/// Publishes an `admitted` of class `class` (wire 1.4 `cls`) and flushes.
+async fn admit_in_class(
+    client: &async_nats::Client,
+    seq: u64,
+    worker_id: u64,
+    request_id: &str,
+    class: Option<&str>,
+) {
+    let envelope = Envelope::new(
+        31,
+        seq,
+        wire::unix_micros_now(),
+        Admitted {
+            block_hashes: Vec::new(),
+            block_capacity: None,
+            class: class.map(str::to_owned),
+            request_id: request_id.into(),
+            worker_id,
+            dp_rank: 0,
+            prompt_tokens: 100,
+            expected_output_tokens: Some(20),
+            cached_tokens: None,
+        },
+    );
+    client
+        .publish(
+            format!("leases.c.{worker_id}"),
+            wire::encode(&envelope).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    timeout(Duration::from_secs(5), client.flush())
+        .await
+        .expect("flush in time")
+        .unwrap();
+}
+
+/// Admission classes through the PUT body: bad ones are clear JSON 400s that create or
+/// change nothing; good ones are shown, changed and removed; each class's requests in flight
+/// (from the workers' `admitted`, `cls` or not) are on /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_classes_over_http() {
+    let service = Service::start(None).await;
+    let publisher = common::client(&service.nats.url()).await.client().clone();
+    let many: Vec<String> = (0..65)
+        .map(|i| format!(r#"{{"name": "c{i}", "band": 0, "weight": 1}}"#))
+        .collect();
+    let too_many = format!(
+        r#"{{"classes": [{}], "default_class": "c0"}}"#,
+        many.join(",")
+    );
+    for (bad, needle) in [
+        (
+            r#"{"classes": [{"name": "a", "band": 0, "weight": 0}], "default_class": "a"}"#,
+            "weight must be a finite number above 0",
+        ),
+        (
+            r#"{"classes": [{"name": "a", "band": 0, "weight": 1000.5}], "default_class": "a"}"#,
+            "at most 1000",
+        ),
+        (
+            r#"{"classes": [{"name": "a", "band": 0, "weight": -2}], "default_class": "a"}"#,
+            "weight must be",
+        ),
+        (
+            r#"{"classes": [{"name": "a.b", "band": 0, "weight": 1}], "default_class": "a.b"}"#,
+            "invalid class name \"a.b\"",
+        ),
+        (
+            r#"{"classes": [{"name": "a", "band": 0, "weight": 1}, {"name": "a", "band": 1, "weight": 1}], "default_class": "a"}"#,
+            "given twice",
+        ),
+        (
+            r#"{"classes": [{"name": "a", "band": 0, "weight": 1}]}"#,
+            "default_class is required",
+        ),
+        (
+            r#"{"classes": [{"name": "a", "band": 0, "weight": 1}], "default_class": "b"}"#,
+            "default_class \"b\" is not one of the classes",
+        ),
+        (r#"{"default_class": "a"}"#, "without classes"),
+        (
+            r#"{"classes": [{"name": "a", "band": 256, "weight": 1}], "default_class": "a"}"#,
+            "invalid JSON body",
+        ),
+        (
+            r#"{"classes": [{"name": "a", "band": 0, "weight": 1, "colour": 1}], "default_class": "a"}"#,
+            "unknown field `colour`",
+        ),
+        (
+            r#"{"classes": [{"name": "a", "weight": 1}], "default_class": "a"}"#,
+            "missing field `band`",
+        ),
+        (r#"{"classes": {"name": "a"}}"#, "invalid JSON body"),
+        (too_many.as_str(), "65 classes: a deployment has at most 64"),
+    ] {
+        let error = service
+            .post_json("/v1/deployments/c", "PUT", bad)
+            .await
+            .assert_error(400, bad);
+        assert!(error.contains(needle), "{bad}: {error}");
+    }
+    assert_eq!(
+        service.get("/v1/deployments/c").await.status,
+        404,
+        "a bad body creates nothing"
+    );
+
+    let good = r#"{"classes": [{"name": "premium", "band": 1, "weight": 4}, {"name": "regular", "band": 0, "weight": 1}], "default_class": "regular"}"#;
+    let reply = service.post_json("/v1/deployments/c", "PUT", good).await;
+    assert_eq!(reply.status, 201, "{}", reply.body);
+    let admission = &reply.json()["admission"];
+    assert_eq!(admission["default_class"], "regular", "{admission}");
+    assert_eq!(
+        admission["classes"],
+        serde_json::json!([
+            {"name": "premium", "band": 1, "weight": 4.0},
+            {"name": "regular", "band": 0, "weight": 1.0},
+        ])
+    );
+    // A PUT without classes keeps them; a bad default alone changes nothing.
+    let reply = service
+        .post_json("/v1/deployments/c", "PUT", r#"{"policy": "round_robin"}"#)
+        .await;
+    assert_eq!(reply.json()["admission"]["default_class"], "regular");
+    service
+        .post_json("/v1/deployments/c", "PUT", r#"{"default_class": "gold"}"#)
+        .await
+        .assert_error(400, "an unknown default");
+    let reply = service
+        .post_json(
+            "/v1/deployments/c",
+            "PUT",
+            r#"{"default_class": "premium"}"#,
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.json()["admission"]["default_class"], "premium");
+    let reply = service.post_json("/v1/deployments/c", "PUT", good).await;
+    assert_eq!(reply.json()["admission"]["default_class"], "regular");
+
+    // Two premium, one regular, one unclassed and one of an unknown class (both: regular).
+    admit_in_class(&publisher, 1, 7, "a", Some("premium")).await;
+    admit_in_class(&publisher, 2, 7, "b", Some("premium")).await;
+    admit_in_class(&publisher, 3, 8, "c", Some("regular")).await;
+    admit_in_class(&publisher, 4, 8, "d", None).await;
+    admit_in_class(&publisher, 5, 8, "e", Some("gold")).await;
+    let series = |class: &str, what: &str| {
+        format!("lease_router_class_inflight_{what}{{deployment=\"c\",class=\"{class}\"}}")
+    };
+    let text = poll("five admissions counted", || async {
+        let text = service.metrics().await;
+        (metric(&text, &series("regular", "requests")) == Some(3.0)).then_some(text)
+    })
+    .await;
+    assert_eq!(metric(&text, &series("premium", "requests")), Some(2.0));
+    assert_eq!(metric(&text, &series("premium", "tokens")), Some(240.0));
+    assert_eq!(metric(&text, &series("regular", "tokens")), Some(360.0));
+
+    // A route request names its class (an invalid name is refused); the provisional
+    // booking counts at once.
+    let reply = service
+        .post_json(
+            "/v1/deployments/c/route",
+            "POST",
+            r#"{"request_id": "r1", "prompt_tokens": 10, "class": "premium"}"#,
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let text = service.metrics().await;
+    assert_eq!(metric(&text, &series("premium", "requests")), Some(3.0));
+    let error = service
+        .post_json(
+            "/v1/deployments/c/route",
+            "POST",
+            r#"{"request_id": "r2", "prompt_tokens": 10, "class": "no such class!"}"#,
+        )
+        .await
+        .assert_error(400, "an invalid class name");
+    assert!(error.contains("is not a class name"), "{error}");
+
+    // Removed: no admission, no class series.
+    let reply = service
+        .post_json("/v1/deployments/c", "PUT", r#"{"classes": []}"#)
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.json()["admission"]["classes"], serde_json::json!([]));
+    let text = service.metrics().await;
+    assert!(
+        !text
+            .lines()
+            .any(|l| l.starts_with("lease_router_class_inflight")),
+        "{text}"
+    );
     service.stop().await;
 }

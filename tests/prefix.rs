@@ -227,6 +227,7 @@ async fn a_worker_holds_its_announced_capacity_and_a_leaving_worker_holds_nothin
     publisher
         .send(Admitted {
             block_capacity: Some(4),
+            class: None,
             ..admitted_with("small", 5, &tokens)
         })
         .await;

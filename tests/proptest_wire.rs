@@ -48,7 +48,8 @@ fn event() -> impl Strategy<Value = LeaseEvent> {
             any::<Option<u32>>(),
             any::<Option<u32>>(),
             prop::collection::vec(any::<u64>(), 0..=MAX_BLOCK_HASHES),
-            any::<Option<u32>>()
+            any::<Option<u32>>(),
+            prop::option::of("\\PC{0,64}")
         )
             .prop_map(
                 |(
@@ -60,10 +61,12 @@ fn event() -> impl Strategy<Value = LeaseEvent> {
                     cached,
                     block_hashes,
                     block_capacity,
+                    class,
                 )| {
                     LeaseEvent::Admitted(Admitted {
                         block_hashes,
                         block_capacity,
+                        class,
                         request_id,
                         worker_id,
                         dp_rank,

@@ -123,6 +123,7 @@ fn event(i: u64) -> LeaseEvent {
         0 => wire::Admitted {
             block_hashes: Vec::new(),
             block_capacity: None,
+            class: None,
             request_id,
             worker_id,
             dp_rank,

@@ -299,6 +299,7 @@ impl Workers {
                         // Two blocks of its own prompt: the prefix index shows them.
                         block_hashes: vec![*id << 32 | u64::from(i) << 1, *id << 32 | 1],
                         block_capacity: None,
+                        class: None,
                         request_id: request_id.clone(),
                         worker_id: *id,
                         dp_rank: 0,

@@ -45,6 +45,7 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                 Admitted {
                     block_hashes: Vec::new(),
                     block_capacity: None,
+                    class: None,
                     request_id: "req-7f3a".into(),
                     worker_id: 3,
                     dp_rank: 1,
@@ -63,6 +64,7 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                 Admitted {
                     block_hashes: Vec::new(),
                     block_capacity: None,
+                    class: None,
                     request_id: "req-8e21".into(),
                     worker_id: 3,
                     dp_rank: 0,
@@ -136,6 +138,7 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                 Admitted {
                     block_hashes: Vec::new(),
                     block_capacity: None,
+                    class: None,
                     request_id: "req-9c04".into(),
                     worker_id: 3,
                     dp_rank: 1,
@@ -156,12 +159,33 @@ fn golden() -> Vec<(&'static str, Envelope)> {
                     // not hashed), as schemas/README.md's example.
                     block_hashes: lease_router::block_hashes(&(100..140).collect::<Vec<_>>(), 16),
                     block_capacity: Some(25_000),
+                    class: None,
                     request_id: "req-b10c".into(),
                     worker_id: 3,
                     dp_rank: 0,
                     prompt_tokens: 40,
                     expected_output_tokens: Some(64),
                     cached_tokens: Some(16),
+                },
+            ),
+        ),
+        (
+            // Wire 1.4: the request's admission class.
+            "admitted_class",
+            Envelope::new(
+                PUBLISHER_ID,
+                15,
+                TS + 3_100_000,
+                Admitted {
+                    block_hashes: Vec::new(),
+                    block_capacity: None,
+                    class: Some("premium".into()),
+                    request_id: "req-c1a5".into(),
+                    worker_id: 3,
+                    dp_rank: 0,
+                    prompt_tokens: 256,
+                    expected_output_tokens: Some(32),
+                    cached_tokens: None,
                 },
             ),
         ),
@@ -264,6 +288,7 @@ fn golden_batch() -> Vec<Envelope> {
             Admitted {
                 block_hashes: Vec::new(),
                 block_capacity: None,
+                class: None,
                 request_id: "req-b001".into(),
                 worker_id: 3,
                 dp_rank: 0,
@@ -1032,7 +1057,8 @@ fn schema_matches_the_decoder() {
             .keys()
             .filter(|k| {
                 ![
-                    "v", "pub", "seq", "ts", "kind", "etok", "ctok", "bcap", "leaving", "par",
+                    "v", "pub", "seq", "ts", "kind", "etok", "ctok", "bcap", "cls", "leaving",
+                    "par",
                 ]
                 .contains(&k.as_str())
             })

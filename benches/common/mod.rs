@@ -274,6 +274,7 @@ impl LifecycleGen {
             let event = Admitted {
                 block_hashes,
                 block_capacity: None,
+                class: None,
                 request_id: id.clone(),
                 worker_id: worker,
                 dp_rank: 0,

@@ -140,6 +140,7 @@ impl Feed {
                     cached_tokens: Some(cached),
                     block_hashes: hashes[..hashes.len().min(MAX_BLOCK_HASHES)].to_vec(),
                     block_capacity: Some(CACHE_BLOCKS as u32),
+                    class: None,
                 });
             }
             Self::Direct(managers) => {

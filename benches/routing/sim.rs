@@ -157,6 +157,7 @@ impl Feed {
                 let _ = publishers[w].publish(Admitted {
                     block_hashes: Vec::new(),
                     block_capacity: None,
+                    class: None,
                     request_id: id,
                     worker_id: worker(w).worker_id.0,
                     dp_rank: 0,

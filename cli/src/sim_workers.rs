@@ -646,6 +646,7 @@ impl Worker {
         Admitted {
             block_hashes: Vec::new(),
             block_capacity: None,
+            class: None,
             request_id: plan.request_id.clone(),
             worker_id: self.worker_id,
             dp_rank: plan.dp_rank,

@@ -564,8 +564,11 @@ impl EventApplier {
         request_id: &str,
         worker: WorkerWithDpRank,
         load: RequestLoad,
+        class: Option<&str>,
     ) -> Result<AdmitOutcome, DeliverEventError> {
-        Ok(self.leases()?.admit_current(request_id, worker, load))
+        Ok(self
+            .leases()?
+            .admit_current_in_class(request_id, worker, load, class))
     }
 
     fn progress_current(
@@ -609,7 +612,7 @@ impl EventApplier {
             }
         }
         // A re-sent admission of a live lease renews it; otherwise this is a new attempt.
-        match self.admit_current(request_id, worker, load)? {
+        match self.admit_current(request_id, worker, load, e.class.as_deref())? {
             AdmitOutcome::Full => {
                 // Refused by the manager's max_active_leases (counted there as refused_full);
                 // progress held for it would wait for nothing.
@@ -784,6 +787,7 @@ mod tests {
         Admitted {
             block_hashes: Vec::new(),
             block_capacity: None,
+            class: None,
             request_id: id.into(),
             worker_id: worker,
             dp_rank: 0,

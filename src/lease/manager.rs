@@ -28,6 +28,7 @@ use tracing::debug;
 use super::clock::{LeaseClock, LeaseState, ReapOutcome, TouchOutcome};
 use super::key::{hash_id, LeaseKey};
 use super::weight::LeaseWeight;
+use crate::admission::ClassId;
 use crate::load::RequestLoad;
 use crate::load::WorkerLoad;
 use crate::observer::{AdmitOutcome, CompleteOutcome, ProgressOutcome};
@@ -210,6 +211,9 @@ struct Lease {
     provisional: bool,
     /// Seconds since the manager started; four bytes instead of an `Instant`'s sixteen.
     admitted_at: u32,
+    /// Its admission class, resolved once at admission; every operation of the booking
+    /// carries it, so the class's fleet-wide sums move with the booking.
+    class: ClassId,
 }
 
 impl Lease {
@@ -223,7 +227,7 @@ impl Lease {
 
     /// The release of a lease the caller has claimed: seals its weight and gives it back.
     fn release(&self, reason: ReleaseReason) -> Op {
-        Op::Release(self.worker, self.weight.seal(), reason)
+        Op::Release(self.class, self.worker, self.weight.seal(), reason)
     }
 
     fn new(
@@ -232,6 +236,7 @@ impl Lease {
         load: RequestLoad,
         provisional: bool,
         admitted_at: u32,
+        class: ClassId,
     ) -> Self {
         Self {
             attempt_id,
@@ -240,6 +245,7 @@ impl Lease {
             clock: LeaseClock::touched(),
             provisional,
             admitted_at,
+            class,
         }
     }
 }
@@ -255,6 +261,10 @@ pub(crate) struct LeaseImage {
     pub output_tokens: Option<u32>,
     /// Not renewed since the last scan: the next scan expires it.
     pub quiet: bool,
+    /// Its admission class's name, when it has one the deployment has (last, and left
+    /// out when `None`: older snapshots load, and unclassed ones are written as before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<String>,
 }
 
 /// A lease as the API shows it ([`RequestLeaseManager::lease`]).
@@ -400,6 +410,7 @@ impl RequestLeaseManagerInner {
         worker: WorkerWithDpRank,
         load: RequestLoad,
         provisional: bool,
+        class: ClassId,
         same: impl FnOnce(&Lease) -> bool,
         fresh: impl FnOnce() -> (LeaseKey, AttemptId),
     ) -> AdmitOutcome {
@@ -423,7 +434,12 @@ impl RequestLeaseManagerInner {
                         // under the write lock, so no claim runs meanwhile.
                         lease.provisional = false;
                         let (from, to) = lease.weight.readmit(load);
-                        pending.ops.push(Op::Shift(worker, from, to));
+                        pending.ops.push(Op::Shift(lease.class, worker, from, to));
+                        // The worker's class is what every replica counts.
+                        if lease.class != class {
+                            pending.ops.push(Op::Reclass(lease.class, class, to));
+                            lease.class = class;
+                        }
                         pending.count(Counter::TakenOver);
                         return AdmitOutcome::Registered;
                     }
@@ -436,9 +452,9 @@ impl RequestLeaseManagerInner {
                 let (_, attempt_id) = fresh();
                 let old = mem::replace(
                     lease,
-                    Lease::new(attempt_id, worker, load, provisional, admitted_at),
+                    Lease::new(attempt_id, worker, load, provisional, admitted_at, class),
                 );
-                pending.ops.push(book(worker, &lease.weight, provisional));
+                pending.ops.push(book(lease, provisional));
                 if provisional {
                     pending.count(Counter::Provisional);
                 }
@@ -463,8 +479,8 @@ impl RequestLeaseManagerInner {
                     return AdmitOutcome::Full;
                 }
                 let (key, attempt_id) = fresh();
-                let lease = Lease::new(attempt_id, worker, load, provisional, admitted_at);
-                pending.ops.push(book(worker, &lease.weight, provisional));
+                let lease = Lease::new(attempt_id, worker, load, provisional, admitted_at, class);
+                pending.ops.push(book(&lease, provisional));
                 entry.insert((key, lease));
                 self.active.fetch_add(1, Ordering::Relaxed);
                 pending.count(if provisional {
@@ -528,7 +544,9 @@ impl RequestLeaseManagerInner {
             .flatten();
         match shift {
             // The worker spoke: a shift says so itself.
-            Some((from, to)) => pending.ops.push(Op::Shift(lease.worker, from, to)),
+            Some((from, to)) => pending
+                .ops
+                .push(Op::Shift(lease.class, lease.worker, from, to)),
             None => pending.seen(lease.worker),
         }
         drop(table);
@@ -596,11 +614,12 @@ impl RequestLeaseManagerInner {
 
 /// The booking of a new lease: a worker's admission also says the worker spoke; a route
 /// decision's does not.
-fn book(worker: WorkerWithDpRank, weight: &LeaseWeight, provisional: bool) -> Op {
+fn book(lease: &Lease, provisional: bool) -> Op {
+    let weight = lease.weight.weight();
     if provisional {
-        Op::Book(worker, weight.weight())
+        Op::Book(lease.class, lease.worker, weight)
     } else {
-        Op::Admitted(worker, weight.weight())
+        Op::Admitted(lease.class, lease.worker, weight)
     }
 }
 
@@ -660,8 +679,19 @@ impl LeaseBatch {
         worker: WorkerWithDpRank,
         load: RequestLoad,
     ) -> AdmitOutcome {
+        self.admit_current_in_class(request_id, worker, load, None)
+    }
+
+    /// [`RequestLeaseManager::admit_current_in_class`] within the batch.
+    pub fn admit_current_in_class(
+        &mut self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        load: RequestLoad,
+        class: Option<&str>,
+    ) -> AdmitOutcome {
         self.manager
-            .admit_current_in(&mut self.pending, request_id, worker, load)
+            .admit_current_in(&mut self.pending, request_id, worker, load, class)
     }
 
     /// The cached tokens this replica's route decision counted on for `request_id` on
@@ -688,7 +718,12 @@ impl LeaseBatch {
     /// count, and left quiet if it was (so it expires when it would have at the writer).
     pub(crate) fn restore(&mut self, image: &LeaseImage) -> AdmitOutcome {
         let worker = WorkerWithDpRank::new(image.worker_id, image.dp_rank);
-        let outcome = self.admit_current(&image.request_id, worker, image.load);
+        let outcome = self.admit_current_in_class(
+            &image.request_id,
+            worker,
+            image.load,
+            image.class.as_deref(),
+        );
         if let Some(output) = image.output_tokens {
             self.progress_current(&image.request_id, worker, output);
         }
@@ -859,7 +894,7 @@ impl RequestLeaseManager {
         booking: SchedulerBookingDescriptor,
         load: RequestLoad,
     ) -> AdmitOutcome {
-        self.admit_booking(booking, load, false)
+        self.admit_booking(booking, load, false, None)
     }
 
     /// Admits `request_id` on `worker` in one lookup, as a wire `admitted` (which carries
@@ -871,7 +906,20 @@ impl RequestLeaseManager {
         worker: WorkerWithDpRank,
         load: RequestLoad,
     ) -> AdmitOutcome {
-        self.single(|_, pending| self.admit_current_in(pending, request_id, worker, load))
+        self.admit_current_in_class(request_id, worker, load, None)
+    }
+
+    /// [`Self::admit_current`] of a request of admission class `class` (a wire `admitted`
+    /// with `cls`): its lease counts under that class if the deployment has it, under the
+    /// default class otherwise (see [`AdmissionConfig`](crate::AdmissionConfig)).
+    pub fn admit_current_in_class(
+        &self,
+        request_id: &str,
+        worker: WorkerWithDpRank,
+        load: RequestLoad,
+        class: Option<&str>,
+    ) -> AdmitOutcome {
+        self.single(|_, pending| self.admit_current_in(pending, request_id, worker, load, class))
     }
 
     fn admit_current_in(
@@ -880,13 +928,16 @@ impl RequestLeaseManager {
         request_id: &str,
         worker: WorkerWithDpRank,
         load: RequestLoad,
+        class: Option<&str>,
     ) -> AdmitOutcome {
+        let class = self.inner.scheduler.classes().resolve(class);
         self.inner.admit(
             pending,
             request_id,
             worker,
             load,
             false,
+            class,
             |lease| lease.worker == worker,
             || (LeaseKey::new(request_id), AttemptId::mint()),
         )
@@ -938,9 +989,21 @@ impl RequestLeaseManager {
         booking: SchedulerBookingDescriptor,
         load: RequestLoad,
     ) -> AdmitOutcome {
+        self.book_provisional_in_class(booking, load, None)
+    }
+
+    /// [`Self::book_provisional`] for a route request of admission class `class`. The
+    /// worker's `admitted`, when it takes the booking over, sets the class every replica
+    /// counts (its `cls`, or the default class without one).
+    pub fn book_provisional_in_class(
+        &self,
+        booking: SchedulerBookingDescriptor,
+        load: RequestLoad,
+        class: Option<&str>,
+    ) -> AdmitOutcome {
         let request_id = booking.request_id.clone();
         let attempt_id = booking.attempt_id;
-        let outcome = self.admit_booking(booking, load, true);
+        let outcome = self.admit_booking(booking, load, true, class);
         if matches!(outcome, AdmitOutcome::Registered | AdmitOutcome::Superseded) {
             let due = tokio::time::Instant::now() + self.inner.provisional_deadline;
             self.inner.unconfirmed.lock().push_back(Unconfirmed {
@@ -1006,12 +1069,14 @@ impl RequestLeaseManager {
         booking: SchedulerBookingDescriptor,
         load: RequestLoad,
         provisional: bool,
+        class: Option<&str>,
     ) -> AdmitOutcome {
         let SchedulerBookingDescriptor {
             request_id,
             worker,
             attempt_id,
         } = booking;
+        let class = self.inner.scheduler.classes().resolve(class);
         self.single(|inner, pending| {
             inner.admit(
                 pending,
@@ -1019,6 +1084,7 @@ impl RequestLeaseManager {
                 worker,
                 load,
                 provisional,
+                class,
                 |lease| lease.attempt_id == attempt_id,
                 || (LeaseKey::new(&request_id), attempt_id),
             )
@@ -1183,6 +1249,7 @@ impl RequestLeaseManager {
     /// a snapshot keeps it. One shard's read lock at a time: ingest waits at most for the
     /// copy of one shard.
     pub(crate) fn lease_images(&self) -> Vec<LeaseImage> {
+        let classes = self.inner.scheduler.classes();
         let mut out = Vec::with_capacity(self.active_leases());
         for shard in self.inner.shards.iter() {
             let shard = shard.read();
@@ -1199,6 +1266,7 @@ impl RequestLeaseManager {
                     load,
                     output_tokens,
                     quiet: state == LeaseState::Quiet,
+                    class: classes.name(lease.class).map(|name| name.to_string()),
                 });
             }
         }
@@ -1329,6 +1397,94 @@ mod tests {
             Some(CompleteOutcome::Released)
         );
         assert_eq!(scheduler.load(worker).await.unwrap(), WorkerLoad::default());
+    }
+
+    /// Each class's requests in flight, in the order of the classes.
+    async fn in_flight(scheduler: &SchedulerHandle) -> Vec<(String, u64, u64)> {
+        scheduler
+            .class_loads()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|c| (c.class, c.in_flight_requests, c.in_flight_tokens))
+            .collect()
+    }
+
+    /// A lease carries its class from its admission to its release, whichever wins the
+    /// claim: completion, expiry, supersession, worker reset; a route decision's booking
+    /// counts under the class the worker's `admitted` names when it takes it over; no class
+    /// and an unknown class count under the default.
+    #[tokio::test]
+    async fn class_sums_follow_every_lease_to_its_release() {
+        use crate::admission::{AdmissionClass, AdmissionConfig};
+        let tracker = TaskTracker::new();
+        let (scheduler, manager) = manager(one_shard(), &tracker);
+        scheduler
+            .set_admission(
+                AdmissionConfig::default()
+                    .with_class(AdmissionClass::new("premium", 1, 4.0))
+                    .with_class(AdmissionClass::new("regular", 0, 1.0))
+                    .with_default_class("regular"),
+            )
+            .unwrap();
+        let (a, b) = (WorkerWithDpRank::new(1, 0), WorkerWithDpRank::new(2, 0));
+        let load = RequestLoad::new(10, Some(5));
+        let premium = Some("premium");
+        manager.admit_current_in_class("p1", a, load, premium);
+        manager.admit_current_in_class("p2", b, load, premium);
+        manager.admit_current_in_class("p3", a, load, premium);
+        manager.admit_current_in_class("r1", a, load, None);
+        manager.admit_current_in_class("g1", b, load, Some("gold"));
+        assert_eq!(
+            in_flight(&scheduler).await,
+            [("premium".into(), 3, 45), ("regular".into(), 2, 30)]
+        );
+        // A duplicate admission counts nothing; progress moves no class figure.
+        manager.admit_current_in_class("p1", a, load, premium);
+        manager.progress_current("p1", a, 3);
+        assert_eq!(in_flight(&scheduler).await[0], ("premium".into(), 3, 45));
+
+        // Completion, supersession (a new attempt on another worker, unclassed), reset.
+        manager.complete_current("p1", a);
+        manager.admit_current("p2", a, load);
+        assert_eq!(
+            in_flight(&scheduler).await,
+            [("premium".into(), 1, 15), ("regular".into(), 3, 45)]
+        );
+        manager.reset_worker(WorkerId(1), None);
+        assert_eq!(
+            in_flight(&scheduler).await,
+            [("premium".into(), 0, 0), ("regular".into(), 1, 15)]
+        );
+        // Expiry: two scans.
+        for _ in 0..2 {
+            manager.scan_shard(0);
+        }
+        assert_eq!(manager.active_leases(), 0);
+        assert_eq!(
+            in_flight(&scheduler).await,
+            [("premium".into(), 0, 0), ("regular".into(), 0, 0)]
+        );
+
+        // A route decision's booking of class premium, taken over by an admission that
+        // names none: the worker's class is what every replica counts.
+        let booking = SchedulerBookingDescriptor::new(RequestId::from("q"), a);
+        manager.book_provisional_in_class(booking.clone(), load, premium);
+        assert_eq!(in_flight(&scheduler).await[0], ("premium".into(), 1, 15));
+        manager.admit_current("q", a, RequestLoad::new(20, Some(5)));
+        assert_eq!(
+            in_flight(&scheduler).await,
+            [("premium".into(), 0, 0), ("regular".into(), 1, 25)]
+        );
+        manager.complete_current("q", a);
+        // And one confirmed in its own class, then cancelled before: nothing left.
+        let booking = SchedulerBookingDescriptor::new(RequestId::from("s"), b);
+        manager.book_provisional_in_class(booking.clone(), load, premium);
+        assert!(manager.cancel_route(&booking));
+        assert_eq!(
+            in_flight(&scheduler).await,
+            [("premium".into(), 0, 0), ("regular".into(), 0, 0)]
+        );
     }
 
     fn manager(

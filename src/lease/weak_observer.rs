@@ -56,6 +56,15 @@ impl ReplicaRequestLeaseObserver for WeakRequestLeaseObserver {
         self.with_manager(|m| m.book_provisional(booking, load))
     }
 
+    fn routed_in_class(
+        &self,
+        booking: SchedulerBookingDescriptor,
+        load: RequestLoad,
+        class: Option<&str>,
+    ) -> Result<AdmitOutcome, DeliverEventError> {
+        self.with_manager(|m| m.book_provisional_in_class(booking, load, class))
+    }
+
     fn worker_reset(
         &self,
         worker_id: WorkerId,

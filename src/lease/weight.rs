@@ -302,6 +302,7 @@ mod property {
                 } => self.send(Admitted {
                     block_hashes: Vec::new(),
                     block_capacity: None,
+                    class: None,
                     request_id: rid(&req),
                     worker_id: worker.0,
                     dp_rank: worker.1,

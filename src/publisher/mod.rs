@@ -452,6 +452,35 @@ impl LeasePublisher {
             prompt_tokens,
             expected_output_tokens,
             cached_tokens: None,
+            class: None,
+        })
+    }
+
+    /// Queues an [`Admitted`] event of a request in admission class `class` (wire 1.4,
+    /// `cls`): every router replica counts the request under that class, fleet-wide, or
+    /// under the deployment's default class when it has no such class (see
+    /// [`AdmissionConfig`](crate::AdmissionConfig)). Name the class the route request
+    /// named. For the other optional fields, build the [`Admitted`] and
+    /// [`publish`](Self::publish) it.
+    pub fn admitted_in_class(
+        &self,
+        request_id: impl Into<String>,
+        worker_id: u64,
+        dp_rank: u32,
+        prompt_tokens: u32,
+        expected_output_tokens: Option<u32>,
+        class: impl Into<String>,
+    ) -> Result<(), PublishEventError> {
+        self.publish(Admitted {
+            block_hashes: Vec::new(),
+            block_capacity: None,
+            request_id: request_id.into(),
+            worker_id,
+            dp_rank,
+            prompt_tokens,
+            expected_output_tokens,
+            cached_tokens: None,
+            class: Some(class.into()),
         })
     }
 

@@ -32,6 +32,7 @@ use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, Instrument};
 
+use crate::admission::{AdmissionConfig, ClassId, ClassLoad, ClassTable, ConfigureAdmissionError};
 use crate::load::{BookingWeight, WorkerLoad};
 use crate::observer::ReplicaRequestLeaseObserver;
 use crate::prefix::{PrefixFigures, PrefixIndexConfig, PrefixState};
@@ -78,18 +79,23 @@ pub enum QuerySchedulerError {
     Stopped,
 }
 
-/// One change to a worker's load, queued by the lease manager.
+/// One change to a worker's load, queued by the lease manager. Each booking's change also
+/// names its admission class (0: none, see [`crate::admission`]), whose fleet-wide sums move
+/// with it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Op {
     /// A booking that its worker did not announce (a route decision's).
-    Book(WorkerWithDpRank, BookingWeight),
+    Book(ClassId, WorkerWithDpRank, BookingWeight),
     /// A booking its worker admitted: the worker spoke.
-    Admitted(WorkerWithDpRank, BookingWeight),
+    Admitted(ClassId, WorkerWithDpRank, BookingWeight),
     /// A release; one by completion also says the worker spoke.
-    Release(WorkerWithDpRank, BookingWeight, ReleaseReason),
+    Release(ClassId, WorkerWithDpRank, BookingWeight, ReleaseReason),
     /// A live booking's weight moved (its request progressed, or an admission took a
     /// provisional booking over): from the first weight to the second. The worker spoke.
-    Shift(WorkerWithDpRank, BookingWeight, BookingWeight),
+    Shift(ClassId, WorkerWithDpRank, BookingWeight, BookingWeight),
+    /// A live booking of this weight moved from the first class to the second (an
+    /// admission that took over a route decision's booking named another class).
+    Reclass(ClassId, ClassId, BookingWeight),
     /// The worker sent an event of its own that changed no load: a member, seen now.
     Seen(WorkerWithDpRank),
     /// A `worker_reset` (every rank when `dp_rank` is `None`), after its releases: a
@@ -120,20 +126,23 @@ enum Command {
     Routing(oneshot::Sender<RoutingConfig>),
     Load(WorkerWithDpRank, oneshot::Sender<WorkerLoad>),
     LeastLoaded(oneshot::Sender<Option<(WorkerWithDpRank, WorkerLoad)>>),
+    ClassLoads(oneshot::Sender<Vec<ClassLoad>>),
 }
 
 struct Inbox {
     ops: Mutex<Vec<Op>>,
 }
 
-/// What every handle to the actor shares: the inbox, the channel, the counters and the
-/// prefix index (which the actor reads in its decisions and the manager teaches).
+/// What every handle to the actor shares: the inbox, the channel, the counters, the
+/// prefix index (which the actor reads in its decisions and the manager teaches) and the
+/// admission classes (which the manager resolves at admission and the actor reports on).
 #[derive(Clone)]
 struct Mailbox {
     inbox: Arc<Inbox>,
     tx: mpsc::UnboundedSender<Command>,
     stats: Arc<SchedulerStats>,
     prefix: Arc<PrefixState>,
+    classes: Arc<ClassTable>,
 }
 
 impl Mailbox {
@@ -190,6 +199,11 @@ impl SchedulerBookingCleanup {
     /// The deployment's prefix index, which admissions and resets teach.
     pub(crate) fn prefix(&self) -> &PrefixState {
         &self.mailbox.prefix
+    }
+
+    /// The deployment's admission classes, by which admissions are counted.
+    pub(crate) fn classes(&self) -> &ClassTable {
+        &self.mailbox.classes
     }
 }
 
@@ -300,6 +314,28 @@ impl SchedulerHandle {
         self.mailbox.ask(Command::Routing).await
     }
 
+    /// The deployment's admission classes ([`AdmissionConfig::default`]: none, no
+    /// admission).
+    pub fn admission(&self) -> AdmissionConfig {
+        self.mailbox.classes.config()
+    }
+
+    /// Puts admission classes in force for later admissions; live bookings keep the class
+    /// they were admitted with (one no longer configured counts under the default class).
+    ///
+    /// # Errors
+    /// [`ConfigureAdmissionError`] for classes [`AdmissionConfig::validate`] refuses.
+    pub fn set_admission(&self, admission: AdmissionConfig) -> Result<(), ConfigureAdmissionError> {
+        self.mailbox.classes.set(admission)
+    }
+
+    /// Each configured class with its requests and tokens in flight across the whole fleet
+    /// (from every worker's leases, so the same in every replica), in the order of the
+    /// classes; empty without classes.
+    pub async fn class_loads(&self) -> Result<Vec<ClassLoad>, QuerySchedulerError> {
+        self.mailbox.ask(Command::ClassLoads).await
+    }
+
     /// The load of one worker, member or not (zero when it is unknown).
     pub async fn load(&self, worker: WorkerWithDpRank) -> Result<WorkerLoad, QuerySchedulerError> {
         self.mailbox.ask(|reply| Command::Load(worker, reply)).await
@@ -352,13 +388,20 @@ impl Scheduler {
             ops: Mutex::new(Vec::new()),
         });
         let prefix = Arc::new(PrefixState::new(prefix));
-        let state = SchedulerState::new(inbox.clone(), stats.clone(), prefix.clone());
+        let classes = Arc::new(ClassTable::default());
+        let state = SchedulerState::new(
+            inbox.clone(),
+            stats.clone(),
+            prefix.clone(),
+            classes.clone(),
+        );
         let handle = SchedulerHandle {
             mailbox: Mailbox {
                 inbox,
                 tx,
                 stats,
                 prefix,
+                classes,
             },
         };
         let actor = Self {
@@ -420,6 +463,9 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
             }
             Command::LeastLoaded(reply) => {
                 let _ = reply.send(state.least_loaded());
+            }
+            Command::ClassLoads(reply) => {
+                let _ = reply.send(state.class_loads());
             }
             Command::Route(request, reply) => {
                 let _ = reply.send(state.route(request));

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use hashbrown::HashMap;
 
 use super::{Inbox, Op, ReleaseReason, SchedulerStats, WorkerStatus, DEFAULT_WORKER_IDLE};
+use crate::admission::{ClassLoad, ClassSums, ClassTable};
 use crate::load::{LoadSums, RequestLoad, WorkerLoad};
 use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
 use crate::prefix::PrefixState;
@@ -42,6 +43,9 @@ pub(super) struct SchedulerState {
     observer: Option<Arc<dyn ReplicaRequestLeaseObserver>>,
     stats: Arc<SchedulerStats>,
     prefix: Arc<PrefixState>,
+    classes: Arc<ClassTable>,
+    /// Every admission class's sums over the live bookings of every worker.
+    class_sums: ClassSums,
 }
 
 impl SchedulerState {
@@ -49,6 +53,7 @@ impl SchedulerState {
         inbox: Arc<Inbox>,
         stats: Arc<SchedulerStats>,
         prefix: Arc<PrefixState>,
+        classes: Arc<ClassTable>,
     ) -> Self {
         let now = Instant::now();
         Self {
@@ -62,6 +67,8 @@ impl SchedulerState {
             observer: None,
             stats,
             prefix,
+            classes,
+            class_sums: ClassSums::default(),
         }
     }
 
@@ -112,7 +119,8 @@ impl SchedulerState {
 
     fn apply(&mut self, op: Op) {
         match op {
-            Op::Book(worker, weight) => {
+            Op::Book(class, worker, weight) => {
+                self.class_sums.add(class, 1, weight);
                 let entry = self.entry(worker);
                 entry.sums.add(1, weight);
                 // Booked on by a decision, which chose a member.
@@ -121,12 +129,14 @@ impl SchedulerState {
                 }
                 self.stats.booked.fetch_add(1, Ordering::Relaxed);
             }
-            Op::Admitted(worker, weight) => {
+            Op::Admitted(class, worker, weight) => {
+                self.class_sums.add(class, 1, weight);
                 self.entry(worker).sums.add(1, weight);
                 self.stats.booked.fetch_add(1, Ordering::Relaxed);
                 self.seen(worker);
             }
-            Op::Release(worker, weight, reason) => {
+            Op::Release(class, worker, weight, reason) => {
+                self.class_sums.add(class, -1, weight);
                 self.entry(worker).sums.add(-1, weight);
                 self.stats.count_release(reason);
                 if reason == ReleaseReason::Completed {
@@ -135,11 +145,13 @@ impl SchedulerState {
                     self.collect(worker);
                 }
             }
-            Op::Shift(worker, from, to) => {
+            Op::Shift(class, worker, from, to) => {
+                self.class_sums.shift(class, from, to);
                 let entry = self.entry(worker);
                 entry.sums.shift(from, to);
                 self.seen(worker);
             }
+            Op::Reclass(from, to, weight) => self.class_sums.reclass(from, to, weight),
             Op::Seen(worker) => self.seen(worker),
             Op::Membership {
                 worker_id,
@@ -268,9 +280,12 @@ impl SchedulerState {
         load.cached_tokens = PrefixCredit::new(&overlaps, block_size).held_tokens(&worker, &load);
         let booking = SchedulerBookingDescriptor::new(request.request_id, worker);
         match &self.observer {
-            None => self.apply(Op::Book(worker, load.into())),
+            None => {
+                let class = self.classes.resolve(request.class.as_deref());
+                self.apply(Op::Book(class, worker, load.into()));
+            }
             Some(observer) => {
-                match observer.routed(booking.clone(), load) {
+                match observer.routed_in_class(booking.clone(), load, request.class.as_deref()) {
                     Ok(AdmitOutcome::Full) => return Err(RouteRequestError::LeasesFull),
                     Ok(_) => {}
                     Err(DeliverEventError::ManagerGone) => {
@@ -281,10 +296,10 @@ impl SchedulerState {
                 self.drain();
             }
         }
-        // The worker will hold the prompt's blocks: learned before the answer, so that no
-        // event applied after it (a reset of that worker) is overtaken. As much as a worker's
-        // `admitted` can tell: its first MAX_BLOCK_HASHES blocks. Those it was found to hold
-        // only change their recency, left with the evictions to after the answer.
+        // The worker will hold the prompt's blocks: handed to the index before the answer, so
+        // that no event applied after it (a reset of that worker) is overtaken; the learning
+        // itself runs after the answer (the trim), or first thing at the index's next access.
+        // As much as a worker's `admitted` can tell: its first MAX_BLOCK_HASHES blocks.
         let mut blocks = blocks;
         blocks.truncate(crate::wire::MAX_BLOCK_HASHES);
         let held = overlaps.get(&worker).map_or(0, |&n| n as usize);
@@ -335,6 +350,11 @@ impl SchedulerState {
                 last_seen: now.saturating_duration_since(e.last_seen),
             })
             .collect()
+    }
+
+    /// Each configured class with what it has in flight across the fleet.
+    pub(super) fn class_loads(&self) -> Vec<ClassLoad> {
+        self.classes.loads(&self.class_sums)
     }
 
     /// The least-loaded member: fewest bookings, then fewest tokens.

@@ -6,6 +6,9 @@ use super::*;
 use crate::load::RequestLoad;
 use crate::CostWeights;
 
+/// Operations of bookings without an admission class.
+const NO_CLASS: ClassId = ClassId(0);
+
 fn worker(id: u64) -> WorkerWithDpRank {
     WorkerWithDpRank::new(id, 0)
 }
@@ -27,7 +30,10 @@ async fn bookings_and_releases_move_worker_load() {
     let a = weight(100, Some(10));
     submit(
         &cleanup,
-        &[Op::Book(worker(1), a), Op::Book(worker(2), weight(5, None))],
+        &[
+            Op::Book(NO_CLASS, worker(1), a),
+            Op::Book(NO_CLASS, worker(2), weight(5, None)),
+        ],
     );
     assert_eq!(
         handle.load(worker(1)).await.unwrap(),
@@ -43,7 +49,12 @@ async fn bookings_and_releases_move_worker_load() {
     assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(2));
     submit(
         &cleanup,
-        &[Op::Release(worker(1), a, ReleaseReason::Completed)],
+        &[Op::Release(
+            NO_CLASS,
+            worker(1),
+            a,
+            ReleaseReason::Completed,
+        )],
     );
     assert_eq!(handle.load(worker(1)).await.unwrap(), WorkerLoad::default());
     assert_eq!(handle.load(worker(2)).await.unwrap().active_bookings, 1);
@@ -60,13 +71,16 @@ async fn a_release_that_overtakes_its_booking_still_adds_up() {
     let w = weight(30, Some(7));
     submit(
         &cleanup,
-        &[Op::Release(worker(1), w, ReleaseReason::Expired)],
+        &[Op::Release(NO_CLASS, worker(1), w, ReleaseReason::Expired)],
     );
     // Briefly below zero: shown as zero, not as a huge unsigned number.
     assert_eq!(handle.load(worker(1)).await.unwrap(), WorkerLoad::default());
     submit(
         &cleanup,
-        &[Op::Book(worker(1), weight(5, None)), Op::Book(worker(1), w)],
+        &[
+            Op::Book(NO_CLASS, worker(1), weight(5, None)),
+            Op::Book(NO_CLASS, worker(1), w),
+        ],
     );
     assert_eq!(
         handle.load(worker(1)).await.unwrap(),
@@ -89,7 +103,7 @@ async fn bursts_of_releases_merge_into_one_wakeup() {
     let cleanup = handle.cleanup();
     let w = weight(1, None);
     for i in 0..1000 {
-        submit(&cleanup, &[Op::Book(worker(i % 8), w)]);
+        submit(&cleanup, &[Op::Book(NO_CLASS, worker(i % 8), w)]);
     }
     handle.loads().await.unwrap();
     let before = handle.stats().wakeups;
@@ -97,7 +111,12 @@ async fn bursts_of_releases_merge_into_one_wakeup() {
     for i in 0..1000 {
         submit(
             &cleanup,
-            &[Op::Release(worker(i % 8), w, ReleaseReason::Completed)],
+            &[Op::Release(
+                NO_CLASS,
+                worker(i % 8),
+                w,
+                ReleaseReason::Completed,
+            )],
         );
     }
     let loads = handle.loads().await.unwrap();
@@ -113,7 +132,7 @@ async fn a_few_operations_wait_for_a_query_and_many_wake_the_actor() {
     actor.spawn(None, &tracker);
     let cleanup = handle.cleanup();
     let w = weight(1, None);
-    submit(&cleanup, &[Op::Book(worker(1), w); 10]);
+    submit(&cleanup, &[Op::Book(NO_CLASS, worker(1), w); 10]);
     for _ in 0..10 {
         tokio::task::yield_now().await;
     }
@@ -125,7 +144,7 @@ async fn a_few_operations_wait_for_a_query_and_many_wake_the_actor() {
         "the query applied the inbox first"
     );
 
-    submit(&cleanup, &vec![Op::Book(worker(1), w); WAKE_AT]);
+    submit(&cleanup, &vec![Op::Book(NO_CLASS, worker(1), w); WAKE_AT]);
     tokio::time::timeout(std::time::Duration::from_secs(5), async {
         while handle.stats().booked < 10 + WAKE_AT as u64 {
             tokio::task::yield_now().await;
@@ -173,8 +192,8 @@ async fn a_worker_that_leaves_is_no_member_until_it_speaks_again() {
         &[
             Op::Seen(a),
             Op::Seen(b),
-            Op::Book(worker(2), w),
-            Op::Book(a, w),
+            Op::Book(NO_CLASS, worker(2), w),
+            Op::Book(NO_CLASS, a, w),
         ],
     );
     assert_eq!(
@@ -187,7 +206,10 @@ async fn a_worker_that_leaves_is_no_member_until_it_speaks_again() {
     assert_eq!(members(&handle.loads().await.unwrap()), vec![worker(2)]);
     assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(2));
     assert_eq!(handle.load(a).await.unwrap().active_bookings, 1);
-    submit(&cleanup, &[Op::Release(a, w, ReleaseReason::Expired)]);
+    submit(
+        &cleanup,
+        &[Op::Release(NO_CLASS, a, w, ReleaseReason::Expired)],
+    );
     assert_eq!(handle.load(a).await.unwrap(), WorkerLoad::default());
     assert_eq!(members(&handle.loads().await.unwrap()), vec![worker(2)]);
     assert_eq!(handle.stats().workers_left, 2);
@@ -225,14 +247,14 @@ async fn operations_of_a_worker_that_spoke_refresh_it_and_the_others_do_not() {
     let mut moved = w;
     moved.prefill_tokens = 0;
     let spoke = [
-        Op::Admitted(worker(1), w),
-        Op::Shift(worker(2), w, moved),
-        Op::Release(worker(3), w, ReleaseReason::Completed),
+        Op::Admitted(NO_CLASS, worker(1), w),
+        Op::Shift(NO_CLASS, worker(2), w, moved),
+        Op::Release(NO_CLASS, worker(3), w, ReleaseReason::Completed),
         Op::Seen(worker(4)),
     ];
     let silent = [
-        Op::Release(worker(5), w, ReleaseReason::Expired),
-        Op::Release(worker(6), w, ReleaseReason::Superseded),
+        Op::Release(NO_CLASS, worker(5), w, ReleaseReason::Expired),
+        Op::Release(NO_CLASS, worker(6), w, ReleaseReason::Superseded),
     ];
     submit(&cleanup, &spoke);
     submit(&cleanup, &silent);
@@ -247,9 +269,9 @@ async fn operations_of_a_worker_that_spoke_refresh_it_and_the_others_do_not() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     submit(
         &cleanup,
-        &[Op::Release(worker(1), w, ReleaseReason::Expired)],
+        &[Op::Release(NO_CLASS, worker(1), w, ReleaseReason::Expired)],
     );
-    submit(&cleanup, &[Op::Shift(worker(2), moved, w)]);
+    submit(&cleanup, &[Op::Shift(NO_CLASS, worker(2), moved, w)]);
     let ages: Vec<_> = handle
         .workers()
         .await
@@ -276,7 +298,7 @@ async fn an_idle_worker_is_forgotten_but_not_one_with_a_live_booking() {
         &[
             Op::Seen(worker(1)),
             Op::Seen(worker(2)),
-            Op::Book(worker(3), weight(1, None)),
+            Op::Book(NO_CLASS, worker(3), weight(1, None)),
         ],
     );
     let workers = handle.workers().await.unwrap();
@@ -337,15 +359,15 @@ async fn weighted_cost_takes_the_cheapest_and_sees_its_own_bookings_at_once() {
     submit(
         &cleanup,
         &[
-            Op::Book(worker(1), weight(1000, None)),
-            Op::Shift(worker(1), weight(1000, None), {
+            Op::Book(NO_CLASS, worker(1), weight(1000, None)),
+            Op::Shift(NO_CLASS, worker(1), weight(1000, None), {
                 let mut w = weight(1000, None);
                 w.prefill_tokens = 0;
                 w.kv_tokens = 5000;
                 w
             }),
-            Op::Book(worker(2), weight(3000, None)),
-            Op::Book(worker(3), weight(100, None)),
+            Op::Book(NO_CLASS, worker(2), weight(3000, None)),
+            Op::Book(NO_CLASS, worker(3), weight(100, None)),
         ],
     );
     let decision = handle.route(request("a", 1000)).await.unwrap();
@@ -385,7 +407,7 @@ async fn weighted_cost_reports_the_cheapest_few_in_order() {
     let handle = routed(RoutePolicy::WeightedCost, &members).await;
     // Loads in a scrambled order: worker i carries (i * 7 mod 30) * 10 prompt tokens.
     let books: Vec<_> = (0..30)
-        .map(|i| Op::Book(worker(i), weight((i as u32 * 7 % 30) * 10, None)))
+        .map(|i| Op::Book(NO_CLASS, worker(i), weight((i as u32 * 7 % 30) * 10, None)))
         .collect();
     submit(&handle.cleanup(), &books);
     let decision = handle.route(request("a", 1)).await.unwrap();
@@ -411,7 +433,7 @@ async fn power_of_two_never_takes_the_dearest_and_spreads_over_the_rest() {
     let handle = routed(RoutePolicy::PowerOfTwo, &members).await;
     submit(
         &handle.cleanup(),
-        &[Op::Book(worker(5), weight(1_000_000, None))],
+        &[Op::Book(NO_CLASS, worker(5), weight(1_000_000, None))],
     );
     let mut chosen = std::collections::BTreeSet::new();
     for i in 0..200 {
@@ -486,7 +508,7 @@ async fn the_idle_sweep_updates_the_turns_and_keeps_live_load() {
         leaving: true,
     };
     submit(&cleanup, &[Op::Seen(worker(1)), Op::Seen(worker(2))]);
-    submit(&cleanup, &[Op::Book(worker(3), w), leave]);
+    submit(&cleanup, &[Op::Book(NO_CLASS, worker(3), w), leave]);
     // The first turn goes to worker 1, whose booking keeps it a member.
     let first = handle.route(request("i0", 1)).await.unwrap().worker();
     assert_eq!(first, worker(1));
@@ -671,10 +693,10 @@ async fn least_bookings_takes_the_fewest_bookings_then_the_fewest_tokens() {
     submit(
         &handle.cleanup(),
         &[
-            Op::Admitted(worker(1), w),
-            Op::Admitted(worker(2), weight(1, None)),
-            Op::Admitted(worker(2), weight(1, None)),
-            Op::Admitted(worker(3), w),
+            Op::Admitted(NO_CLASS, worker(1), w),
+            Op::Admitted(NO_CLASS, worker(2), weight(1, None)),
+            Op::Admitted(NO_CLASS, worker(2), weight(1, None)),
+            Op::Admitted(NO_CLASS, worker(3), w),
         ],
     );
     let first = handle.route(RouteRequest::new("x", 1)).await.unwrap();
@@ -721,11 +743,17 @@ async fn equal_bookings_are_ranked_by_their_tokens() {
         actor.spawn(None, &tracker);
         submit(
             &handle.cleanup(),
-            &[Op::Book(worker(1), a), Op::Book(worker(2), b)],
+            &[
+                Op::Book(NO_CLASS, worker(1), a),
+                Op::Book(NO_CLASS, worker(2), b),
+            ],
         );
         assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(2));
         // One booking more outweighs any tokens.
-        submit(&handle.cleanup(), &[Op::Book(worker(2), weight(0, None))]);
+        submit(
+            &handle.cleanup(),
+            &[Op::Book(NO_CLASS, worker(2), weight(0, None))],
+        );
         assert_eq!(handle.least_loaded().await.unwrap().unwrap().0, worker(1));
     }
     let load = WorkerLoad {
@@ -752,9 +780,9 @@ async fn a_booking_on_a_guarded_worker_weighs_its_cache() {
     submit(
         &handle.cleanup(),
         &[
-            Op::Admitted(worker(1), weight(20_000, None)),
-            Op::Admitted(worker(2), weight(1, None)),
-            Op::Admitted(worker(2), weight(1, None)),
+            Op::Admitted(NO_CLASS, worker(1), weight(20_000, None)),
+            Op::Admitted(NO_CLASS, worker(2), weight(1, None)),
+            Op::Admitted(NO_CLASS, worker(2), weight(1, None)),
         ],
     );
     let ids: Vec<u32> = (0..72).collect();

@@ -8,7 +8,7 @@
 //! | `GET /metrics` | OpenMetrics text (see [`super::metrics`]) |
 //! | `GET /v1/deployments` | the deployments with their active lease counts |
 //! | `GET /v1/deployments/{name}` | one deployment, its ingress counters and, in durable mode, its catch-up |
-//! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name or body, 503 if NATS does not answer within the connect deadline; an optional JSON body `{"policy": "...", "weights": {"prefill": x, "kv": y}}` sets its routing (also of a router that exists) |
+//! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name or body, 503 if NATS does not answer within the connect deadline; an optional JSON body `{"policy": "...", "weights": {"prefill": x, "kv": y}, "classes": [{"name", "band", "weight"}], "default_class": "..."}` sets its routing and admission classes (also of a router that exists; `"classes": []` removes them, `default_class` alone changes the default among the classes in force) |
 //! | `DELETE /v1/deployments/{name}` | tear it down: 204, 404 if absent |
 //! | `GET /v1/deployments/{name}/leases?limit=N` | active leases (default limit 1000) |
 //! | `GET /v1/deployments/{name}/workers` | load by phase of each member worker, with its last-seen age, and the least loaded |
@@ -52,6 +52,7 @@ use tracing::{info, warn};
 
 use super::host::{AddDeploymentError, AddOutcome, DeploymentHost, DeploymentView};
 use super::metrics::{AuthFailure, Metrics, CONTENT_TYPE};
+use crate::admission::{AdmissionClass, AdmissionConfig};
 use crate::lease::LeaseState;
 use crate::load::WorkerLoad;
 use crate::routing::{CostWeights, RoutePolicy, RouteRequest, RouteRequestError, RoutingConfig};
@@ -551,12 +552,42 @@ async fn get_deployment(
     .into_response())
 }
 
-/// The optional body of a PUT: the deployment's routing.
+/// The optional body of a PUT: the deployment's routing and admission classes.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PutBody {
     policy: Option<RoutePolicy>,
     weights: Option<CostWeights>,
+    /// Replaces the classes (`[]`: none, no admission).
+    classes: Option<Vec<AdmissionClass>>,
+    /// With `classes`, their default; alone, a new default among the classes in force.
+    default_class: Option<String>,
+}
+
+impl PutBody {
+    /// The admission classes this body asks for, over `current`; `None` when it names
+    /// none.
+    fn admission(&self, current: &AdmissionConfig) -> Option<AdmissionConfig> {
+        match (&self.classes, &self.default_class) {
+            (None, None) => None,
+            (Some(classes), default) => {
+                let config = AdmissionConfig::default().with_classes(classes.clone());
+                Some(match default {
+                    Some(name) => config.with_default_class(name.clone()),
+                    None => config,
+                })
+            }
+            (None, Some(name)) => Some(current.clone().with_default_class(name.clone())),
+        }
+    }
+}
+
+/// The admission classes as the API shows them.
+fn admission_json(admission: &AdmissionConfig) -> serde_json::Value {
+    json!({
+        "classes": admission.classes(),
+        "default_class": admission.default_class(),
+    })
 }
 
 fn bad_body(err: impl std::fmt::Display) -> ApiError {
@@ -586,6 +617,16 @@ async fn put_deployment(
         if let Some(weights) = &body.weights {
             weights.validate().map_err(bad_body)?;
         }
+        // A default class alone is checked against the classes in force (none for a
+        // deployment not hosted yet).
+        let current = state
+            .host
+            .get(&name)
+            .map(|view| view.scheduler().admission())
+            .unwrap_or_default();
+        if let Some(admission) = body.admission(&current) {
+            admission.validate().map_err(bad_body)?;
+        }
         Some(body)
     };
     match state.host.add(&name).await {
@@ -595,6 +636,13 @@ async fn put_deployment(
                 AddOutcome::Existed => (StatusCode::OK, false),
             };
             let scheduler = running_view(&state, &name)?.scheduler().clone();
+            if let Some(admission) = routing
+                .as_ref()
+                .and_then(|body| body.admission(&scheduler.admission()))
+            {
+                scheduler.set_admission(admission).map_err(bad_body)?;
+            }
+            let admission = scheduler.admission();
             let applied = async {
                 let current = scheduler.routing().await.map_err(|e| e.to_string())?;
                 let Some(body) = routing else {
@@ -627,6 +675,7 @@ async fn put_deployment(
                     "deployment": name,
                     "created": created,
                     "routing": { "policy": routing.policy, "weights": routing.weights },
+                    "admission": admission_json(&admission),
                 })),
             )
                 .into_response())

@@ -22,6 +22,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use super::host::{DeploymentHost, HostFigures};
+use crate::admission::ClassLoad;
 use crate::load::WorkerLoad;
 use crate::routing::{RouteOutcome, RoutePolicy};
 use crate::scheduler::SchedulerFigures;
@@ -118,6 +119,44 @@ impl Collector for WorkerLoads {
             gauge_family(&mut encoder, name, help, &series)?;
         }
         Ok(())
+    }
+}
+
+/// What each admission class of each running deployment has in flight across the fleet, at
+/// one scrape (deployments without classes have no series).
+#[derive(Debug, Default)]
+struct ClassLoads(Vec<(String, Vec<ClassLoad>)>);
+
+impl Collector for ClassLoads {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let series = |pick: fn(&ClassLoad) -> u64| {
+            self.0
+                .iter()
+                .flat_map(|(deployment, classes)| {
+                    classes.iter().map(move |class| {
+                        (
+                            [
+                                ("deployment", deployment.as_str()),
+                                ("class", class.class.as_str()),
+                            ],
+                            pick(class),
+                        )
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        gauge_family(
+            &mut encoder,
+            "class_inflight_requests",
+            "Requests in flight of each admission class, over every worker of the fleet.",
+            &series(|c| c.in_flight_requests),
+        )?;
+        gauge_family(
+            &mut encoder,
+            "class_inflight_tokens",
+            "Prompt plus expected output tokens in flight of each admission class, fleet-wide.",
+            &series(|c| c.in_flight_tokens),
+        )
     }
 }
 
@@ -279,6 +318,7 @@ impl Metrics {
     pub async fn render(&self) -> String {
         let mut loads = WorkerLoads::default();
         let mut counters = SchedulerCounters::default();
+        let mut classes = ClassLoads::default();
         if let Some(host) = &self.host {
             for view in host.views() {
                 counters
@@ -294,11 +334,20 @@ impl Metrics {
                             .map(|(worker, load)| (name.clone(), worker, load)),
                     );
                 }
+                if view.scheduler().admission().is_enabled() {
+                    let answer =
+                        tokio::time::timeout(WORKER_LOAD_TIMEOUT, view.scheduler().class_loads())
+                            .await;
+                    if let Ok(Ok(loads)) = answer {
+                        classes.0.push((view.name().to_string(), loads));
+                    }
+                }
             }
         }
         let mut per_scrape = Registry::with_prefix(METRIC_PREFIX);
         per_scrape.register_collector(Box::new(loads));
         per_scrape.register_collector(Box::new(counters));
+        per_scrape.register_collector(Box::new(classes));
         let mut out = String::new();
         let _ = encode_registry(&mut out, &self.registry)
             .and_then(|()| encode_registry(&mut out, &per_scrape))
@@ -1036,6 +1085,9 @@ mod tests {
         metrics
             .registry_mut()
             .register_collector(Box::new(SchedulerCounters::default()));
+        metrics
+            .registry_mut()
+            .register_collector(Box::new(ClassLoads::default()));
         let text = metrics.encode();
         text.lines()
             .filter_map(|l| l.strip_prefix("# TYPE lease_router_"))

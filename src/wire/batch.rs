@@ -416,6 +416,7 @@ mod tests {
                     0 => Admitted {
                         block_hashes: Vec::new(),
                         block_capacity: None,
+                        class: None,
                         request_id: rid,
                         worker_id: 3,
                         dp_rank: 0,

@@ -110,6 +110,7 @@ enum Key {
     BlockHashes,
     BlockCapacity,
     ParentHash,
+    Class,
     Unknown,
 }
 
@@ -168,6 +169,7 @@ impl Key {
             "blk" => Key::BlockHashes,
             "bcap" => Key::BlockCapacity,
             "par" => Key::ParentHash,
+            "cls" => Key::Class,
             _ => Key::Unknown,
         }
     }
@@ -372,6 +374,12 @@ impl<'de> Visitor<'de> for RawSeed<'_> {
                     &mut raw.parent_hash,
                     keys::PARENT_HASH,
                     &"nil or an unsigned integer below 2^64",
+                )?,
+                Key::Class => fill(
+                    &mut map,
+                    &mut raw.class,
+                    keys::CLASS,
+                    &"nil or a UTF-8 string",
                 )?,
             }
         }

@@ -34,6 +34,7 @@
 //! | `leaving` | bool or nil | `worker_reset` (1.1, optional): true = the worker is leaving; absent = it (re)started |
 //! | `blk` | array of u64, or nil | `admitted` (1.3, optional): the prompt's first block hashes, at most [`MAX_BLOCK_HASHES`] |
 //! | `bcap` | u32 or nil | `admitted` (1.3, optional): blocks the worker rank's prefix cache holds at most |
+//! | `cls` | string or nil | `admitted` (1.4, optional): the request's admission class; nil or absent = none (the deployment's default class) |
 //! | `blk` | array of 1 to [`MAX_BLOCK_HASHES`] u64 | `kv_stored`, `kv_removed` (1.3): the blocks the engine stored or evicted, a stored chain in chain order |
 //! | `par` | u64 or nil | `kv_stored` (1.3, optional): the hash of the block before `blk[0]`; nil or absent = `blk[0]` is a prompt's first block |
 //!
@@ -151,9 +152,11 @@ pub mod keys {
     pub const BLOCK_CAPACITY: &str = "bcap";
     /// The hash of the block before the stored ones (u64 or nil), `kv_stored`; since 1.3.
     pub const PARENT_HASH: &str = "par";
+    /// The request's admission class (string or nil), `admitted`; since 1.4.
+    pub const CLASS: &str = "cls";
 
     /// Every key this version defines, in the order the encoder writes them.
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 19] = [
         VERSION,
         PUBLISHER_ID,
         SEQUENCE,
@@ -167,6 +170,7 @@ pub mod keys {
         CACHED_TOKENS,
         BLOCK_HASHES,
         BLOCK_CAPACITY,
+        CLASS,
         PARENT_HASH,
         STAGE,
         OUTPUT_TOKENS,
@@ -367,6 +371,11 @@ pub struct Admitted {
     /// Blocks the worker rank's prefix cache holds at most (wire 1.3, `bcap`); `None`: the
     /// deployment's setting.
     pub block_capacity: Option<u32>,
+    /// The request's admission class (wire 1.4, `cls`); `None` from publishers that do not
+    /// say. Every replica counts the request under it, or under the deployment's default
+    /// class when it has no such class (see [`AdmissionConfig`](crate::AdmissionConfig)).
+    /// Any string decodes; one that is not a class name never matches a class.
+    pub class: Option<String>,
 }
 
 impl Admitted {
@@ -825,6 +834,7 @@ impl Serialize for Envelope {
                     + usize::from(e.cached_tokens.is_some())
                     + usize::from(!e.block_hashes.is_empty())
                     + usize::from(e.block_capacity.is_some())
+                    + usize::from(e.class.is_some())
             }
             LeaseEvent::Progressed(_) => 5,
             LeaseEvent::Completed(_) => 4,
@@ -858,6 +868,9 @@ impl Serialize for Envelope {
                 }
                 if let Some(capacity) = &e.block_capacity {
                     map.serialize_entry(keys::BLOCK_CAPACITY, capacity)?;
+                }
+                if let Some(class) = &e.class {
+                    map.serialize_entry(keys::CLASS, class)?;
                 }
             }
             LeaseEvent::Progressed(e) => {

@@ -56,6 +56,7 @@ pub(super) fn read(bytes: &[u8]) -> Option<(RawEnvelope, usize)> {
             b"blk" => put(&mut raw.block_hashes, hashes_or_nil(&mut r)?)?,
             b"bcap" => put(&mut raw.block_capacity, u32_or_nil(&mut r)?)?,
             b"par" => put(&mut raw.parent_hash, u64_or_nil(&mut r)?)?,
+            b"cls" => put(&mut raw.class, str_or_nil(&mut r)?)?,
             _ => return None,
         }
     }
@@ -111,6 +112,15 @@ fn hashes_or_nil(r: &mut Reader<'_>) -> Option<Option<Vec<u64>>> {
     Some(Some(hashes))
 }
 
+/// A UTF-8 string; `Some(None)` for nil.
+fn str_or_nil(r: &mut Reader<'_>) -> Option<Option<String>> {
+    if r.nil() {
+        return Some(None);
+    }
+    let s = std::str::from_utf8(r.str()?).ok()?;
+    Some(Some(s.to_owned()))
+}
+
 /// `Some(None)` for nil.
 fn bool_or_nil(r: &mut Reader<'_>) -> Option<Option<bool>> {
     if r.nil() {
@@ -137,6 +147,7 @@ mod tests {
             Admitted {
                 block_hashes: Vec::new(),
                 block_capacity: None,
+                class: None,
                 request_id: "req-7f3a".into(),
                 worker_id: 3,
                 dp_rank: 1,

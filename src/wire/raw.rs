@@ -32,6 +32,7 @@ pub(super) struct RawEnvelope {
     pub(super) block_hashes: Option<Option<Vec<u64>>>,
     pub(super) block_capacity: Option<Option<u32>>,
     pub(super) parent_hash: Option<Option<u64>>,
+    pub(super) class: Option<Option<String>>,
 }
 
 fn missing(key: &str, kind: Option<EventKind>) -> DecodeEventError {
@@ -143,6 +144,7 @@ impl RawEnvelope {
                         cached_tokens: self.cached_tokens.flatten(),
                         block_hashes,
                         block_capacity: self.block_capacity.flatten(),
+                        class: self.class.flatten(),
                     })
                 }
                 EventKind::Progressed => LeaseEvent::Progressed(Progressed {

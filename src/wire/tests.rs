@@ -10,6 +10,7 @@ pub(super) fn admitted() -> Envelope {
         Admitted {
             block_hashes: Vec::new(),
             block_capacity: None,
+            class: None,
             request_id: "req-1".into(),
             worker_id: 7,
             dp_rank: 2,
@@ -30,6 +31,7 @@ fn samples() -> Vec<Envelope> {
             Admitted {
                 block_hashes: Vec::new(),
                 block_capacity: None,
+                class: None,
                 request_id: "r".into(),
                 worker_id: u64::MAX,
                 dp_rank: u32::MAX,
@@ -540,6 +542,7 @@ fn other_integer_widths_and_key_order_decode() {
             Admitted {
                 block_hashes: Vec::new(),
                 block_capacity: None,
+                class: None,
                 request_id: "abc".into(),
                 worker_id: 9,
                 dp_rank: 3,
@@ -943,4 +946,55 @@ fn never_panics_on_mutations() {
             let _ = decode_default(&dropped);
         }
     }
+}
+
+/// `cls` (1.4) on `admitted`: a string, nil or absent (none); any other type is malformed
+/// and named. Both readers agree, and the plain reader takes the canonical encoding. A
+/// router before 1.4 reads `cls` as an unknown key, skipped by its full decoder (its plain
+/// reader gives up at the key it does not know): the same event, with no class. That is
+/// shown here with `xcls`, a key this version does not know either.
+#[test]
+fn the_class_of_an_admission() {
+    let admitted_with = |extra: fn(Mp) -> Mp| {
+        extra(
+            Mp::default()
+                .map(10)
+                .kv("v", 1)
+                .kv("pub", 1)
+                .kv("seq", 1)
+                .kv("ts", 1)
+                .ks("kind", "admitted")
+                .ks("rid", "r")
+                .kv("wid", 3)
+                .kv("dp", 0)
+                .kv("ptok", 8),
+        )
+        .0
+    };
+    let class_of = |bytes: &[u8]| match decode_default(bytes).unwrap().event {
+        LeaseEvent::Admitted(a) => a.class,
+        other => panic!("{other:?}"),
+    };
+    let premium = admitted_with(|m| m.ks("cls", "premium"));
+    assert_eq!(class_of(&premium).as_deref(), Some("premium"));
+    assert!(plain::read(&premium).is_some(), "the plain reader takes it");
+    assert_eq!(
+        class_of(&admitted_with(|m| m.str("cls").raw(&[0xc0]))),
+        None
+    );
+    assert_eq!(
+        class_of(&admitted_with(|m| m.ks("xcls", "premium"))),
+        None,
+        "an unknown key is skipped: what a router before 1.4 does with cls"
+    );
+    let bytes = admitted_with(|m| m.kv("cls", 7));
+    assert_malformed(&bytes, "field `cls` must be nil or a UTF-8 string");
+    // The encoder writes it after bcap, and round-trips it.
+    let mut envelope = admitted();
+    if let LeaseEvent::Admitted(a) = &mut envelope.event {
+        a.class = Some("premium".into());
+    }
+    let bytes = encode(&envelope).unwrap();
+    assert!(bytes.ends_with(b"\xa3cls\xa7premium"), "{bytes:02x?}");
+    assert_eq!(decode_default(&bytes).unwrap(), envelope);
 }

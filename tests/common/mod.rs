@@ -152,6 +152,7 @@ pub fn admitted(request_id: &str, worker_id: u64, prompt_tokens: u32) -> Admitte
     Admitted {
         block_hashes: Vec::new(),
         block_capacity: None,
+        class: None,
         request_id: request_id.to_string(),
         worker_id,
         dp_rank: 0,

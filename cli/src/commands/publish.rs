@@ -107,6 +107,7 @@ impl PublishArgs {
             } => Admitted {
                 block_hashes: Vec::new(),
                 block_capacity: None,
+                class: None,
                 request_id: request_id.clone(),
                 worker_id,
                 dp_rank,

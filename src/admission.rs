@@ -1,0 +1,596 @@
+//! Fleet-wide admission: a deployment's classes, and what each has in flight across the
+//! whole fleet.
+//!
+//! A deployment may name **admission classes** (tenants, tiers): each has a priority
+//! **band** (higher is served first) and a **weight** (its share among the classes of its
+//! band). A request names its class (`class` in a route request, `cls` on the worker's
+//! `admitted`); one that names none, or a class the deployment does not have, counts under
+//! the **default class**. Without classes ([`AdmissionConfig::default`]) there is no
+//! admission at all: every request is routed as before, and nothing is counted per class.
+//!
+//! What each class has in flight is kept from the leases, so it is the same in every
+//! replica: every worker's `admitted` and `completed` reach every replica over the bus. The
+//! lease manager resolves a request's class once, at its admission, to a small [`ClassId`]
+//! its lease keeps; every booking and release it hands the scheduler carries that id, and
+//! the scheduler adds it to the class's sums ([`ClassSums`]) exactly as it adds the
+//! booking to its worker's: released once, by whichever of completion, expiry,
+//! supersession or worker reset wins the lease's claim.
+//!
+//! Class ids are interned per deployment when a class is configured, and never reused: a
+//! lease keeps the id it was admitted with while the classes change under it. A lease of a
+//! class that is no longer configured counts under the default class.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use hashbrown::HashMap;
+use parking_lot::RwLock;
+use serde::{Deserialize, Serialize};
+
+use crate::load::{BookingWeight, LoadSums};
+
+/// Classes a deployment may have.
+pub const MAX_CLASSES: usize = 64;
+
+/// The longest class name, in bytes.
+pub const MAX_CLASS_NAME_LEN: usize = 64;
+
+/// The largest class weight.
+pub const MAX_CLASS_WEIGHT: f64 = 1000.0;
+
+/// Distinct class names a deployment may configure over its life (ids are never reused).
+const MAX_INTERNED: usize = u16::MAX as usize - 1;
+
+/// One admission class of a deployment: [`AdmissionClass::new`], or JSON
+/// `{"name": "premium", "band": 1, "weight": 4}`.
+#[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionClass {
+    name: String,
+    band: u8,
+    weight: f64,
+}
+
+impl AdmissionClass {
+    /// A class named `name` (ASCII letters, digits, `-` and `_`, 1 to
+    /// [`MAX_CLASS_NAME_LEN`] bytes), in priority `band` (higher is served first), with
+    /// `weight` (finite, above 0, at most [`MAX_CLASS_WEIGHT`]) among its band's classes.
+    /// Checked by [`AdmissionConfig::validate`].
+    pub fn new(name: impl Into<String>, band: u8, weight: f64) -> Self {
+        Self {
+            name: name.into(),
+            band,
+            weight,
+        }
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its priority band: higher is served first.
+    pub fn band(&self) -> u8 {
+        self.band
+    }
+
+    /// Its weight among the classes of its band.
+    pub fn weight(&self) -> f64 {
+        self.weight
+    }
+}
+
+/// A deployment's admission classes: [`Default`] (none: no admission), then the `with_*`
+/// methods.
+#[derive(Clone, PartialEq, Debug, Default)]
+pub struct AdmissionConfig {
+    classes: Vec<AdmissionClass>,
+    default_class: Option<String>,
+}
+
+impl AdmissionConfig {
+    /// Adds a class.
+    pub fn with_class(mut self, class: AdmissionClass) -> Self {
+        self.classes.push(class);
+        self
+    }
+
+    /// Sets the classes (replacing any added before).
+    pub fn with_classes(mut self, classes: Vec<AdmissionClass>) -> Self {
+        self.classes = classes;
+        self
+    }
+
+    /// Sets the class of requests that name none, or a class the deployment does not have:
+    /// one of the classes, required when there are any.
+    pub fn with_default_class(mut self, name: impl Into<String>) -> Self {
+        self.default_class = Some(name.into());
+        self
+    }
+
+    /// The classes, in the order they were given.
+    pub fn classes(&self) -> &[AdmissionClass] {
+        &self.classes
+    }
+
+    /// The default class's name; `None` without classes.
+    pub fn default_class(&self) -> Option<&str> {
+        self.default_class.as_deref()
+    }
+
+    /// Whether the deployment has classes (and so admission).
+    pub fn is_enabled(&self) -> bool {
+        !self.classes.is_empty()
+    }
+
+    /// The class a request naming `name` counts under: that class if the deployment has
+    /// it, otherwise the default class; `None` without classes.
+    pub fn class_of(&self, name: Option<&str>) -> Option<&AdmissionClass> {
+        name.and_then(|name| self.classes.iter().find(|c| c.name == name))
+            .or_else(|| {
+                let default = self.default_class.as_deref()?;
+                self.classes.iter().find(|c| c.name == default)
+            })
+    }
+
+    /// Refuses classes that cannot be used.
+    ///
+    /// # Errors
+    /// [`ConfigureAdmissionError`]: more than [`MAX_CLASSES`] classes, a name that is not
+    /// a valid class name, a weight that is not finite, above 0 and at most
+    /// [`MAX_CLASS_WEIGHT`], two classes of one name, a default class that is missing or
+    /// not one of the classes, or a default class without classes.
+    pub fn validate(&self) -> Result<(), ConfigureAdmissionError> {
+        if self.classes.is_empty() {
+            return match &self.default_class {
+                Some(name) => Err(ConfigureAdmissionError::DefaultWithoutClasses(name.clone())),
+                None => Ok(()),
+            };
+        }
+        if self.classes.len() > MAX_CLASSES {
+            return Err(ConfigureAdmissionError::TooManyClasses(self.classes.len()));
+        }
+        let mut seen = hashbrown::HashSet::new();
+        for class in &self.classes {
+            if !is_valid_class_name(&class.name) {
+                return Err(ConfigureAdmissionError::InvalidName(shown(&class.name)));
+            }
+            if !(class.weight.is_finite() && class.weight > 0.0 && class.weight <= MAX_CLASS_WEIGHT)
+            {
+                return Err(ConfigureAdmissionError::InvalidWeight {
+                    class: class.name.clone(),
+                    weight: class.weight,
+                });
+            }
+            if !seen.insert(class.name.as_str()) {
+                return Err(ConfigureAdmissionError::DuplicateName(class.name.clone()));
+            }
+        }
+        match &self.default_class {
+            None => Err(ConfigureAdmissionError::MissingDefault),
+            Some(name) if !seen.contains(name.as_str()) => {
+                Err(ConfigureAdmissionError::UnknownDefault(shown(name)))
+            }
+            Some(_) => Ok(()),
+        }
+    }
+}
+
+/// A class name: what a subject token accepts, at most [`MAX_CLASS_NAME_LEN`] bytes.
+pub(crate) fn is_valid_class_name(name: &str) -> bool {
+    name.len() <= MAX_CLASS_NAME_LEN && crate::subject::is_valid_token(name)
+}
+
+/// A name as an error shows it: quoted, cut after 80 bytes.
+fn shown(name: &str) -> String {
+    match name.char_indices().nth(80) {
+        None => format!("{name:?}"),
+        Some((cut, _)) => format!("{:?}... ({} bytes)", &name[..cut], name.len()),
+    }
+}
+
+/// Why a deployment's admission classes were refused.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ConfigureAdmissionError {
+    /// More than [`MAX_CLASSES`] classes.
+    #[error("{0} classes: a deployment has at most {MAX_CLASSES}")]
+    TooManyClasses(usize),
+    /// A class name is not 1 to 64 ASCII letters, digits, `-` and `_`.
+    #[error(
+        "invalid class name {0}: only ASCII letters, digits, '-' and '_' are allowed (1 to \
+         {MAX_CLASS_NAME_LEN} characters)"
+    )]
+    InvalidName(String),
+    /// A class weight is not finite, above 0 and at most [`MAX_CLASS_WEIGHT`].
+    #[error(
+        "class {class:?}: weight must be a finite number above 0 and at most \
+         {MAX_CLASS_WEIGHT} (got {weight})"
+    )]
+    InvalidWeight {
+        /// The class.
+        class: String,
+        /// Its weight.
+        weight: f64,
+    },
+    /// Two classes have one name.
+    #[error("class {0:?} is given twice: class names are unique")]
+    DuplicateName(String),
+    /// Classes without a default class.
+    #[error("default_class is required with classes: the class of requests that name none")]
+    MissingDefault,
+    /// A default class that is not one of the classes.
+    #[error("default_class {0} is not one of the classes")]
+    UnknownDefault(String),
+    /// A default class but no classes.
+    #[error("default_class {0:?} is given without classes")]
+    DefaultWithoutClasses(String),
+    /// The deployment has configured too many distinct class names over its life.
+    #[error("too many distinct class names over this deployment's life (ids are not reused)")]
+    TooManyNames,
+}
+
+/// A class as its lease keeps it: an interned id of the deployment's [`ClassTable`]; 0 is
+/// "no class" (none named, or one the deployment did not have at admission), which counts
+/// under the default class.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Default)]
+pub(crate) struct ClassId(pub(crate) u16);
+
+/// A deployment's classes as the lease manager and the scheduler share them: the config in
+/// force and the interned names.
+pub(crate) struct ClassTable {
+    /// Whether classes are configured: read without the lock on every admission.
+    enabled: AtomicBool,
+    inner: RwLock<TableInner>,
+}
+
+#[derive(Default)]
+struct TableInner {
+    config: AdmissionConfig,
+    /// Id `i + 1` is `names[i]`.
+    names: Vec<Arc<str>>,
+    ids: HashMap<Arc<str>, ClassId>,
+}
+
+impl Default for ClassTable {
+    fn default() -> Self {
+        Self {
+            enabled: AtomicBool::new(false),
+            inner: RwLock::new(TableInner::default()),
+        }
+    }
+}
+
+impl ClassTable {
+    /// The classes in force.
+    pub(crate) fn config(&self) -> AdmissionConfig {
+        self.inner.read().config.clone()
+    }
+
+    /// Puts `config` in force, interning its names.
+    pub(crate) fn set(&self, config: AdmissionConfig) -> Result<(), ConfigureAdmissionError> {
+        config.validate()?;
+        let mut inner = self.inner.write();
+        let new = config
+            .classes
+            .iter()
+            .filter(|c| !inner.ids.contains_key(c.name.as_str()))
+            .count();
+        if inner.names.len() + new > MAX_INTERNED {
+            return Err(ConfigureAdmissionError::TooManyNames);
+        }
+        for class in &config.classes {
+            if !inner.ids.contains_key(class.name.as_str()) {
+                let name: Arc<str> = Arc::from(class.name.as_str());
+                inner.names.push(name.clone());
+                let id = ClassId(inner.names.len() as u16);
+                inner.ids.insert(name, id);
+            }
+        }
+        self.enabled.store(config.is_enabled(), Ordering::Release);
+        inner.config = config;
+        Ok(())
+    }
+
+    /// The id a request naming `name` is admitted with: its class's, if the deployment has
+    /// it now; otherwise 0 (the default class).
+    pub(crate) fn resolve(&self, name: Option<&str>) -> ClassId {
+        let Some(name) = name else {
+            return ClassId::default();
+        };
+        if !self.enabled.load(Ordering::Acquire) {
+            return ClassId::default();
+        }
+        let inner = self.inner.read();
+        match inner.ids.get(name) {
+            Some(&id) if inner.config.classes.iter().any(|c| c.name == name) => id,
+            _ => ClassId::default(),
+        }
+    }
+
+    /// The name of an id (`None` for 0 or an id never interned).
+    pub(crate) fn name(&self, id: ClassId) -> Option<Arc<str>> {
+        let index = usize::from(id.0).checked_sub(1)?;
+        self.inner.read().names.get(index).cloned()
+    }
+
+    /// Each configured class with what it has in flight across the fleet, from `sums`: a
+    /// class's own, and for the default class also those of no class or of a class no
+    /// longer configured. In the order of the config; empty without classes.
+    pub(crate) fn loads(&self, sums: &ClassSums) -> Vec<ClassLoad> {
+        let inner = self.inner.read();
+        let config = &inner.config;
+        let Some(default) = config.default_class.as_deref() else {
+            return Vec::new();
+        };
+        let mut loads: Vec<ClassLoad> = config
+            .classes
+            .iter()
+            .map(|class| {
+                let id = inner.ids.get(class.name.as_str()).copied();
+                let sums = id.map(|id| sums.of(id)).unwrap_or_default();
+                ClassLoad::new(class, &sums)
+            })
+            .collect();
+        let Some(at) = loads.iter().position(|l| l.class == default) else {
+            return loads;
+        };
+        let configured = |id: ClassId| {
+            let index = usize::from(id.0).wrapping_sub(1);
+            inner
+                .names
+                .get(index)
+                .is_some_and(|name| config.classes.iter().any(|c| *c.name == **name))
+        };
+        for (id, class_sums) in sums.iter() {
+            if !configured(id) {
+                loads[at].add(&class_sums);
+            }
+        }
+        loads
+    }
+}
+
+/// What a class has in flight across the fleet ([`crate::SchedulerHandle::class_loads`]).
+#[derive(Clone, PartialEq, Debug, Serialize)]
+pub struct ClassLoad {
+    /// The class.
+    pub class: String,
+    /// Its priority band.
+    pub band: u8,
+    /// Its weight among its band's classes.
+    pub weight: f64,
+    /// Requests in flight: live bookings of the class on every worker (this replica's
+    /// provisional ones included).
+    pub in_flight_requests: u64,
+    /// Tokens in flight: prompt plus expected output of those bookings, as admitted
+    /// (unknown output counts 0).
+    pub in_flight_tokens: u64,
+}
+
+impl ClassLoad {
+    fn new(class: &AdmissionClass, sums: &LoadSums) -> Self {
+        let mut load = Self {
+            class: class.name.clone(),
+            band: class.band,
+            weight: class.weight,
+            in_flight_requests: 0,
+            in_flight_tokens: 0,
+        };
+        load.add(sums);
+        load
+    }
+
+    fn add(&mut self, sums: &LoadSums) {
+        let load = sums.load();
+        self.in_flight_requests += load.active_bookings;
+        self.in_flight_tokens += load.prompt_tokens + load.expected_output_tokens;
+    }
+}
+
+/// The scheduler's sums per class id, kept exactly as its per-worker sums are (signed, so
+/// operations add up in any order).
+#[derive(Default)]
+pub(crate) struct ClassSums {
+    sums: Vec<LoadSums>,
+}
+
+impl ClassSums {
+    fn slot(&mut self, id: ClassId) -> &mut LoadSums {
+        let index = usize::from(id.0);
+        if index >= self.sums.len() {
+            self.sums.resize(index + 1, LoadSums::default());
+        }
+        &mut self.sums[index]
+    }
+
+    /// One booking of `weight` more (`sign` 1) or less (`sign` -1) in class `id`.
+    pub(crate) fn add(&mut self, id: ClassId, sign: i64, weight: BookingWeight) {
+        self.slot(id).add(sign, weight);
+    }
+
+    /// A live booking of class `id` moved from `from` to `to`.
+    pub(crate) fn shift(&mut self, id: ClassId, from: BookingWeight, to: BookingWeight) {
+        self.slot(id).shift(from, to);
+    }
+
+    /// A live booking of `weight` moved from class `from` to class `to` (an admission that
+    /// names another class than the route decision it took over).
+    pub(crate) fn reclass(&mut self, from: ClassId, to: ClassId, weight: BookingWeight) {
+        self.slot(from).add(-1, weight);
+        self.slot(to).add(1, weight);
+    }
+
+    /// The sums of class `id`.
+    pub(crate) fn of(&self, id: ClassId) -> LoadSums {
+        self.sums
+            .get(usize::from(id.0))
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// Every id with its sums.
+    fn iter(&self) -> impl Iterator<Item = (ClassId, LoadSums)> + '_ {
+        self.sums
+            .iter()
+            .enumerate()
+            .map(|(i, sums)| (ClassId(i as u16), *sums))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::RequestLoad;
+
+    fn two() -> AdmissionConfig {
+        AdmissionConfig::default()
+            .with_class(AdmissionClass::new("premium", 1, 4.0))
+            .with_class(AdmissionClass::new("regular", 0, 1.0))
+            .with_default_class("regular")
+    }
+
+    #[test]
+    fn no_classes_is_valid_and_disabled() {
+        let none = AdmissionConfig::default();
+        assert!(none.validate().is_ok());
+        assert!(!none.is_enabled());
+        assert_eq!(none.class_of(Some("premium")), None);
+        assert!(two().validate().is_ok());
+        assert!(two().is_enabled());
+    }
+
+    /// Every rule of [`AdmissionConfig::validate`], each at its bound.
+    #[test]
+    fn classes_are_checked_at_their_bounds() {
+        let one = |name: &str, weight: f64| {
+            AdmissionConfig::default()
+                .with_class(AdmissionClass::new(name, 0, weight))
+                .with_default_class(name)
+                .validate()
+        };
+        assert!(one("a", 1.0).is_ok());
+        assert!(one(&"a".repeat(64), 1.0).is_ok());
+        assert!(one("a-b_C9", MAX_CLASS_WEIGHT).is_ok());
+        assert!(one("a", f64::MIN_POSITIVE).is_ok());
+        for bad in ["", "a.b", "a b", "a*", ">", "é"] {
+            assert!(
+                matches!(one(bad, 1.0), Err(ConfigureAdmissionError::InvalidName(_))),
+                "{bad:?}"
+            );
+        }
+        assert!(matches!(
+            one(&"a".repeat(65), 1.0),
+            Err(ConfigureAdmissionError::InvalidName(_))
+        ));
+        for bad in [0.0, -1.0, 1000.5, f64::NAN, f64::INFINITY] {
+            assert!(
+                matches!(
+                    one("a", bad),
+                    Err(ConfigureAdmissionError::InvalidWeight { .. })
+                ),
+                "{bad}"
+            );
+        }
+        let dup = two().with_class(AdmissionClass::new("premium", 3, 1.0));
+        assert_eq!(
+            dup.validate(),
+            Err(ConfigureAdmissionError::DuplicateName("premium".into()))
+        );
+        let no_default = AdmissionConfig::default().with_class(AdmissionClass::new("a", 0, 1.0));
+        assert_eq!(
+            no_default.validate(),
+            Err(ConfigureAdmissionError::MissingDefault)
+        );
+        let err = two().with_default_class("gold").validate().unwrap_err();
+        assert_eq!(
+            err,
+            ConfigureAdmissionError::UnknownDefault("\"gold\"".into())
+        );
+        assert!(err.to_string().contains("\"gold\""), "{err}");
+        assert!(matches!(
+            AdmissionConfig::default()
+                .with_default_class("a")
+                .validate(),
+            Err(ConfigureAdmissionError::DefaultWithoutClasses(_))
+        ));
+        let at_most = |n: usize| {
+            AdmissionConfig::default()
+                .with_classes(
+                    (0..n)
+                        .map(|i| AdmissionClass::new(format!("c{i}"), 0, 1.0))
+                        .collect(),
+                )
+                .with_default_class("c0")
+                .validate()
+        };
+        assert!(at_most(MAX_CLASSES).is_ok());
+        assert_eq!(
+            at_most(MAX_CLASSES + 1),
+            Err(ConfigureAdmissionError::TooManyClasses(MAX_CLASSES + 1))
+        );
+    }
+
+    #[test]
+    fn a_request_counts_under_its_class_or_the_default() {
+        let config = two();
+        assert_eq!(config.class_of(Some("premium")).unwrap().name(), "premium");
+        assert_eq!(config.class_of(Some("gold")).unwrap().name(), "regular");
+        assert_eq!(config.class_of(None).unwrap().name(), "regular");
+        let table = ClassTable::default();
+        assert_eq!(table.resolve(Some("premium")), ClassId(0), "no classes yet");
+        table.set(config).unwrap();
+        let premium = table.resolve(Some("premium"));
+        assert_ne!(premium, ClassId(0));
+        assert_eq!(table.resolve(Some("gold")), ClassId(0));
+        assert_eq!(table.resolve(None), ClassId(0));
+        assert_eq!(table.name(premium).as_deref(), Some("premium"));
+        assert_eq!(table.name(ClassId(0)), None);
+    }
+
+    /// The default class counts what has no class, and what belongs to a class no longer
+    /// configured; ids are kept across a change of the classes.
+    #[test]
+    fn loads_fold_the_unclassed_into_the_default_class() {
+        let table = ClassTable::default();
+        table.set(two()).unwrap();
+        let premium = table.resolve(Some("premium"));
+        let regular = table.resolve(Some("regular"));
+        let w = BookingWeight::from(RequestLoad::new(100, Some(20)));
+        let mut sums = ClassSums::default();
+        sums.add(premium, 1, w);
+        sums.add(premium, 1, w);
+        sums.add(regular, 1, w);
+        sums.add(ClassId(0), 1, w);
+        let loads = table.loads(&sums);
+        let figures: Vec<_> = loads
+            .iter()
+            .map(|l| (l.class.as_str(), l.in_flight_requests, l.in_flight_tokens))
+            .collect();
+        assert_eq!(figures, [("premium", 2, 240), ("regular", 2, 240)]);
+
+        // Premium goes away: its bookings count under the default; back, they are its own.
+        table
+            .set(
+                AdmissionConfig::default()
+                    .with_class(AdmissionClass::new("regular", 0, 1.0))
+                    .with_default_class("regular"),
+            )
+            .unwrap();
+        assert_eq!(table.resolve(Some("premium")), ClassId(0));
+        let loads = table.loads(&sums);
+        assert_eq!(loads.len(), 1);
+        assert_eq!(loads[0].in_flight_requests, 4);
+        table.set(two()).unwrap();
+        assert_eq!(table.resolve(Some("premium")), premium, "the id is kept");
+
+        // A release brings the sums back exactly.
+        sums.add(premium, -1, w);
+        sums.reclass(regular, premium, w);
+        let loads = table.loads(&sums);
+        assert_eq!(loads[0].in_flight_requests, 2);
+        assert_eq!(loads[1].in_flight_requests, 1);
+        assert!(table.set(AdmissionConfig::default()).is_ok());
+        assert!(table.loads(&sums).is_empty(), "no classes, no loads");
+        assert_eq!(table.resolve(Some("premium")), ClassId(0));
+    }
+}
