@@ -44,6 +44,7 @@ def event_of(j: dict[str, Any]) -> Envelope:
             j.get("ctok"),
             tuple(j.get("blk") or ()),
             j.get("bcap"),
+            j.get("cls"),
         )
     elif kind == "progressed":
         ev = Progressed(j["rid"], j["wid"], j["dp"], ProgressStage(j["stage"]), j["otok"])
@@ -92,7 +93,7 @@ def test_the_fixtures_cover_every_kind_and_optional_field() -> None:
             seen.update(e)
     assert {"admitted", "progressed", "completed", "worker_reset"} <= seen
     assert {"kv_stored", "kv_removed", "kv_cleared"} <= seen
-    assert {"etok", "ctok", "blk", "bcap", "leaving", "stage", "outcome", "par"} <= seen
+    assert {"etok", "ctok", "blk", "bcap", "cls", "leaving", "stage", "outcome", "par"} <= seen
 
 
 @pytest.mark.parametrize("n", [0, 257])

@@ -57,7 +57,7 @@ from .wire import (
     encode_event,
 )
 
-__version__ = "1.3.0"
+__version__ = "1.4.0"
 
 __all__ = [
     "CONTRACT_VERSION",

@@ -563,6 +563,7 @@ class LeasePublisher:
         cached_tokens: int | None = None,
         block_hashes: tuple[int, ...] | list[int] = (),
         block_capacity: int | None = None,
+        admission_class: str | None = None,
     ) -> bool:
         """Queues an ``admitted`` (see :class:`~lease_router.wire.Admitted`)."""
         return self.publish(
@@ -575,6 +576,7 @@ class LeasePublisher:
                 cached_tokens,
                 tuple(block_hashes),
                 block_capacity,
+                admission_class,
             )
         )
 

@@ -138,6 +138,7 @@ def route_body(
     token_ids: Sequence[int] | None = None,
     block_hashes: Sequence[int] | None = None,
     prompt: str | None = None,
+    admission_class: str | None = None,
 ) -> dict[str, Any]:
     """The JSON body of a route request; fields left ``None`` are left out."""
     body: dict[str, Any] = {"request_id": request_id}
@@ -153,6 +154,8 @@ def route_body(
         body["block_hashes"] = list(block_hashes)
     if prompt is not None:
         body["prompt"] = prompt
+    if admission_class is not None:
+        body["class"] = admission_class
     return body
 
 
@@ -233,6 +236,7 @@ class RouteClient:
         token_ids: Sequence[int] | None = None,
         block_hashes: Sequence[int] | None = None,
         prompt: str | None = None,
+        admission_class: str | None = None,
     ) -> RouteDecision:
         """A routing decision for one request (``POST /v1/deployments/{name}/route``)."""
         body = route_body(
@@ -243,6 +247,7 @@ class RouteClient:
             token_ids=token_ids,
             block_hashes=block_hashes,
             prompt=prompt,
+            admission_class=admission_class,
         )
         return RouteDecision.from_json(_json(self._call("POST", _path(deployment, "route"), body)))
 
@@ -332,6 +337,7 @@ class AsyncRouteClient:
         token_ids: Sequence[int] | None = None,
         block_hashes: Sequence[int] | None = None,
         prompt: str | None = None,
+        admission_class: str | None = None,
     ) -> RouteDecision:
         """A routing decision for one request (see :meth:`RouteClient.route`)."""
         body = route_body(
@@ -342,6 +348,7 @@ class AsyncRouteClient:
             token_ids=token_ids,
             block_hashes=block_hashes,
             prompt=prompt,
+            admission_class=admission_class,
         )
         response = await self._call("POST", _path(deployment, "route"), body)
         return RouteDecision.from_json(_json(response))

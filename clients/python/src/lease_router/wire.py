@@ -24,7 +24,7 @@ import msgpack
 #: The schema major version every message carries (``v``).
 WIRE_VERSION: Final = 1
 #: The revision of the contract this package speaks: 1.3 (prefix block hashes on ``admitted``).
-CONTRACT_VERSION: Final = "1.3"
+CONTRACT_VERSION: Final = "1.4"
 #: The most block hashes one ``admitted`` carries (``blk``); a longer prompt sends its first ones.
 MAX_BLOCK_HASHES: Final = 256
 #: A router's default limit of one event, alone or inside a batch (``max_event_bytes``).
@@ -83,7 +83,9 @@ class Admitted:
     ``cached_tokens`` (1.1): prompt tokens already in the worker's prefix cache.
     ``block_hashes`` (1.3): the prompt's block hashes from the first block, at most
     :data:`MAX_BLOCK_HASHES` (see :func:`lease_router.block_hashes`); ``block_capacity`` (1.3):
-    the blocks this rank's prefix cache holds at most.
+    the blocks this rank's prefix cache holds at most. ``admission_class`` (1.4, ``cls``): the
+    request's admission class, the one its route request named; every router replica counts
+    the request under it (or under the deployment's default class when it has no such class).
     """
 
     request_id: str
@@ -94,6 +96,7 @@ class Admitted:
     cached_tokens: int | None = None
     block_hashes: tuple[int, ...] = ()
     block_capacity: int | None = None
+    admission_class: str | None = None
 
     def __post_init__(self) -> None:
         _check_request_id(self.request_id)
@@ -106,6 +109,8 @@ class Admitted:
             _check_u32("cached_tokens", self.cached_tokens)
         if self.block_capacity is not None:
             _check_u32("block_capacity", self.block_capacity)
+        if self.admission_class is not None and not isinstance(self.admission_class, str):
+            raise TypeError("admission_class must be a string or None")
         if not isinstance(self.block_hashes, tuple):
             # Accept any sequence, keep an immutable copy.
             object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
@@ -138,6 +143,8 @@ class Admitted:
             out["blk"] = list(self.block_hashes)
         if self.block_capacity is not None:
             out["bcap"] = self.block_capacity
+        if self.admission_class is not None:
+            out["cls"] = self.admission_class
         return out
 
 
