@@ -118,9 +118,18 @@ fn python_package_builds_installs_and_passes_its_suite_mypy_and_ruff() {
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
         .expect("python -m build made a wheel");
     let name = wheel.file_name().unwrap().to_string_lossy().to_string();
+    // The contract's version is its title's: "# ... (version MAJOR.MINOR)".
+    let contract =
+        std::fs::read_to_string(workspace().join("schemas/README.md")).expect("schemas/README.md");
+    let version = contract
+        .lines()
+        .next()
+        .and_then(|title| title.rsplit_once("(version "))
+        .and_then(|(_, v)| v.strip_suffix(')'))
+        .expect("schemas/README.md's title names the contract's version");
     assert!(
-        name.starts_with("lease_router-1.3."),
-        "{name}: versioned with wire 1.3"
+        name.starts_with(&format!("lease_router-{version}.")),
+        "{name}: versioned with wire {version}"
     );
 
     // A clean environment: the wheel and its dependencies only.
