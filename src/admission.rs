@@ -27,7 +27,7 @@ use hashbrown::HashMap;
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 
-use crate::load::{BookingWeight, LoadSums};
+use crate::load::{BookingWeight, LoadSums, WorkerLoad};
 
 /// Classes a deployment may have.
 pub const MAX_CLASSES: usize = 64;
@@ -80,12 +80,149 @@ impl AdmissionClass {
     }
 }
 
+/// Default of [`SaturationConfig::max_prefill_tokens_per_worker`]: 16,384 prefill tokens
+/// waiting per member worker, about a second of prefill on one GPU (twice the default
+/// hot-worker gap of prefix routing).
+pub const DEFAULT_MAX_PREFILL_TOKENS_PER_WORKER: u64 = 16_384;
+
+/// Default of [`SaturationConfig::max_kv_share`]: 90 % of the KV capacity held.
+pub const DEFAULT_MAX_KV_SHARE: f64 = 0.9;
+
+/// When a deployment is **saturated**, from the shared picture (the member workers' loads,
+/// the same in every replica): [`Default`], then the `with_*` methods, or JSON
+/// `{"max_prefill_tokens_per_worker": 16384, "kv_capacity_tokens": 200000,
+/// "max_kv_share": 0.9}` (each optional).
+///
+/// Saturated when either holds:
+/// - **prefill**: the prefill tokens waiting over every member worker, divided by the
+///   number of members, exceed `max_prefill_tokens_per_worker` (a new request would wait
+///   behind that much prefill wherever it went);
+/// - **KV**: with `kv_capacity_tokens` set (the KV cache of one worker rank, in tokens),
+///   the KV tokens held over every member exceed `max_kv_share` of the members' capacity
+///   (members × `kv_capacity_tokens`). Unset (the default), this criterion is off: the
+///   events do not carry the engines' KV capacity.
+///
+/// A deployment without member workers is not saturated.
+#[derive(Clone, Copy, PartialEq, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SaturationConfig {
+    max_prefill_tokens_per_worker: u64,
+    kv_capacity_tokens: Option<u64>,
+    max_kv_share: f64,
+}
+
+impl Default for SaturationConfig {
+    fn default() -> Self {
+        Self {
+            max_prefill_tokens_per_worker: DEFAULT_MAX_PREFILL_TOKENS_PER_WORKER,
+            kv_capacity_tokens: None,
+            max_kv_share: DEFAULT_MAX_KV_SHARE,
+        }
+    }
+}
+
+impl SaturationConfig {
+    /// Sets the prefill tokens waiting per member worker above which the deployment is
+    /// saturated. Default [`DEFAULT_MAX_PREFILL_TOKENS_PER_WORKER`].
+    pub fn with_max_prefill_tokens_per_worker(mut self, tokens: u64) -> Self {
+        self.max_prefill_tokens_per_worker = tokens;
+        self
+    }
+
+    /// Sets the KV capacity of one worker rank, in tokens, which turns the KV criterion on.
+    pub fn with_kv_capacity_tokens(mut self, tokens: u64) -> Self {
+        self.kv_capacity_tokens = Some(tokens);
+        self
+    }
+
+    /// Sets the share of the members' KV capacity held above which the deployment is
+    /// saturated. Default [`DEFAULT_MAX_KV_SHARE`].
+    pub fn with_max_kv_share(mut self, share: f64) -> Self {
+        self.max_kv_share = share;
+        self
+    }
+
+    /// The prefill criterion's threshold, per member worker.
+    pub fn max_prefill_tokens_per_worker(&self) -> u64 {
+        self.max_prefill_tokens_per_worker
+    }
+
+    /// One worker rank's KV capacity in tokens; `None`: the KV criterion is off.
+    pub fn kv_capacity_tokens(&self) -> Option<u64> {
+        self.kv_capacity_tokens
+    }
+
+    /// The KV criterion's threshold, a share of the members' capacity.
+    pub fn max_kv_share(&self) -> f64 {
+        self.max_kv_share
+    }
+
+    /// Refuses thresholds that cannot be met or make no sense.
+    ///
+    /// # Errors
+    /// [`ConfigureAdmissionError::InvalidSaturation`] for a KV capacity of 0, or a KV share
+    /// that is not finite and in (0, 1].
+    pub fn validate(&self) -> Result<(), ConfigureAdmissionError> {
+        if self.kv_capacity_tokens == Some(0) {
+            return Err(ConfigureAdmissionError::InvalidSaturation(
+                "kv_capacity_tokens must be at least 1".into(),
+            ));
+        }
+        let share = self.max_kv_share;
+        if !(share.is_finite() && share > 0.0 && share <= 1.0) {
+            return Err(ConfigureAdmissionError::InvalidSaturation(format!(
+                "max_kv_share must be above 0 and at most 1 (got {share})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The saturation of a deployment whose member workers carry `loads`.
+    pub fn assess<'a>(&self, loads: impl IntoIterator<Item = &'a WorkerLoad>) -> Saturation {
+        let (mut members, mut prefill, mut kv) = (0u64, 0u64, 0u64);
+        for load in loads {
+            members += 1;
+            prefill = prefill.saturating_add(load.prefill_tokens);
+            kv = kv.saturating_add(load.kv_tokens);
+        }
+        if members == 0 {
+            return Saturation::default();
+        }
+        let prefill_per_worker = prefill as f64 / members as f64;
+        let kv_share = self
+            .kv_capacity_tokens
+            .map(|capacity| kv as f64 / (capacity as f64 * members as f64));
+        let saturated = prefill_per_worker > self.max_prefill_tokens_per_worker as f64
+            || kv_share.is_some_and(|share| share > self.max_kv_share);
+        Saturation {
+            saturated,
+            members,
+            prefill_tokens_per_worker: prefill_per_worker,
+            kv_share,
+        }
+    }
+}
+
+/// A deployment's saturation as [`SaturationConfig::assess`] finds it.
+#[derive(Clone, Copy, PartialEq, Debug, Default, Serialize)]
+pub struct Saturation {
+    /// Whether either criterion holds.
+    pub saturated: bool,
+    /// Member workers counted.
+    pub members: u64,
+    /// Prefill tokens waiting per member worker.
+    pub prefill_tokens_per_worker: f64,
+    /// KV tokens held over the members' capacity; `None` without a KV capacity.
+    pub kv_share: Option<f64>,
+}
+
 /// A deployment's admission classes: [`Default`] (none: no admission), then the `with_*`
 /// methods.
 #[derive(Clone, PartialEq, Debug, Default)]
 pub struct AdmissionConfig {
     classes: Vec<AdmissionClass>,
     default_class: Option<String>,
+    saturation: SaturationConfig,
 }
 
 impl AdmissionConfig {
@@ -106,6 +243,17 @@ impl AdmissionConfig {
     pub fn with_default_class(mut self, name: impl Into<String>) -> Self {
         self.default_class = Some(name.into());
         self
+    }
+
+    /// Sets when the deployment counts as saturated.
+    pub fn with_saturation(mut self, saturation: SaturationConfig) -> Self {
+        self.saturation = saturation;
+        self
+    }
+
+    /// When the deployment counts as saturated.
+    pub fn saturation(&self) -> SaturationConfig {
+        self.saturation
     }
 
     /// The classes, in the order they were given.
@@ -139,8 +287,10 @@ impl AdmissionConfig {
     /// [`ConfigureAdmissionError`]: more than [`MAX_CLASSES`] classes, a name that is not
     /// a valid class name, a weight that is not finite, above 0 and at most
     /// [`MAX_CLASS_WEIGHT`], two classes of one name, a default class that is missing or
-    /// not one of the classes, or a default class without classes.
+    /// not one of the classes, a default class without classes, or saturation thresholds
+    /// [`SaturationConfig::validate`] refuses.
     pub fn validate(&self) -> Result<(), ConfigureAdmissionError> {
+        self.saturation.validate()?;
         if self.classes.is_empty() {
             return match &self.default_class {
                 Some(name) => Err(ConfigureAdmissionError::DefaultWithoutClasses(name.clone())),
@@ -224,6 +374,9 @@ pub enum ConfigureAdmissionError {
     /// A default class but no classes.
     #[error("default_class {0:?} is given without classes")]
     DefaultWithoutClasses(String),
+    /// Saturation thresholds that make no sense; holds why.
+    #[error("invalid saturation: {0}")]
+    InvalidSaturation(String),
     /// The deployment has configured too many distinct class names over its life.
     #[error("too many distinct class names over this deployment's life (ids are not reused)")]
     TooManyNames,
@@ -441,6 +594,54 @@ impl ClassSums {
 mod tests {
     use super::*;
     use crate::load::RequestLoad;
+
+    fn load(prefill: u64, kv: u64) -> WorkerLoad {
+        WorkerLoad {
+            prefill_tokens: prefill,
+            kv_tokens: kv,
+            ..WorkerLoad::default()
+        }
+    }
+
+    /// Each criterion at its threshold (not above it: not saturated) and just past it.
+    #[test]
+    fn saturation_is_prefill_per_worker_or_kv_share_past_its_threshold() {
+        let config = SaturationConfig::default().with_max_prefill_tokens_per_worker(1000);
+        assert_eq!(config.assess([]), Saturation::default(), "no members");
+        let at = config.assess(&[load(1500, 0), load(500, 0)]);
+        assert!(!at.saturated, "{at:?}");
+        assert_eq!((at.members, at.prefill_tokens_per_worker), (2, 1000.0));
+        assert_eq!(at.kv_share, None, "the KV criterion is off by default");
+        assert!(
+            config
+                .assess(&[load(1501, 1 << 40), load(500, 0)])
+                .saturated
+        );
+
+        let kv = config.with_kv_capacity_tokens(1000).with_max_kv_share(0.5);
+        let at = kv.assess(&[load(0, 600), load(0, 400)]);
+        assert_eq!((at.saturated, at.kv_share), (false, Some(0.5)));
+        assert!(kv.assess(&[load(0, 601), load(0, 400)]).saturated);
+        assert!(kv.validate().is_ok());
+        for bad in [
+            kv.with_max_kv_share(0.0),
+            kv.with_max_kv_share(1.5),
+            kv.with_max_kv_share(f64::NAN),
+            kv.with_kv_capacity_tokens(0),
+        ] {
+            assert!(matches!(
+                bad.validate(),
+                Err(ConfigureAdmissionError::InvalidSaturation(_))
+            ));
+            assert!(AdmissionConfig::default()
+                .with_saturation(bad)
+                .validate()
+                .is_err());
+        }
+        let json: SaturationConfig = serde_json::from_str(r#"{"kv_capacity_tokens": 5}"#).unwrap();
+        assert_eq!(json, SaturationConfig::default().with_kv_capacity_tokens(5));
+        assert!(serde_json::from_str::<SaturationConfig>(r#"{"kv": 5}"#).is_err());
+    }
 
     fn two() -> AdmissionConfig {
         AdmissionConfig::default()

@@ -76,7 +76,8 @@ mod types;
 pub mod wire;
 
 pub use admission::{
-    AdmissionClass, AdmissionConfig, ClassLoad, ConfigureAdmissionError, MAX_CLASSES,
+    AdmissionClass, AdmissionConfig, ClassLoad, ConfigureAdmissionError, Saturation,
+    SaturationConfig, DEFAULT_MAX_KV_SHARE, DEFAULT_MAX_PREFILL_TOKENS_PER_WORKER, MAX_CLASSES,
     MAX_CLASS_NAME_LEN, MAX_CLASS_WEIGHT,
 };
 pub use connection::{

@@ -1281,6 +1281,63 @@ async fn admission_classes_over_http() {
         .assert_error(400, "an invalid class name");
     assert!(error.contains("is not a class name"), "{error}");
 
+    // Saturation: prefill waiting per member worker, (200 + 310) / 2, against the threshold.
+    let saturated = |text: &str| metric(text, "lease_router_saturated{deployment=\"c\"}");
+    assert_eq!(saturated(&service.metrics().await), Some(0.0));
+    for bad in [
+        r#"{"saturation": {"max_kv_share": 1.5}}"#,
+        r#"{"saturation": {"kv_capacity_tokens": 0}}"#,
+        r#"{"saturation": {"max_prefill": 1}}"#,
+    ] {
+        service
+            .post_json("/v1/deployments/c", "PUT", bad)
+            .await
+            .assert_error(400, bad);
+    }
+    let reply = service
+        .post_json(
+            "/v1/deployments/c",
+            "PUT",
+            r#"{"saturation": {"max_prefill_tokens_per_worker": 255}}"#,
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(
+        reply.json()["admission"]["saturation"]["max_prefill_tokens_per_worker"],
+        255
+    );
+    assert_eq!(
+        reply.json()["admission"]["default_class"],
+        "regular",
+        "kept"
+    );
+    assert_eq!(saturated(&service.metrics().await), Some(0.0), "at it");
+    service
+        .post_json(
+            "/v1/deployments/c",
+            "PUT",
+            r#"{"saturation": {"max_prefill_tokens_per_worker": 254}}"#,
+        )
+        .await;
+    assert_eq!(saturated(&service.metrics().await), Some(1.0), "past it");
+    // KV held (510 tokens) against two workers of 500: past a share of 0.5.
+    service
+        .post_json(
+            "/v1/deployments/c",
+            "PUT",
+            r#"{"saturation": {"kv_capacity_tokens": 500, "max_kv_share": 0.6}}"#,
+        )
+        .await;
+    assert_eq!(saturated(&service.metrics().await), Some(0.0));
+    service
+        .post_json(
+            "/v1/deployments/c",
+            "PUT",
+            r#"{"saturation": {"kv_capacity_tokens": 500, "max_kv_share": 0.5}}"#,
+        )
+        .await;
+    assert_eq!(saturated(&service.metrics().await), Some(1.0));
+
     // Removed: no admission, no class series.
     let reply = service
         .post_json("/v1/deployments/c", "PUT", r#"{"classes": []}"#)

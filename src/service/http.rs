@@ -8,7 +8,7 @@
 //! | `GET /metrics` | OpenMetrics text (see [`super::metrics`]) |
 //! | `GET /v1/deployments` | the deployments with their active lease counts |
 //! | `GET /v1/deployments/{name}` | one deployment, its ingress counters and, in durable mode, its catch-up |
-//! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name or body, 503 if NATS does not answer within the connect deadline; an optional JSON body `{"policy": "...", "weights": {"prefill": x, "kv": y}, "classes": [{"name", "band", "weight"}], "default_class": "..."}` sets its routing and admission classes (also of a router that exists; `"classes": []` removes them, `default_class` alone changes the default among the classes in force) |
+//! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name or body, 503 if NATS does not answer within the connect deadline; an optional JSON body `{"policy": "...", "weights": {"prefill": x, "kv": y}, "classes": [{"name", "band", "weight"}], "default_class": "...", "saturation": {"max_prefill_tokens_per_worker", "kv_capacity_tokens", "max_kv_share"}}` sets its routing, admission classes and saturation thresholds (also of a router that exists; `"classes": []` removes the classes, `default_class` alone changes the default among the classes in force, what is left out is kept) |
 //! | `DELETE /v1/deployments/{name}` | tear it down: 204, 404 if absent |
 //! | `GET /v1/deployments/{name}/leases?limit=N` | active leases (default limit 1000) |
 //! | `GET /v1/deployments/{name}/workers` | load by phase of each member worker, with its last-seen age, and the least loaded |
@@ -52,7 +52,7 @@ use tracing::{info, warn};
 
 use super::host::{AddDeploymentError, AddOutcome, DeploymentHost, DeploymentView};
 use super::metrics::{AuthFailure, Metrics, CONTENT_TYPE};
-use crate::admission::{AdmissionClass, AdmissionConfig};
+use crate::admission::{AdmissionClass, AdmissionConfig, SaturationConfig};
 use crate::lease::LeaseState;
 use crate::load::WorkerLoad;
 use crate::routing::{CostWeights, RoutePolicy, RouteRequest, RouteRequestError, RoutingConfig};
@@ -562,23 +562,30 @@ struct PutBody {
     classes: Option<Vec<AdmissionClass>>,
     /// With `classes`, their default; alone, a new default among the classes in force.
     default_class: Option<String>,
+    /// When the deployment counts as saturated (kept when absent).
+    saturation: Option<SaturationConfig>,
 }
 
 impl PutBody {
     /// The admission classes this body asks for, over `current`; `None` when it names
     /// none.
     fn admission(&self, current: &AdmissionConfig) -> Option<AdmissionConfig> {
-        match (&self.classes, &self.default_class) {
-            (None, None) => None,
-            (Some(classes), default) => {
-                let config = AdmissionConfig::default().with_classes(classes.clone());
-                Some(match default {
-                    Some(name) => config.with_default_class(name.clone()),
-                    None => config,
-                })
-            }
-            (None, Some(name)) => Some(current.clone().with_default_class(name.clone())),
+        if self.classes.is_none() && self.default_class.is_none() && self.saturation.is_none() {
+            return None;
         }
+        let mut config = match &self.classes {
+            Some(classes) => AdmissionConfig::default()
+                .with_classes(classes.clone())
+                .with_saturation(current.saturation()),
+            None => current.clone(),
+        };
+        if let Some(name) = &self.default_class {
+            config = config.with_default_class(name.clone());
+        }
+        if let Some(saturation) = self.saturation {
+            config = config.with_saturation(saturation);
+        }
+        Some(config)
     }
 }
 
@@ -587,6 +594,7 @@ fn admission_json(admission: &AdmissionConfig) -> serde_json::Value {
     json!({
         "classes": admission.classes(),
         "default_class": admission.default_class(),
+        "saturation": admission.saturation(),
     })
 }
 

@@ -122,15 +122,33 @@ impl Collector for WorkerLoads {
     }
 }
 
-/// What each admission class of each running deployment has in flight across the fleet, at
-/// one scrape (deployments without classes have no series).
+/// Each running deployment's saturation, and what each of its admission classes has in
+/// flight across the fleet, at one scrape (deployments without classes have no class
+/// series).
 #[derive(Debug, Default)]
-struct ClassLoads(Vec<(String, Vec<ClassLoad>)>);
+struct ClassLoads {
+    saturated: Vec<(String, bool)>,
+    classes: Vec<(String, Vec<ClassLoad>)>,
+}
 
 impl Collector for ClassLoads {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        let saturated: Vec<_> = self
+            .saturated
+            .iter()
+            .map(|(deployment, saturated)| {
+                ([("deployment", deployment.as_str())], u64::from(*saturated))
+            })
+            .collect();
+        gauge_family(
+            &mut encoder,
+            "saturated",
+            "1 while the deployment is saturated: prefill waiting per member worker, or KV held \
+             against capacity, past its threshold.",
+            &saturated,
+        )?;
         let series = |pick: fn(&ClassLoad) -> u64| {
-            self.0
+            self.classes
                 .iter()
                 .flat_map(|(deployment, classes)| {
                     classes.iter().map(move |class| {
@@ -328,6 +346,9 @@ impl Metrics {
                     tokio::time::timeout(WORKER_LOAD_TIMEOUT, view.scheduler().loads()).await;
                 if let Ok(Ok(workers)) = answer {
                     let name = view.name().to_string();
+                    let saturation = view.scheduler().admission().saturation();
+                    let assessed = saturation.assess(workers.iter().map(|(_, load)| load));
+                    classes.saturated.push((name.clone(), assessed.saturated));
                     loads.0.extend(
                         workers
                             .into_iter()
@@ -339,7 +360,7 @@ impl Metrics {
                         tokio::time::timeout(WORKER_LOAD_TIMEOUT, view.scheduler().class_loads())
                             .await;
                     if let Ok(Ok(loads)) = answer {
-                        classes.0.push((view.name().to_string(), loads));
+                        classes.classes.push((view.name().to_string(), loads));
                     }
                 }
             }
