@@ -886,6 +886,60 @@ mod tests {
         assert_eq!(r.metrics.engine_restarts.load(Relaxed), 0);
     }
 
+    /// Decode and translate alone, in process (BENCHMARKS.md, "KV event relay: ZeroMQ
+    /// crate"): batches of one `BlockStored` of 4 blocks of 16 tokens each, as vLLM encodes
+    /// them. `cargo test --release -p lease-router-cli --bin lease-router decode_and_translate
+    /// -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn decode_and_translate_rate() {
+        let n = 200_000u64;
+        let payloads: Vec<Bytes> = (0..n)
+            .map(|i| {
+                let tokens: Vec<Value> = (0..64)
+                    .map(|j| Value::from((i * 64 + j) % 150_000))
+                    .collect();
+                let keys: Vec<Value> = (0..4).map(|k| Value::from(i * 4 + k)).collect();
+                let stored = Value::Array(vec![
+                    "BlockStored".into(),
+                    Value::Array(keys),
+                    Value::Nil,
+                    Value::Array(tokens),
+                    16.into(),
+                    Value::Nil,
+                    "GPU".into(),
+                    Value::Nil,
+                ]);
+                payload(vec![stored])
+            })
+            .collect();
+        #[derive(Default)]
+        struct Count(u64);
+        impl KvSink for Count {
+            fn stored(&mut self, _: Option<u64>, blocks: Vec<u64>) {
+                self.0 += blocks.len() as u64;
+            }
+            fn removed(&mut self, _: Vec<u64>) {}
+            fn cleared(&mut self) {}
+        }
+        let metrics = Metrics::default();
+        let mut translator = Translator::new(16, 262_144);
+        let mut sink = Count::default();
+        let started = std::time::Instant::now();
+        for payload in &payloads {
+            for event in decode_batch(payload).unwrap().events {
+                translator.apply(event, &mut sink, &metrics);
+            }
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        assert_eq!(sink.0, 4 * n);
+        println!(
+            "relay_decode_translate_batches_per_second={:.0} ({n} batches of 4 blocks in {seconds:.2} s, {:.2} us each)",
+            n as f64 / seconds,
+            seconds * 1e6 / n as f64
+        );
+    }
+
     #[tokio::test]
     async fn malformed_messages_are_counted_and_a_bad_payload_clears() {
         let mut r = relay(None);
