@@ -418,14 +418,15 @@ fn at_least(relay: SocketAddr, series: &str, n: f64) {
 async fn scenario(layout: &str, hashes: &str, durable: bool) {
     let server = nats(durable).await;
     let deployment = format!("relay-{}", layout.replace('.', "-"));
+    let url = server.url();
     let mut serve_args = vec![
         "serve",
         "--nats-url",
-        server.url().leak(),
+        &url,
         "--http-addr",
         "127.0.0.1:0",
         "--deployment",
-        deployment.clone().leak(),
+        &deployment,
         "--block-size",
         "16",
     ];
