@@ -216,6 +216,58 @@ pub struct Saturation {
     pub kv_share: Option<f64>,
 }
 
+/// Default of [`QueueConfig::max_queued`]: route requests one replica holds waiting.
+pub const DEFAULT_MAX_QUEUED: usize = 1024;
+
+/// Default of [`QueueConfig::max_wait_ms`]: 2 seconds.
+pub const DEFAULT_MAX_WAIT_MS: u64 = 2_000;
+
+/// The bounded queue of one replica, where a route request waits while the deployment is
+/// saturated and its class may not go yet: [`Default`], then the `with_*` methods, or JSON
+/// `{"max_queued": 1024, "max_wait_ms": 2000}` (each optional).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueConfig {
+    max_queued: usize,
+    max_wait_ms: u64,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self {
+            max_queued: DEFAULT_MAX_QUEUED,
+            max_wait_ms: DEFAULT_MAX_WAIT_MS,
+        }
+    }
+}
+
+impl QueueConfig {
+    /// Sets how many route requests may wait in this replica at once; one more is refused
+    /// at once. 0: none waits. Default [`DEFAULT_MAX_QUEUED`].
+    pub fn with_max_queued(mut self, max: usize) -> Self {
+        self.max_queued = max;
+        self
+    }
+
+    /// Sets the longest a route request waits, whatever it asks
+    /// ([`RouteRequest::max_wait_ms`](crate::RouteRequest::max_wait_ms)); then it is
+    /// refused. Default [`DEFAULT_MAX_WAIT_MS`].
+    pub fn with_max_wait_ms(mut self, ms: u64) -> Self {
+        self.max_wait_ms = ms;
+        self
+    }
+
+    /// Route requests that may wait at once.
+    pub fn max_queued(&self) -> usize {
+        self.max_queued
+    }
+
+    /// The longest wait, in milliseconds.
+    pub fn max_wait_ms(&self) -> u64 {
+        self.max_wait_ms
+    }
+}
+
 /// A deployment's admission classes: [`Default`] (none: no admission), then the `with_*`
 /// methods.
 #[derive(Clone, PartialEq, Debug, Default)]
@@ -223,6 +275,7 @@ pub struct AdmissionConfig {
     classes: Vec<AdmissionClass>,
     default_class: Option<String>,
     saturation: SaturationConfig,
+    queue: QueueConfig,
 }
 
 impl AdmissionConfig {
@@ -254,6 +307,17 @@ impl AdmissionConfig {
     /// When the deployment counts as saturated.
     pub fn saturation(&self) -> SaturationConfig {
         self.saturation
+    }
+
+    /// Sets the bounds of this replica's waiting route requests.
+    pub fn with_queue(mut self, queue: QueueConfig) -> Self {
+        self.queue = queue;
+        self
+    }
+
+    /// The bounds of this replica's waiting route requests.
+    pub fn queue(&self) -> QueueConfig {
+        self.queue
     }
 
     /// The classes, in the order they were given.

@@ -76,9 +76,9 @@ mod types;
 pub mod wire;
 
 pub use admission::{
-    AdmissionClass, AdmissionConfig, ClassLoad, ConfigureAdmissionError, Saturation,
-    SaturationConfig, DEFAULT_MAX_KV_SHARE, DEFAULT_MAX_PREFILL_TOKENS_PER_WORKER, MAX_CLASSES,
-    MAX_CLASS_NAME_LEN, MAX_CLASS_WEIGHT,
+    AdmissionClass, AdmissionConfig, ClassLoad, ConfigureAdmissionError, QueueConfig, Saturation,
+    SaturationConfig, DEFAULT_MAX_KV_SHARE, DEFAULT_MAX_PREFILL_TOKENS_PER_WORKER,
+    DEFAULT_MAX_QUEUED, DEFAULT_MAX_WAIT_MS, MAX_CLASSES, MAX_CLASS_NAME_LEN, MAX_CLASS_WEIGHT,
 };
 pub use connection::{
     connect, redact_url, ConnectNatsError, ConnectionStats, NatsAuth, NatsConnectConfig,

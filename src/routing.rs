@@ -278,6 +278,11 @@ pub struct RouteRequest {
     /// should name the same class on its `admitted` (`cls`), which every replica counts.
     #[serde(default)]
     pub class: Option<String>,
+    /// How long the request may wait for admission while the deployment is saturated
+    /// (capped by the deployment's [`QueueConfig::max_wait_ms`](crate::QueueConfig)); `None`:
+    /// that cap. 0: not at all. Only deployments with admission classes make requests wait.
+    #[serde(default)]
+    pub max_wait_ms: Option<u64>,
 }
 
 impl RouteRequest {
@@ -292,7 +297,14 @@ impl RouteRequest {
             block_hashes: None,
             prompt: None,
             class: None,
+            max_wait_ms: None,
         }
+    }
+
+    /// Sets [`max_wait_ms`](Self::max_wait_ms).
+    pub fn with_max_wait_ms(mut self, ms: u64) -> Self {
+        self.max_wait_ms = Some(ms);
+        self
     }
 
     /// Sets [`class`](Self::class).
@@ -496,6 +508,15 @@ pub enum RouteRequestError {
     /// The scheduler task has stopped.
     #[error("the scheduler has stopped")]
     Stopped,
+    /// The deployment is saturated and the request's class could not go within its wait,
+    /// or this replica's queue was full: retry after `retry_after`.
+    #[error("the deployment is saturated: {why}; retry after {} s", retry_after.as_secs())]
+    Overloaded {
+        /// Why it was refused.
+        why: String,
+        /// When a retry may find room (whole seconds, at least one).
+        retry_after: Duration,
+    },
 }
 
 impl RouteRequestError {
@@ -504,7 +525,9 @@ impl RouteRequestError {
         match self {
             Self::InvalidRequest(_) => RouteOutcome::Invalid,
             Self::NoWorkers => RouteOutcome::NoWorkers,
-            Self::LeasesFull | Self::ManagerGone | Self::Stopped => RouteOutcome::Refused,
+            Self::LeasesFull | Self::ManagerGone | Self::Stopped | Self::Overloaded { .. } => {
+                RouteOutcome::Refused
+            }
         }
     }
 }
@@ -518,7 +541,8 @@ pub enum RouteOutcome {
     NoWorkers,
     /// The request was invalid ([`RouteRequestError::InvalidRequest`]).
     Invalid,
-    /// The booking could not be made (leases full, router torn down).
+    /// The booking could not be made (leases full, router torn down), or admission refused
+    /// it ([`RouteRequestError::Overloaded`]).
     Refused,
 }
 
@@ -863,6 +887,7 @@ mod tests {
         }
         let request = |prompt, cached| RouteRequest {
             class: None,
+            max_wait_ms: None,
             prompt: None,
             token_ids: None,
             block_hashes: None,

@@ -1353,3 +1353,90 @@ async fn admission_classes_over_http() {
     );
     service.stop().await;
 }
+
+/// While saturated, a route request of a class over its share is answered 429 with a JSON
+/// error and `Retry-After`: at once when the queue is full, after its wait otherwise; one
+/// whose client goes away leaves the queue. A class under its share is routed meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_deployment_answers_429_with_retry_after() {
+    let service = Service::start(None).await;
+    let publisher = common::client(&service.nats.url()).await.client().clone();
+    let put = |body: &'static str| service.post_json("/v1/deployments/c", "PUT", body);
+    let reply = put(r#"{"classes": [{"name": "premium", "band": 0, "weight": 4}, {"name": "regular", "band": 0, "weight": 1}], "default_class": "regular", "saturation": {"max_prefill_tokens_per_worker": 50}, "queue": {"max_queued": 0, "max_wait_ms": 2500}}"#).await;
+    assert_eq!(reply.status, 201, "{}", reply.body);
+    assert_eq!(reply.json()["admission"]["queue"]["max_queued"], 0);
+    // Another replica's premium request: 100 prefill tokens waiting on the only worker.
+    admit_in_class(&publisher, 1, 7, "a", Some("premium")).await;
+    poll("saturated", || async {
+        let text = service.metrics().await;
+        (metric(&text, "lease_router_saturated{deployment=\"c\"}") == Some(1.0)).then_some(())
+    })
+    .await;
+    let route = |body: &'static str| service.post_json("/v1/deployments/c/route", "POST", body);
+    let premium = r#"{"request_id": "p1", "prompt_tokens": 10, "class": "premium"}"#;
+    let started = Instant::now();
+    let reply = route(premium).await;
+    let error = reply.assert_error(429, "the queue holds none");
+    assert!(started.elapsed() < Duration::from_secs(1), "at once");
+    assert!(
+        error.contains("saturated") && error.contains("premium"),
+        "{error}"
+    );
+    assert_eq!(
+        reply.header("retry-after"),
+        Some("3"),
+        "the wait, rounded up"
+    );
+    let reply = route(r#"{"request_id": "r1", "prompt_tokens": 10, "class": "regular"}"#).await;
+    assert_eq!(reply.status, 200, "under its share: {}", reply.body);
+
+    // A queue: the request waits its own max_wait_ms, then 429.
+    assert_eq!(
+        put(r#"{"queue": {"max_queued": 4, "max_wait_ms": 3000}}"#)
+            .await
+            .status,
+        200
+    );
+    let started = Instant::now();
+    route(r#"{"request_id": "p2", "prompt_tokens": 10, "class": "premium", "max_wait_ms": 200}"#)
+        .await
+        .assert_error(429, "waited");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(200) && waited < Duration::from_secs(2),
+        "{waited:?}"
+    );
+
+    // A client that gives up: its request leaves the queue at once, not at its deadline.
+    let served = service.serve().await;
+    let asked = Instant::now();
+    let gone = served
+        .client
+        .post(format!("http://{}/v1/deployments/c/route", served.addr))
+        .timeout(Duration::from_millis(100))
+        .header("content-type", "application/json")
+        .body(r#"{"request_id": "p3", "prompt_tokens": 10, "class": "premium"}"#)
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client timed out: {gone:?}");
+    let scheduler = service
+        .host
+        .get(&"c".parse().unwrap())
+        .unwrap()
+        .scheduler()
+        .clone();
+    poll("the abandoned request left the queue", || async {
+        (scheduler.stats().admission_abandoned == 1).then_some(())
+    })
+    .await;
+    assert!(
+        asked.elapsed() < Duration::from_secs(2),
+        "before its 3 s deadline: {:?}",
+        asked.elapsed()
+    );
+    let stats = scheduler.stats();
+    assert_eq!(stats.admission_waited, 2, "p2 and p3");
+    drop(scheduler);
+    served.stop().await;
+    service.stop().await;
+}

@@ -440,9 +440,27 @@ impl Scheduler {
     }
 }
 
+/// How often the actor looks at the route requests waiting for admission: what releases
+/// room (completions in the inbox, which wake it only in bursts) and deadlines.
+const ADMISSION_RECHECK: Duration = Duration::from_millis(5);
+
 async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>) {
     debug!("scheduler started");
-    while let Some(command) = rx.recv().await {
+    loop {
+        let command = if state.has_waiting() {
+            tokio::select! {
+                command = rx.recv() => command,
+                () = tokio::time::sleep(ADMISSION_RECHECK) => {
+                    state.drain();
+                    state.admit_waiting(&state.admission());
+                    state.trim_prefix();
+                    continue;
+                }
+            }
+        } else {
+            rx.recv().await
+        };
+        let Some(command) = command else { break };
         // Every command first applies what is queued, so answers reflect it.
         state.drain();
         state.forget_idle();
@@ -468,7 +486,7 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
                 let _ = reply.send(state.class_loads());
             }
             Command::Route(request, reply) => {
-                let _ = reply.send(state.route(request));
+                state.route_or_wait(request, reply);
                 // The decision's learning evicts after its answer.
                 state.trim_prefix();
             }

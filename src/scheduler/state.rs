@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use hashbrown::HashMap;
 
 use super::{Inbox, Op, ReleaseReason, SchedulerStats, WorkerStatus, DEFAULT_WORKER_IDLE};
-use crate::admission::{ClassLoad, ClassSums, ClassTable};
+use tokio::sync::oneshot;
+
+use crate::admission::{AdmissionClass, AdmissionConfig, ClassLoad, ClassSums, ClassTable};
 use crate::load::{LoadSums, RequestLoad, WorkerLoad};
 use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
 use crate::prefix::PrefixState;
@@ -46,6 +48,23 @@ pub(super) struct SchedulerState {
     classes: Arc<ClassTable>,
     /// Every admission class's sums over the live bookings of every worker.
     class_sums: ClassSums,
+    /// Route requests waiting for admission, highest band first, then in arrival order.
+    waiting: Vec<Waiting>,
+    /// Arrival number of the next waiting request.
+    arrivals: u64,
+}
+
+/// Where a route decision's answer goes.
+pub(super) type RouteReply = oneshot::Sender<Result<RouteDecision, RouteRequestError>>;
+
+/// A route request waiting for admission while its deployment is saturated.
+struct Waiting {
+    request: RouteRequest,
+    class: AdmissionClass,
+    reply: RouteReply,
+    /// Tokio's clock, so that tests with a paused clock can pass it.
+    deadline: tokio::time::Instant,
+    arrival: u64,
 }
 
 impl SchedulerState {
@@ -69,6 +88,8 @@ impl SchedulerState {
             prefix,
             classes,
             class_sums: ClassSums::default(),
+            waiting: Vec::new(),
+            arrivals: 0,
         }
     }
 
@@ -350,6 +371,164 @@ impl SchedulerState {
                 last_seen: now.saturating_duration_since(e.last_seen),
             })
             .collect()
+    }
+
+    /// The admission classes in force.
+    pub(super) fn admission(&self) -> AdmissionConfig {
+        self.classes.config()
+    }
+
+    /// Whether route requests wait for admission.
+    pub(super) fn has_waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
+    /// Decides `request` now, or, while the deployment is saturated and its class may not go
+    /// yet, keeps it waiting (bounded, until its deadline); the answer goes to `reply`.
+    /// Without admission classes every request is decided at once.
+    pub(super) fn route_or_wait(&mut self, request: RouteRequest, reply: RouteReply) {
+        let admission = self.classes.config();
+        let Some(class) = admission.class_of(request.class.as_deref()).cloned() else {
+            let _ = reply.send(self.route(request));
+            return;
+        };
+        // Those already waiting go first.
+        self.admit_waiting(&admission);
+        let higher_waiting = self.waiting.iter().any(|w| w.class.band() > class.band());
+        if !higher_waiting && self.admissible(&admission, &class) {
+            let _ = reply.send(self.route(request));
+            return;
+        }
+        let queue = admission.queue();
+        let wait_ms = request
+            .max_wait_ms
+            .unwrap_or(queue.max_wait_ms())
+            .min(queue.max_wait_ms());
+        if wait_ms == 0 || self.waiting.len() >= queue.max_queued() {
+            let why = if wait_ms == 0 {
+                format!(
+                    "class {:?} is over its share and may not wait",
+                    class.name()
+                )
+            } else {
+                format!(
+                    "class {:?} is over its share and this replica's queue is full ({} waiting)",
+                    class.name(),
+                    self.waiting.len()
+                )
+            };
+            self.refuse(reply, why, &admission);
+            return;
+        }
+        let arrival = self.arrivals;
+        self.arrivals += 1;
+        self.stats.admission_waited.fetch_add(1, Ordering::Relaxed);
+        let at = self
+            .waiting
+            .partition_point(|w| w.class.band() >= class.band());
+        self.waiting.insert(
+            at,
+            Waiting {
+                request,
+                class,
+                reply,
+                deadline: tokio::time::Instant::now() + Duration::from_millis(wait_ms),
+                arrival,
+            },
+        );
+        debug_assert!(self.waiting.windows(2).all(|w| {
+            (w[0].class.band(), std::cmp::Reverse(w[0].arrival))
+                >= (w[1].class.band(), std::cmp::Reverse(w[1].arrival))
+        }));
+    }
+
+    /// Routes the waiting requests that may go now, in order; refuses those past their
+    /// deadline; forgets those whose caller went away.
+    pub(super) fn admit_waiting(&mut self, admission: &AdmissionConfig) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let waiting = &self.waiting[i];
+            if waiting.reply.is_closed() {
+                self.waiting.remove(i);
+                self.stats.count_abandoned();
+            } else if waiting.deadline <= now {
+                let waiting = self.waiting.remove(i);
+                let why = format!(
+                    "class {:?} stayed over its share for the whole wait",
+                    waiting.class.name()
+                );
+                self.refuse(waiting.reply, why, admission);
+            } else {
+                i += 1;
+            }
+        }
+        // The highest band of a request left waiting: lower bands stay behind it.
+        let mut blocked: Option<u8> = None;
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let band = self.waiting[i].class.band();
+            let behind = blocked.is_some_and(|b| b > band);
+            if !behind && self.admissible(admission, &self.waiting[i].class.clone()) {
+                let waiting = self.waiting.remove(i);
+                let _ = waiting.reply.send(self.route(waiting.request));
+            } else {
+                blocked = Some(blocked.map_or(band, |b| b.max(band)));
+                i += 1;
+            }
+        }
+    }
+
+    fn refuse(&mut self, reply: RouteReply, why: String, admission: &AdmissionConfig) {
+        let secs = admission.queue().max_wait_ms().div_ceil(1000).max(1);
+        self.stats
+            .count_decision(self.chooser.config().policy, RouteOutcome::Refused);
+        let _ = reply.send(Err(RouteRequestError::Overloaded {
+            why,
+            retry_after: Duration::from_secs(secs),
+        }));
+    }
+
+    /// Whether a request of `class` may be routed now (before the band of those waiting is
+    /// considered): always while the deployment is not saturated; while it is, only while
+    /// the class is under its weighted fair share of its band's in-flight tokens across the
+    /// fleet. The band's classes that share are those with tokens in flight, or waiting
+    /// here, and the class itself.
+    fn admissible(&self, admission: &AdmissionConfig, class: &AdmissionClass) -> bool {
+        let members: Vec<WorkerLoad> = self.loads().map(|(_, load)| load).collect();
+        if !admission.saturation().assess(&members).saturated {
+            return true;
+        }
+        let loads = self.class_loads();
+        let tokens_of = |name: &str| {
+            loads
+                .iter()
+                .find(|l| l.class == name)
+                .map_or(0, |l| l.in_flight_tokens)
+        };
+        let (mut weights, mut tokens) = (0.0, 0u64);
+        for other in admission
+            .classes()
+            .iter()
+            .filter(|c| c.band() == class.band())
+        {
+            let in_flight = tokens_of(other.name());
+            let active = other.name() == class.name()
+                || in_flight > 0
+                || self.waiting.iter().any(|w| w.class.name() == other.name());
+            if active {
+                weights += other.weight();
+                tokens += in_flight;
+            }
+        }
+        if tokens == 0 {
+            return true;
+        }
+        let share = class.weight() / weights;
+        (tokens_of(class.name()) as f64) / (tokens as f64) < share
     }
 
     /// Each configured class with what it has in flight across the fleet.

@@ -19,6 +19,8 @@ pub(crate) struct SchedulerStats {
     released_unconfirmed: AtomicU64,
     pub(super) workers_left: AtomicU64,
     pub(super) workers_forgotten: AtomicU64,
+    pub(super) admission_waited: AtomicU64,
+    admission_abandoned: AtomicU64,
     /// Route decisions by policy and outcome.
     decisions: [[AtomicU64; RouteOutcome::ALL.len()]; RoutePolicy::ALL.len()],
 }
@@ -44,6 +46,10 @@ pub struct SchedulerFigures {
     pub workers_left: u64,
     /// Workers (ranks) forgotten after their idle time with no live booking.
     pub workers_forgotten: u64,
+    /// Route requests that waited for admission (each once, whatever became of it).
+    pub admission_waited: u64,
+    /// Route requests that left the admission queue because their caller went away.
+    pub admission_abandoned: u64,
     /// Route decisions, by [`RoutePolicy::ALL`] then [`RouteOutcome::ALL`] order.
     pub decisions: [[u64; RouteOutcome::ALL.len()]; RoutePolicy::ALL.len()],
 }
@@ -68,6 +74,8 @@ impl SchedulerStats {
             released_unconfirmed: get(&self.released_unconfirmed),
             workers_left: get(&self.workers_left),
             workers_forgotten: get(&self.workers_forgotten),
+            admission_waited: get(&self.admission_waited),
+            admission_abandoned: get(&self.admission_abandoned),
             decisions: self.decisions.each_ref().map(|row| row.each_ref().map(get)),
         }
     }
@@ -75,6 +83,10 @@ impl SchedulerStats {
     /// Counts one route decision.
     pub(crate) fn count_decision(&self, policy: RoutePolicy, outcome: RouteOutcome) {
         self.decisions[policy as usize][outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn count_abandoned(&self) {
+        self.admission_abandoned.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(super) fn count_release(&self, reason: ReleaseReason) {

@@ -832,3 +832,220 @@ async fn a_decision_learns_its_booking_within_the_capacity() {
     handle.load(worker(1)).await.unwrap();
     assert_eq!(handle.prefix_figures().entries, 3);
 }
+
+mod admission {
+    use super::*;
+    use crate::admission::{AdmissionClass, AdmissionConfig, QueueConfig, SaturationConfig};
+
+    /// A scheduler with one member worker and the classes premium (weight 4) and regular
+    /// (1, the default) in `premium_band` and 0, saturated past 100 prefill tokens waiting.
+    fn saturable(premium_band: u8, queue: QueueConfig) -> (SchedulerHandle, ClassId) {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
+        handle
+            .set_admission(
+                AdmissionConfig::default()
+                    .with_class(AdmissionClass::new("premium", premium_band, 4.0))
+                    .with_class(AdmissionClass::new("regular", 0, 1.0))
+                    .with_default_class("regular")
+                    .with_saturation(
+                        SaturationConfig::default().with_max_prefill_tokens_per_worker(100),
+                    )
+                    .with_queue(queue),
+            )
+            .unwrap();
+        let premium = handle.mailbox.classes.resolve(Some("premium"));
+        submit(&handle.cleanup(), &[Op::Seen(worker(1))]);
+        (handle, premium)
+    }
+
+    fn request(id: &str, class: &str) -> RouteRequest {
+        RouteRequest::new(id, 10).with_class(class)
+    }
+
+    fn overloaded(result: Result<RouteDecision, RouteRequestError>) -> String {
+        match result {
+            Err(RouteRequestError::Overloaded { why, retry_after }) => {
+                assert!(retry_after >= Duration::from_secs(1));
+                why
+            }
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
+    /// While saturated, a class under its share of the fleet's in-flight tokens is routed
+    /// and one over it waits (bounded: a full queue or no wait refuses at once); once the
+    /// deployment is not saturated, those waiting are routed. Without saturation nothing
+    /// waits.
+    #[tokio::test(start_paused = true)]
+    async fn a_class_over_its_share_waits_while_saturated_and_goes_when_room_is_made() {
+        let queue = QueueConfig::default()
+            .with_max_queued(2)
+            .with_max_wait_ms(60_000);
+        let (handle, premium) = saturable(0, queue);
+        // Not saturated: premium goes at once, whatever its share.
+        assert!(handle.route(request("p0", "premium")).await.is_ok());
+        // Another replica's premium request, 1,000 prefill tokens: saturated, premium over
+        // its share (4/5 of the band's tokens).
+        let heavy = weight(1000, None);
+        submit(
+            &handle.cleanup(),
+            &[Op::Admitted(premium, worker(1), heavy)],
+        );
+        // Regular is under its share (0 of 1,010 tokens): routed.
+        assert!(handle.route(request("r0", "regular")).await.is_ok());
+        assert!(handle.route(request("r1", "no-such-class")).await.is_ok());
+        // Premium may not wait, or waits; the queue holds two.
+        let why = overloaded(
+            handle
+                .route(request("p1", "premium").with_max_wait_ms(0))
+                .await,
+        );
+        assert!(why.contains("may not wait"), "{why}");
+        let waiting: Vec<_> = ["p2", "p3"]
+            .into_iter()
+            .map(|id| {
+                let handle = handle.clone();
+                tokio::spawn(async move { handle.route(request(id, "premium")).await })
+            })
+            .collect();
+        while handle.stats().admission_waited < 2 {
+            tokio::task::yield_now().await;
+        }
+        let why = overloaded(handle.route(request("p4", "premium")).await);
+        assert!(why.contains("queue is full"), "{why}");
+        assert!(waiting.iter().all(|w| !w.is_finished()));
+        // The heavy request completes: not saturated any more, both go.
+        submit(
+            &handle.cleanup(),
+            &[Op::Release(
+                premium,
+                worker(1),
+                heavy,
+                ReleaseReason::Completed,
+            )],
+        );
+        for w in waiting {
+            let decision = w.await.unwrap().unwrap();
+            assert_eq!(decision.worker(), worker(1));
+        }
+        let stats = handle.stats();
+        assert_eq!(stats.admission_waited, 2);
+        assert_eq!(
+            stats.decisions(RoutePolicy::WeightedCost, RouteOutcome::Refused),
+            2
+        );
+        assert_eq!(
+            stats.decisions(RoutePolicy::WeightedCost, RouteOutcome::Routed),
+            5,
+            "p0, r0, r1, p2, p3"
+        );
+    }
+
+    /// A waiting request is refused at its deadline (its own `max_wait_ms`, capped by the
+    /// queue's), and one whose caller went away leaves the queue.
+    #[tokio::test(start_paused = true)]
+    async fn nothing_waits_past_its_deadline_and_a_caller_that_left_leaves_the_queue() {
+        let queue = QueueConfig::default().with_max_wait_ms(1_000);
+        let (handle, premium) = saturable(0, queue);
+        submit(
+            &handle.cleanup(),
+            &[Op::Admitted(premium, worker(1), weight(1000, None))],
+        );
+        let started = tokio::time::Instant::now();
+        let why = overloaded(
+            handle
+                .route(request("p1", "premium").with_max_wait_ms(50))
+                .await,
+        );
+        assert!(why.contains("whole wait"), "{why}");
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_millis(50) && waited < Duration::from_millis(100),
+            "{waited:?}"
+        );
+        let started = tokio::time::Instant::now();
+        overloaded(
+            handle
+                .route(request("p2", "premium").with_max_wait_ms(60_000))
+                .await,
+        );
+        assert!(started.elapsed() < Duration::from_millis(1_100), "capped");
+
+        let gone = {
+            let handle = handle.clone();
+            tokio::spawn(async move { handle.route(request("p3", "premium")).await })
+        };
+        while handle.stats().admission_waited < 3 {
+            tokio::task::yield_now().await;
+        }
+        gone.abort();
+        while handle.stats().admission_abandoned < 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(handle.stats().admission_abandoned, 1);
+    }
+
+    /// While saturated, a request of a lower band stays behind one of a higher band that
+    /// waits, even when its own class is under its share.
+    #[tokio::test(start_paused = true)]
+    async fn a_lower_band_waits_behind_a_higher_band_waiting() {
+        let (handle, premium) = saturable(1, QueueConfig::default());
+        // Premium alone in band 1 with tokens in flight: over its share (all of its band's).
+        submit(
+            &handle.cleanup(),
+            &[Op::Admitted(premium, worker(1), weight(1000, None))],
+        );
+        let high = {
+            let handle = handle.clone();
+            tokio::spawn(async move { handle.route(request("p1", "premium")).await })
+        };
+        while handle.stats().admission_waited < 1 {
+            tokio::task::yield_now().await;
+        }
+        // Regular, band 0, has nothing in flight (under its share), but premium waits.
+        let low = handle
+            .route(request("r1", "regular").with_max_wait_ms(20))
+            .await;
+        overloaded(low);
+        // Room: both bands go, the high first.
+        submit(
+            &handle.cleanup(),
+            &[Op::Release(
+                premium,
+                worker(1),
+                weight(1000, None),
+                ReleaseReason::Completed,
+            )],
+        );
+        assert!(high.await.unwrap().is_ok());
+        assert!(handle.route(request("r2", "regular")).await.is_ok());
+    }
+
+    /// Without classes nothing waits, saturated or not.
+    #[tokio::test]
+    async fn without_classes_every_request_is_routed() {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
+        handle
+            .set_admission(
+                AdmissionConfig::default().with_saturation(
+                    SaturationConfig::default().with_max_prefill_tokens_per_worker(1),
+                ),
+            )
+            .unwrap();
+        submit(
+            &handle.cleanup(),
+            &[Op::Admitted(NO_CLASS, worker(1), weight(1000, None))],
+        );
+        for i in 0..5 {
+            let decision = handle
+                .route(RouteRequest::new(format!("r{i}"), 10).with_class("premium"))
+                .await;
+            assert!(decision.is_ok(), "{decision:?}");
+        }
+        assert_eq!(handle.stats().admission_waited, 0);
+    }
+}

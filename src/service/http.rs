@@ -8,11 +8,11 @@
 //! | `GET /metrics` | OpenMetrics text (see [`super::metrics`]) |
 //! | `GET /v1/deployments` | the deployments with their active lease counts |
 //! | `GET /v1/deployments/{name}` | one deployment, its ingress counters and, in durable mode, its catch-up |
-//! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name or body, 503 if NATS does not answer within the connect deadline; an optional JSON body `{"policy": "...", "weights": {"prefill": x, "kv": y}, "classes": [{"name", "band", "weight"}], "default_class": "...", "saturation": {"max_prefill_tokens_per_worker", "kv_capacity_tokens", "max_kv_share"}}` sets its routing, admission classes and saturation thresholds (also of a router that exists; `"classes": []` removes the classes, `default_class` alone changes the default among the classes in force, what is left out is kept) |
+//! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name or body, 503 if NATS does not answer within the connect deadline; an optional JSON body `{"policy": "...", "weights": {"prefill": x, "kv": y}, "classes": [{"name", "band", "weight"}], "default_class": "...", "saturation": {"max_prefill_tokens_per_worker", "kv_capacity_tokens", "max_kv_share"}, "queue": {"max_queued", "max_wait_ms"}}` sets its routing, admission classes, saturation thresholds and admission queue (also of a router that exists; `"classes": []` removes the classes, `default_class` alone changes the default among the classes in force, what is left out is kept) |
 //! | `DELETE /v1/deployments/{name}` | tear it down: 204, 404 if absent |
 //! | `GET /v1/deployments/{name}/leases?limit=N` | active leases (default limit 1000) |
 //! | `GET /v1/deployments/{name}/workers` | load by phase of each member worker, with its last-seen age, and the least loaded |
-//! | `POST /v1/deployments/{name}/route` | a routing decision for the JSON body `{"request_id", "prompt_tokens", "cached_tokens"?, "expected_output_tokens"?, "token_ids"?, "block_hashes"?}`, booked provisionally: 200 with the worker, the policy and the candidates with their costs and prefix overlaps; 404 unknown deployment, 409 no live worker, 400 missing or nonsense sizes, 503 leases full or router gone |
+//! | `POST /v1/deployments/{name}/route` | a routing decision for the JSON body `{"request_id", "prompt_tokens", "cached_tokens"?, "expected_output_tokens"?, "token_ids"?, "block_hashes"?, "class"?, "max_wait_ms"?}`, booked provisionally: 200 with the worker, the policy and the candidates with their costs and prefix overlaps; 404 unknown deployment, 409 no live worker, 400 missing or nonsense sizes, 429 (with `Retry-After`) saturated and the request's class could not be admitted within its wait or the queue is full, 503 leases full or router gone |
 //! | `DELETE /v1/deployments/{name}/route/{request_id}` | release this replica's provisional booking of `request_id` at once (the request never reached its worker): 200 `{"request_id", "released": true}`, or `"released": false` when there is none (any more: released already, admitted by its worker, expired); idempotent; 404 unknown deployment |
 //!
 //! Every error is JSON, `{"error": "..."}`, also those axum would answer itself: an
@@ -52,7 +52,7 @@ use tracing::{info, warn};
 
 use super::host::{AddDeploymentError, AddOutcome, DeploymentHost, DeploymentView};
 use super::metrics::{AuthFailure, Metrics, CONTENT_TYPE};
-use crate::admission::{AdmissionClass, AdmissionConfig, SaturationConfig};
+use crate::admission::{AdmissionClass, AdmissionConfig, QueueConfig, SaturationConfig};
 use crate::lease::LeaseState;
 use crate::load::WorkerLoad;
 use crate::routing::{CostWeights, RoutePolicy, RouteRequest, RouteRequestError, RoutingConfig};
@@ -564,21 +564,31 @@ struct PutBody {
     default_class: Option<String>,
     /// When the deployment counts as saturated (kept when absent).
     saturation: Option<SaturationConfig>,
+    /// The bounds of waiting route requests (kept when absent).
+    queue: Option<QueueConfig>,
 }
 
 impl PutBody {
     /// The admission classes this body asks for, over `current`; `None` when it names
     /// none.
     fn admission(&self, current: &AdmissionConfig) -> Option<AdmissionConfig> {
-        if self.classes.is_none() && self.default_class.is_none() && self.saturation.is_none() {
+        if self.classes.is_none()
+            && self.default_class.is_none()
+            && self.saturation.is_none()
+            && self.queue.is_none()
+        {
             return None;
         }
         let mut config = match &self.classes {
             Some(classes) => AdmissionConfig::default()
                 .with_classes(classes.clone())
-                .with_saturation(current.saturation()),
+                .with_saturation(current.saturation())
+                .with_queue(current.queue()),
             None => current.clone(),
         };
+        if let Some(queue) = self.queue {
+            config = config.with_queue(queue);
+        }
         if let Some(name) = &self.default_class {
             config = config.with_default_class(name.clone());
         }
@@ -595,6 +605,7 @@ fn admission_json(admission: &AdmissionConfig) -> serde_json::Value {
         "classes": admission.classes(),
         "default_class": admission.default_class(),
         "saturation": admission.saturation(),
+        "queue": admission.queue(),
     })
 }
 
@@ -928,15 +939,17 @@ async fn route(
             return Err(err);
         }
     };
-    let decided = tokio::time::timeout(SCHEDULER_QUERY_TIMEOUT, scheduler.route(request))
+    // A request may wait for admission, at most the deployment's longest wait. A caller
+    // that goes away drops this future and with it the answer's receiver, which takes the
+    // request out of the queue.
+    let waits = Duration::from_millis(scheduler.admission().queue().max_wait_ms());
+    let bound = SCHEDULER_QUERY_TIMEOUT + waits;
+    let decided = tokio::time::timeout(bound, scheduler.route(request))
         .await
         .map_err(|_| {
             ApiError(
                 StatusCode::SERVICE_UNAVAILABLE,
-                format!(
-                    "the scheduler of deployment {name} did not answer within \
-                     {SCHEDULER_QUERY_TIMEOUT:?}"
-                ),
+                format!("the scheduler of deployment {name} did not answer within {bound:?}"),
             )
         })?;
     match decided {
@@ -948,8 +961,21 @@ async fn route(
             "candidates": decision.candidates,
         }))
         .into_response()),
+        Err(RouteRequestError::Overloaded { why, retry_after }) => {
+            let mut response = ApiError(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("deployment {name} is saturated: {why}"),
+            )
+            .into_response();
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(retry_after.as_secs().max(1)),
+            );
+            Ok(response)
+        }
         Err(err) => {
             let status = match err {
+                RouteRequestError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
                 RouteRequestError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
                 RouteRequestError::NoWorkers => StatusCode::CONFLICT,
                 RouteRequestError::LeasesFull
