@@ -66,8 +66,9 @@
 //! Stored blocks are translated as [`translate`] says (our hashes from the token ids, the
 //! engine-hash map bounded by `--max-blocks`); events of another block size, another medium
 //! than the GPU, another KV cache group than the first, or keyed on more than tokens (LoRA,
-//! multimodal inputs, a cache salt) are counted and skipped. An event the publisher could not
-//! queue is made up for with `kv_cleared`. On shutdown the relay publishes `kv_cleared` (no
+//! multimodal inputs, a cache salt) are counted and skipped. A full publisher queue holds
+//! the relay back (the engine's messages wait in ZeroMQ); an event lost on the way (the queue
+//! full for 5 s, NATS down) is made up for with `kv_cleared`. On shutdown the relay publishes `kv_cleared` (no
 //! one reports the engine's evictions any more) and flushes.
 
 pub mod frames;
