@@ -941,6 +941,53 @@ mod tests {
         );
     }
 
+    /// A publisher queue far smaller than a burst: the sink holds the relay back until every
+    /// event is queued, in order, and loses none.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_publisher_queue_holds_back_and_loses_nothing() {
+        use lease_router::{DeploymentName, PublisherConfig, SubjectPrefix, Subjects};
+        let server = lease_router_testkit::NatsServerBuilder::new()
+            .spawn()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let subjects = Subjects::new(
+            SubjectPrefix::default(),
+            DeploymentName::new("relay-unit").unwrap(),
+        );
+        let mut events = client.subscribe(subjects.worker_subject(7)).await.unwrap();
+        let config = PublisherConfig::default().with_queue_capacity(4);
+        let publisher = LeasePublisher::start(client.clone(), subjects, config);
+        let metrics = Arc::new(Metrics::default());
+        let mut sink = PublisherSink::new(publisher.clone(), 7, 0, metrics.clone());
+        let n = 2_000u64;
+        for i in 0..n {
+            sink.stored(None, vec![i]);
+        }
+        sink.cleared();
+        sink.settle().await;
+        assert!(sink.pending.is_empty());
+        assert!(!sink.take_lost());
+        assert!(
+            metrics.publish_waits.load(Relaxed) > 0,
+            "the queue was never full"
+        );
+        assert_eq!(metrics.publish_drops.load(Relaxed), 0);
+        let figures = publisher.close().await.unwrap();
+        assert_eq!(figures.published, n + 1, "{figures:?}");
+        // In order on the subject: the last one is the clear.
+        let mut last = None;
+        for _ in 0..=n {
+            let message = tokio::time::timeout(Duration::from_secs(10), events.next())
+                .await
+                .expect("every event arrives")
+                .unwrap();
+            let envelope = lease_router::wire::decode(&message.payload, 1 << 20).unwrap();
+            last = Some(envelope.event);
+        }
+        assert!(matches!(last, Some(LeaseEvent::KvCleared(_))), "{last:?}");
+    }
+
     #[tokio::test]
     async fn malformed_messages_are_counted_and_a_bad_payload_clears() {
         let mut r = relay(None);
