@@ -11,6 +11,7 @@ use lease_router::wire::{Admitted, WorkerReset};
 use lease_router::SchedulerHandle;
 use lease_router::{AdmissionClass, AdmissionConfig, ClassLoad, IngressStats, NatsConnection};
 use lease_router::{ApplyConfig, NatsIngress, RouteRequest, Router, RouterConfig};
+use lease_router::{QueueConfig, RouteRequestError, SaturationConfig};
 use tokio_util::task::TaskTracker;
 
 const DEPLOYMENT: &str = "adm";
@@ -24,14 +25,23 @@ fn classes() -> AdmissionConfig {
 
 /// One replica of the deployment, with the classes, over its own connection.
 async fn replica(connection: &NatsConnection) -> (Router, TaskTracker) {
+    replica_of(connection, DEPLOYMENT, classes()).await
+}
+
+/// One replica of `deployment` with `admission`, over its own connection.
+async fn replica_of(
+    connection: &NatsConnection,
+    deployment: &str,
+    admission: AdmissionConfig,
+) -> (Router, TaskTracker) {
     let tracker = TaskTracker::new();
     let ingress = NatsIngress::new(
         connection.client().clone(),
-        subjects(DEPLOYMENT),
+        subjects(deployment),
         ApplyConfig::default(),
         Arc::new(IngressStats::new()),
     );
-    let config = RouterConfig::new(DEPLOYMENT).with_admission(classes());
+    let config = RouterConfig::new(deployment).with_admission(admission);
     let router = Router::start_tracked(config, ingress, tracker.clone())
         .await
         .expect("router starts");
@@ -187,6 +197,143 @@ async fn two_replicas_count_every_class_of_the_fleet_alike() {
 
     drop((sa, sb));
     for (router, tracker) in [(a, tracker_a), (b, tracker_b)] {
+        router.shutdown().await.expect("clean shutdown");
+        tracker.close();
+        tracker.wait().await;
+    }
+}
+
+/// Premium 4 and regular 1 in one band, saturated by any prefill waiting, refusing at once
+/// whatever may not go.
+fn strict() -> AdmissionConfig {
+    AdmissionConfig::default()
+        .with_class(AdmissionClass::new("premium", 0, 4.0))
+        .with_class(AdmissionClass::new("regular", 0, 1.0))
+        .with_default_class("regular")
+        .with_saturation(SaturationConfig::default().with_max_prefill_tokens_per_worker(0))
+        .with_queue(QueueConfig::default().with_max_queued(0))
+}
+
+/// Offers `rounds` premium requests to `premium_to` and as many regular ones to
+/// `regular_to`, alternating; each routed one is admitted by its worker on `deployment_of`
+/// its replica's deployment, and the next decision waits until `watchers` have seen it.
+/// Returns the requests routed per class (premium, regular).
+async fn offer(
+    rounds: usize,
+    replicas: [(&SchedulerHandle, &mut RawPublisher); 2],
+    watchers: &[&SchedulerHandle],
+) -> (u64, u64) {
+    let [(premium_to, premium_pub), (regular_to, regular_pub)] = replicas;
+    let mut routed = [0u64; 2];
+    for i in 0..rounds {
+        for (k, (scheduler, publisher, class)) in [
+            (premium_to, &mut *premium_pub, "premium"),
+            (regular_to, &mut *regular_pub, "regular"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let id = format!("{class}-{i}");
+            let request = RouteRequest::new(id.as_str(), 100)
+                .with_expected_output_tokens(16)
+                .with_class(class);
+            match scheduler.route(request).await {
+                Ok(decision) => {
+                    routed[k] += 1;
+                    let worker = decision.worker().worker_id.0;
+                    publisher.send(in_class(&id, worker, Some(class))).await;
+                    publisher.flush().await;
+                    let total = routed[0] + routed[1];
+                    let seen_by = |s: &SchedulerHandle| {
+                        let s = s.clone();
+                        async move {
+                            in_flight(&s).await.iter().map(|(_, r, _)| r).sum::<u64>() == total
+                        }
+                    };
+                    for watcher in watchers {
+                        assert!(eventually(BOUND, || seen_by(watcher)).await, "{id}");
+                    }
+                }
+                Err(RouteRequestError::Overloaded { .. }) => {}
+                Err(other) => panic!("{id}: {other}"),
+            }
+        }
+    }
+    (routed[0], routed[1])
+}
+
+/// Premium (weight 4) through one replica only, regular (1) through the other: replicas
+/// sharing the bus admit them 4:1 fleet-wide while saturated; replicas that each count only
+/// their own decisions (each sees the admissions of its own requests only) admit 1:1, each
+/// class alone taking all of its replica's picture.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sharing_the_bus_hold_the_shares_where_isolated_ones_do_not() {
+    let server = server().await;
+    let conn: Vec<NatsConnection> = vec![
+        client(&server.url()).await,
+        client(&server.url()).await,
+        client(&server.url()).await,
+        client(&server.url()).await,
+        client(&server.url()).await,
+    ];
+    let (a, ta) = replica_of(&conn[0], "shared", strict()).await;
+    let (b, tb) = replica_of(&conn[1], "shared", strict()).await;
+    let (c, tc) = replica_of(&conn[2], "alone-a", strict()).await;
+    let (d, td) = replica_of(&conn[3], "alone-b", strict()).await;
+    let workers = conn[4].client().clone();
+    let mut shared = RawPublisher::new(workers.clone(), "shared", 1);
+    let mut shared_too = RawPublisher::new(workers.clone(), "shared", 2);
+    let mut alone_a = RawPublisher::new(workers.clone(), "alone-a", 3);
+    let mut alone_b = RawPublisher::new(workers.clone(), "alone-b", 4);
+    let (sa, sb, sc, sd) = (
+        a.scheduler().clone(),
+        b.scheduler().clone(),
+        c.scheduler().clone(),
+        d.scheduler().clone(),
+    );
+    for publisher in [&mut shared, &mut alone_a, &mut alone_b] {
+        for worker_id in [1, 2] {
+            publisher
+                .send(WorkerReset {
+                    worker_id,
+                    dp_rank: None,
+                    leaving: false,
+                })
+                .await;
+        }
+        publisher.flush().await;
+    }
+    for s in [&sa, &sb, &sc, &sd] {
+        assert!(eventually(BOUND, || async { s.loads().await.unwrap().len() == 2 }).await);
+    }
+
+    let fleet = offer(
+        10,
+        [(&sa, &mut shared), (&sb, &mut shared_too)],
+        &[&sa, &sb],
+    )
+    .await;
+    let isolated = offer(10, [(&sc, &mut alone_a), (&sd, &mut alone_b)], &[]).await;
+    let share = |(premium, regular): (u64, u64)| premium as f64 / (premium + regular) as f64;
+    let error = |routed| (share(routed) - 0.8f64).abs() / 0.8;
+    eprintln!(
+        "routed premium:regular, shared bus {fleet:?} (fair_share_error={:.3}), isolated \
+         {isolated:?} (fair_share_error={:.3})",
+        error(fleet),
+        error(isolated)
+    );
+    assert_eq!(fleet, (4, 1), "the shares, fleet-wide");
+    assert!(error(fleet) <= 0.05);
+    assert_eq!(
+        isolated,
+        (1, 1),
+        "each replica alone sees only its own class"
+    );
+    assert!(error(isolated) > 0.3);
+    assert_eq!(in_flight(&sa).await, in_flight(&sb).await);
+
+    drop((sa, sb, sc, sd));
+    for (router, tracker) in [(a, ta), (b, tb), (c, tc), (d, td)] {
         router.shutdown().await.expect("clean shutdown");
         tracker.close();
         tracker.wait().await;
