@@ -296,3 +296,45 @@ async fn prometheus(State(state): State<HttpState>) -> Response {
     )
         .into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// README's relay settings table lists exactly the relay's own flags (the NATS ones are
+    /// `serve`'s), each with its environment variable, in their order.
+    #[test]
+    fn readme_documents_exactly_the_relay_flags() {
+        let code = |cell: &'static str| {
+            let inner = cell.split('`').nth(1).unwrap_or_default();
+            inner.split_whitespace().next().unwrap_or_default()
+        };
+        let readme: Vec<Vec<&str>> = include_str!("../../../README.md")
+            .lines()
+            .skip_while(|line| !line.starts_with("| flag | environment | default |"))
+            .skip(2)
+            .take_while(|line| line.starts_with('|'))
+            .map(|row| row.split('|').skip(1).take(2).map(code).collect())
+            .collect();
+        let nats = NatsArgs::augment_args(clap::Command::new("nats"));
+        let nats: Vec<String> = nats
+            .get_arguments()
+            .map(|a| a.get_id().to_string())
+            .collect();
+        let relay = RelayArgs::augment_args(clap::Command::new("relay"));
+        let declared: Vec<Vec<String>> = relay
+            .get_arguments()
+            .filter(|arg| !nats.contains(&arg.get_id().to_string()))
+            .map(|arg| {
+                let env = arg.get_env().expect("every relay flag has a variable");
+                let long = format!("--{}", arg.get_long().unwrap());
+                vec![long, env.to_str().unwrap().to_owned()]
+            })
+            .collect();
+        assert_eq!(declared.len(), 13);
+        assert_eq!(
+            readme, declared,
+            "README's relay settings table and RelayArgs differ"
+        );
+    }
+}
