@@ -1436,6 +1436,17 @@ async fn a_saturated_deployment_answers_429_with_retry_after() {
     );
     let stats = scheduler.stats();
     assert_eq!(stats.admission_waited, 2, "p2 and p3");
+    let text = service.metrics().await;
+    for (series, value) in [
+        ("lease_router_admission_waited_total{deployment=\"c\"}", 2.0),
+        ("lease_router_admission_abandoned_total{deployment=\"c\"}", 1.0),
+        (
+            "lease_router_route_decisions_total{deployment=\"c\",policy=\"weighted_cost\",outcome=\"refused\"}",
+            2.0,
+        ),
+    ] {
+        assert_eq!(metric(&text, series), Some(value), "{series} in {text}");
+    }
     drop(scheduler);
     served.stop().await;
     service.stop().await;

@@ -1487,6 +1487,47 @@ mod tests {
         );
     }
 
+    /// A snapshot keeps each lease's class by name (unclassed leases write no class, as
+    /// before), and a replica that loads it counts them in the same classes; a snapshot
+    /// written before classes (no class field) still loads.
+    #[tokio::test]
+    async fn a_snapshot_keeps_each_lease_class() {
+        use crate::admission::{AdmissionClass, AdmissionConfig};
+        let classes = AdmissionConfig::default()
+            .with_class(AdmissionClass::new("premium", 1, 4.0))
+            .with_class(AdmissionClass::new("regular", 0, 1.0))
+            .with_default_class("regular");
+        let tracker = TaskTracker::new();
+        let (writer_scheduler, writer) = manager(one_shard(), &tracker);
+        writer_scheduler.set_admission(classes.clone()).unwrap();
+        let w = WorkerWithDpRank::new(1, 0);
+        let load = RequestLoad::new(10, Some(5));
+        writer.admit_current_in_class("p", w, load, Some("premium"));
+        writer.admit_current_in_class("r", w, load, None);
+        let mut images = writer.lease_images();
+        images.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+        let named: Vec<_> = images.iter().map(|i| i.class.as_deref()).collect();
+        assert_eq!(named, [Some("premium"), None]);
+        let unclassed = rmp_serde::to_vec(&images[1]).unwrap();
+        let old = rmp_serde::to_vec(&("r", 1u64, 0u32, load, Option::<u32>::None, false)).unwrap();
+        assert_eq!(unclassed, old, "an unclassed lease is written as before");
+        let back: LeaseImage = rmp_serde::from_slice(&old).unwrap();
+        assert_eq!(back, images[1]);
+
+        let (reader_scheduler, reader) = manager(one_shard(), &tracker);
+        reader_scheduler.set_admission(classes).unwrap();
+        let mut batch = reader.batch();
+        for image in &images {
+            batch.restore(image);
+        }
+        drop(batch);
+        assert_eq!(
+            in_flight(&reader_scheduler).await,
+            in_flight(&writer_scheduler).await
+        );
+        assert_eq!(in_flight(&reader_scheduler).await[0].1, 1);
+    }
+
     fn manager(
         config: LeaseConfig,
         tracker: &TaskTracker,

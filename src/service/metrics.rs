@@ -209,7 +209,7 @@ impl Collector for SchedulerCounters {
             &decisions,
         )?;
         type Pick = fn(&SchedulerFigures) -> u64;
-        let counters: [(&str, &str, Pick); 2] = [
+        let counters: [(&str, &str, Pick); 4] = [
             (
                 "workers_left",
                 "Worker ranks that said they were leaving.",
@@ -219,6 +219,16 @@ impl Collector for SchedulerCounters {
                 "workers_forgotten",
                 "Worker ranks forgotten after their idle time with no live booking.",
                 |s| s.workers_forgotten,
+            ),
+            (
+                "admission_waited",
+                "Route requests that waited in this replica's admission queue.",
+                |s| s.admission_waited,
+            ),
+            (
+                "admission_abandoned",
+                "Route requests that left the admission queue because their caller went away.",
+                |s| s.admission_abandoned,
             ),
         ];
         for (name, help, pick) in counters {
