@@ -222,15 +222,22 @@ impl Metrics {
         }
     }
 
-    pub fn engine_restart(&self, last: u64, seq: u64) {
+    /// `seq`: the first of the new engine, if a message showed the restart (`None`: a
+    /// reconnect found another engine's replay buffer).
+    pub fn engine_restart(&self, last: u64, seq: Option<u64>) {
         let n = self.engine_restarts.fetch_add(1, Relaxed) + 1;
         if let Some(suppressed) = self.warn_sequence.check() {
+            let how = match seq {
+                Some(_) => "its sequence started over",
+                None => "after a reconnect, its replay buffer is not the one relayed",
+            };
             tracing::warn!(
                 last,
                 seq,
+                how,
                 engine_restarts = n,
                 suppressed,
-                "the engine restarted (its sequence started over): kv_cleared and a fresh start"
+                "the engine restarted: kv_cleared and a fresh start"
             );
         }
     }

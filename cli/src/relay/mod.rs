@@ -282,7 +282,7 @@ impl<S: KvSink, R: ReplaySource> Relay<S, R> {
             Some(next) if seq == next => self.apply(&frame, false),
             Some(next) if seq > next => self.gap(next, frame).await,
             Some(next) => {
-                self.metrics.engine_restart(next - 1, seq);
+                self.metrics.engine_restart(next - 1, Some(seq));
                 self.clear(ClearReason::EngineRestart);
                 self.refill_from_zero().await;
                 // Not a gap repaired: a restart.
@@ -364,7 +364,7 @@ impl<S: KvSink, R: ReplaySource> Relay<S, R> {
                 self.apply_replies(frames);
             }
             _ => {
-                self.metrics.engine_restart(last, 0);
+                self.metrics.engine_restart(last, None);
                 self.clear(ClearReason::EngineRestart);
                 self.refill_from_zero().await;
             }
