@@ -24,6 +24,23 @@ pub(super) fn admitted() -> Envelope {
 fn samples() -> Vec<Envelope> {
     vec![
         admitted(),
+        // Every optional field of `admitted` at once.
+        Envelope::new(
+            9,
+            1,
+            2,
+            Admitted {
+                block_hashes: vec![0, 1 << 63, u64::MAX],
+                block_capacity: Some(25_000),
+                class: Some("premium".into()),
+                request_id: "req-full".into(),
+                worker_id: 3,
+                dp_rank: 1,
+                prompt_tokens: 4096,
+                expected_output_tokens: Some(64),
+                cached_tokens: Some(2048),
+            },
+        ),
         Envelope::new(
             9,
             2,
@@ -424,6 +441,19 @@ fn accessors() {
     assert_eq!(one.worker(), Some(WorkerWithDpRank::new(7, 1)));
     assert!(one.covers(WorkerWithDpRank::new(7, 1)));
     assert!(!one.covers(WorkerWithDpRank::new(7, 0)));
+    let stored = KvStored {
+        worker_id: 5,
+        dp_rank: 3,
+        parent_hash: None,
+        block_hashes: vec![1],
+    };
+    assert_eq!(stored.worker(), WorkerWithDpRank::new(5, 3));
+    let removed = KvRemoved {
+        worker_id: 6,
+        dp_rank: 4,
+        block_hashes: vec![1],
+    };
+    assert_eq!(removed.worker(), WorkerWithDpRank::new(6, 4));
     let reset = LeaseEvent::from(one);
     assert_eq!(reset.worker_id(), 7);
     assert_eq!(reset.request_id(), None);
