@@ -235,7 +235,9 @@ struct Engine {
 }
 
 impl Engine {
-    fn start(pub_endpoint: &str, replay_endpoint: &str, layout: &str, hashes: &str) -> Engine {
+    fn start(setup: &Setup, layout: &str, hashes: &str) -> Engine {
+        let (pub_endpoint, replay_endpoint) = (&setup.pub_endpoint, &setup.replay_endpoint);
+        let rank = setup.dp_rank.to_string();
         let script = workspace().join("cli/tests/fake_vllm_engine.py");
         let mut child = Command::new(python())
             .arg(script)
@@ -248,6 +250,7 @@ impl Engine {
                 "--topic",
                 "kv-events",
             ])
+            .args(["--dp-rank", &rank])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -322,6 +325,7 @@ struct Setup {
     pub_endpoint: String,
     replay_endpoint: String,
     durable: bool,
+    dp_rank: u32,
 }
 
 impl Setup {
@@ -345,6 +349,8 @@ impl Setup {
             "--http-addr",
             "127.0.0.1:0",
         ];
+        let rank = self.dp_rank.to_string();
+        args.extend(["--dp-rank", &rank]);
         if self.durable {
             args.push("--durable");
         }
@@ -377,8 +383,8 @@ fn sync(engine: &mut Engine, relay: SocketAddr) {
     }
 }
 
-/// The router's view of the worker's rank 0 equals `want`.
-fn view_is(router: SocketAddr, deployment: &str, want: &BTreeSet<u64>, step: &str) {
+/// The router's view of the worker's rank `rank` equals `want`.
+fn view_is(router: SocketAddr, deployment: &str, rank: u32, want: &BTreeSet<u64>, step: &str) {
     let path = format!("/v1/deployments/{deployment}/prefix/{WORKER}");
     eventually(step, || {
         let (status, body) = http(router, &path);
@@ -386,15 +392,15 @@ fn view_is(router: SocketAddr, deployment: &str, want: &BTreeSet<u64>, step: &st
             return Err(format!("{status} {body}"));
         }
         let view: Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
-        let rank = view["ranks"]
+        let found = view["ranks"]
             .as_array()
-            .and_then(|ranks| ranks.iter().find(|r| r["dp_rank"] == 0));
-        let held: BTreeSet<u64> = rank
+            .and_then(|ranks| ranks.iter().find(|r| r["dp_rank"] == rank));
+        let held: BTreeSet<u64> = found
             .and_then(|r| r["hashes"].as_array())
             .map(|h| h.iter().filter_map(Value::as_u64).collect())
             .unwrap_or_default();
-        if rank.is_some_and(|r| r["exact"] != true) {
-            return Err(format!("rank 0 is not exact: {body}"));
+        if found.is_some_and(|r| r["exact"] != true) {
+            return Err(format!("rank {rank} is not exact: {body}"));
         }
         if &held == want {
             Ok(())
@@ -417,7 +423,7 @@ fn at_least(relay: SocketAddr, series: &str, n: f64) {
 
 /// `relay_first`: the relay starts before the engine (a sidecar beside an engine still
 /// loading its model): unhealthy until the engine's socket answers, then the same.
-async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool) {
+async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool, rank: u32) {
     let server = nats(durable).await;
     let deployment = format!("relay-{}", layout.replace('.', "-"));
     let url = server.url();
@@ -448,6 +454,7 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool) 
         pub_endpoint: format!("tcp://127.0.0.1:{}", ports[0]),
         replay_endpoint: format!("tcp://127.0.0.1:{}", ports[1]),
         durable,
+        dp_rank: rank,
     };
     let (mut engine, (relay, addr)) = if relay_first {
         let (relay, addr) = setup.relay();
@@ -455,10 +462,10 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool) 
         assert_eq!(status, 503, "no engine yet: {body}");
         assert!(body.contains("\"engine_connected\":false"), "{body}");
         thread::sleep(Duration::from_millis(300));
-        let engine = Engine::start(&setup.pub_endpoint, &setup.replay_endpoint, layout, hashes);
+        let engine = Engine::start(&setup, layout, hashes);
         (engine, (relay, addr))
     } else {
-        let engine = Engine::start(&setup.pub_endpoint, &setup.replay_endpoint, layout, hashes);
+        let engine = Engine::start(&setup, layout, hashes);
         (engine, setup.relay())
     };
     eventually("/healthz turns 200", || {
@@ -478,7 +485,7 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool) 
     want.extend(ours(&b));
     assert_eq!(want.len(), 7);
     sync(&mut engine, addr);
-    view_is(router, d, &want, "after the stores");
+    view_is(router, d, rank, &want, "after the stores");
 
     // Evictions, and a store and a removal in one batch.
     engine.send(json!({"op": "remove", "tokens": a, "blocks": [4, 3]}));
@@ -492,7 +499,7 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool) 
     }
     want.extend(ours(&c));
     sync(&mut engine, addr);
-    view_is(router, d, &want, "after the evictions");
+    view_is(router, d, rank, &want, "after the evictions");
 
     // The engine's cache cleared.
     engine.send(json!({"op": "clear"}));
@@ -500,13 +507,13 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool) 
     engine.send(store(&e[..32], 0));
     want = ours(&e[..32]).into_iter().collect();
     sync(&mut engine, addr);
-    view_is(router, d, &want, "after a clear");
+    view_is(router, d, rank, &want, "after a clear");
 
     // A message the PUB socket lost, in the replay buffer: repaired.
     engine.send(json!({"op": "store", "tokens": e, "from": 2, "drop": "pub"}));
     want.extend(ours(&e));
     sync(&mut engine, addr);
-    view_is(router, d, &want, "after a lost message");
+    view_is(router, d, rank, &want, "after a lost message");
     at_least(addr, "lease_router_relay_gaps_repaired_total", 1.0);
 
     // A loss replay cannot fill: cleared, then only what is stored afresh.
@@ -514,7 +521,7 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool) 
     engine.send(json!({"op": "store", "tokens": f, "drop": "both"}));
     sync(&mut engine, addr);
     want.clear();
-    view_is(router, d, &want, "after a loss replay cannot fill");
+    view_is(router, d, rank, &want, "after a loss replay cannot fill");
     at_least(addr, "lease_router_relay_gaps_cleared_total", 1.0);
     let g = tokens(30000, 32);
     engine.send(store(&g, 0));
@@ -523,25 +530,25 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool) 
     engine.send(store(&e2, 3));
     want.extend(ours(&g));
     sync(&mut engine, addr);
-    view_is(router, d, &want, "fresh stores after the loss");
+    view_is(router, d, rank, &want, "fresh stores after the loss");
     at_least(addr, "lease_router_relay_unknown_parents_total", 1.0);
 
     // The relay restarts: kv_cleared when it stops, the engine's history when it starts
     // (through the hole, as the running relay saw it).
     relay.terminate();
-    view_is(router, d, &BTreeSet::new(), "the relay stopped");
+    view_is(router, d, rank, &BTreeSet::new(), "the relay stopped");
     let (relay, addr) = setup.relay();
     sync(&mut engine, addr);
-    view_is(router, d, &want, "after the relay restarted");
+    view_is(router, d, rank, &want, "after the relay restarted");
 
     // The engine restarts: its sequence starts over, its cache is empty.
     drop(engine);
-    let mut engine = Engine::start(&setup.pub_endpoint, &setup.replay_endpoint, layout, hashes);
+    let mut engine = Engine::start(&setup, layout, hashes);
     let h = tokens(40000, 48);
     engine.send(store(&h, 0));
     want = ours(&h).into_iter().collect();
     sync(&mut engine, addr);
-    view_is(router, d, &want, "after the engine restarted");
+    view_is(router, d, rank, &want, "after the engine restarted");
     at_least(addr, "lease_router_relay_engine_restarts_total", 1.0);
 
     // Malformed messages: counted and dropped; a payload that is not a batch clears.
@@ -552,7 +559,7 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool) 
     engine.send(store(&k, 0));
     want.extend(ours(&k));
     sync(&mut engine, addr);
-    view_is(router, d, &want, "after malformed frames");
+    view_is(router, d, rank, &want, "after malformed frames");
     at_least(
         addr,
         "lease_router_relay_malformed_frames_total",
@@ -561,7 +568,13 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool) 
     engine.send(json!({"op": "malformed", "kind": "payload"}));
     sync(&mut engine, addr);
     want.clear();
-    view_is(router, d, &want, "after a payload that is not a batch");
+    view_is(
+        router,
+        d,
+        rank,
+        &want,
+        "after a payload that is not a batch",
+    );
     at_least(
         addr,
         "lease_router_relay_clears_total{reason=\"malformed\"}",
@@ -571,29 +584,40 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool) 
     engine.send(store(&m, 0));
     want.extend(ours(&m));
     sync(&mut engine, addr);
-    view_is(router, d, &want, "after the malformed payload");
+    view_is(router, d, rank, &want, "after the malformed payload");
     let (status, body) = http(addr, "/healthz");
     assert_eq!(status, 200, "{body}");
+    let other_ranks = metric(addr, "lease_router_relay_dp_rank_mismatches_total");
+    assert_eq!(
+        other_ranks, 0.0,
+        "the batches carry the engine's rank, --dp-rank"
+    );
 
     let log = relay.terminate();
     assert!(!log.contains("panicked"), "{log}");
-    view_is(router, d, &BTreeSet::new(), "the relay stopped at the end");
+    view_is(
+        router,
+        d,
+        rank,
+        &BTreeSet::new(),
+        "the relay stopped at the end",
+    );
     drop(serve);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_routers_view_follows_a_vllm_engine_array_layout_int_hashes() {
-    scenario("array", "int", false, false).await;
+    scenario("array", "int", false, false, 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_routers_view_follows_a_vllm_engine_map_layout_bytes_hashes_durable() {
-    scenario("map", "bytes", true, false).await;
+async fn the_routers_view_follows_a_vllm_engine_map_layout_bytes_hashes_durable_rank_1() {
+    scenario("map", "bytes", true, false, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_routers_view_follows_a_vllm_0_9_engine_started_after_its_relay() {
-    scenario("array-0.9", "int", false, true).await;
+    scenario("array-0.9", "int", false, true, 0).await;
 }
 
 /// The relay's throughput (BENCHMARKS.md, "KV event relay: ZeroMQ crate"): the fake engine
@@ -616,8 +640,9 @@ async fn relay_throughput() {
         pub_endpoint: format!("tcp://127.0.0.1:{}", ports[0]),
         replay_endpoint: format!("tcp://127.0.0.1:{}", ports[1]),
         durable: false,
+        dp_rank: 0,
     };
-    let mut engine = Engine::start(&setup.pub_endpoint, &setup.replay_endpoint, "array", "int");
+    let mut engine = Engine::start(&setup, "array", "int");
     let (relay, addr) = setup.relay();
     engine.send(json!({"op": "noop"}));
     sync(&mut engine, addr);
