@@ -269,8 +269,11 @@ impl QueueConfig {
 }
 
 /// A deployment's admission classes: [`Default`] (none: no admission), then the `with_*`
-/// methods.
-#[derive(Clone, PartialEq, Debug, Default)]
+/// methods; or JSON, as the PUT body and the `admission` setting of `lease-router serve`
+/// spell it: `{"classes": [...], "default_class": "...", "saturation": {...}, "queue":
+/// {...}}`, each key optional (check it with [`AdmissionConfig::validate`]).
+#[derive(Clone, PartialEq, Debug, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct AdmissionConfig {
     classes: Vec<AdmissionClass>,
     default_class: Option<String>,
@@ -712,6 +715,31 @@ mod tests {
             .with_class(AdmissionClass::new("premium", 1, 4.0))
             .with_class(AdmissionClass::new("regular", 0, 1.0))
             .with_default_class("regular")
+    }
+
+    /// The JSON of the PUT body and the `admission` setting: every key optional, an unknown
+    /// one refused.
+    #[test]
+    fn admission_reads_from_json() {
+        let json = r#"{"classes": [{"name": "premium", "band": 1, "weight": 4},
+            {"name": "regular", "band": 0, "weight": 1}], "default_class": "regular",
+            "saturation": {"max_prefill_tokens_per_worker": 10}, "queue": {"max_queued": 3}}"#;
+        let config: AdmissionConfig = serde_json::from_str(json).unwrap();
+        assert_eq!(
+            config,
+            two()
+                .with_saturation(SaturationConfig::default().with_max_prefill_tokens_per_worker(10))
+                .with_queue(QueueConfig::default().with_max_queued(3))
+        );
+        let back: AdmissionConfig =
+            serde_json::from_value(serde_json::to_value(&config).unwrap()).unwrap();
+        assert_eq!(back, config);
+        assert_eq!(
+            serde_json::from_str::<AdmissionConfig>("{}").unwrap(),
+            AdmissionConfig::default()
+        );
+        let err = serde_json::from_str::<AdmissionConfig>(r#"{"class": []}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field `class`"), "{err}");
     }
 
     #[test]

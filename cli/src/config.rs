@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use lease_router::service::{ApiAuth, BearerToken, HostSettings};
 use lease_router::wire::{DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_EVENT_BYTES};
+use lease_router::{AdmissionConfig, PrefixIndexConfig, PromptTokenizer, DEFAULT_AFFINITY_GAP};
 use lease_router::{ApplyConfig, DeploymentName, LeaseStreamConfig, NatsConnectConfig};
-use lease_router::{PrefixIndexConfig, PromptTokenizer, DEFAULT_AFFINITY_GAP};
 use lease_router::{RoutePolicy, DEFAULT_MAX_ACTIVE_LEASES, DEFAULT_SNAPSHOT_INTERVAL};
 use lease_router::{DEFAULT_SNAPSHOT_KEEP, DEFAULT_STREAM_MAX_BYTES};
 
@@ -214,6 +214,12 @@ pub struct ServeArgs {
           value_parser = setting(whole(0..=u32::MAX, true, format!("expected a whole number \
               of tokens (default {DEFAULT_AFFINITY_GAP})"))))]
     pub affinity_gap: Option<Parsed<u32>>,
+    /// Admission of new deployments, as JSON (a PUT body may change it per deployment):
+    /// {"classes": [{"name", "band", "weight"}], "default_class", "saturation", "queue"}
+    /// [default: no classes, no admission].
+    #[arg(long, value_name = "JSON", env = "LEASE_ROUTER_ADMISSION",
+          value_parser = setting(parse_admission))]
+    pub admission: Option<Parsed<AdmissionConfig>>,
     /// A Hugging Face tokenizer.json (the model's own): route requests may then carry the
     /// prompt as text ("prompt"), exactly as the engine will tokenize it (after any chat
     /// template) [default: none; such requests are refused].
@@ -297,6 +303,7 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
         prefix_worker_capacity,
         prefix_max_entries,
         affinity_gap,
+        admission,
         tokenizer,
         nats,
     } = &given.args;
@@ -341,6 +348,7 @@ pub fn resolve(given: &Sourced<ServeArgs>) -> Result<ServeSettings, ConfigError>
     let p = p.with_worker_capacity(get!(o, prefix_worker_capacity).unwrap_or(p.worker_capacity()));
     h.prefix = p.with_max_entries(get!(o, prefix_max_entries).unwrap_or(p.max_entries()));
     h.affinity_gap = get!(o, affinity_gap).unwrap_or(h.affinity_gap);
+    h.admission = get!(o, admission).unwrap_or(h.admission);
     if let Some(path) = get!(o, tokenizer) {
         let loaded = PromptTokenizer::from_file(&path)
             .map_err(|err| o.invalid("tokenizer", path.display(), &err.reason))?;
@@ -392,6 +400,18 @@ fn read_token(o: &Origins, path: &Path) -> Result<BearerToken, ConfigError> {
 
 fn parse_token(value: &str) -> Result<BearerToken, String> {
     BearerToken::new(value).map_err(|err| format!("{err}; {OPEN}"))
+}
+
+/// The admission of new deployments: the JSON of a PUT body's admission keys, checked.
+fn parse_admission(value: &str) -> Result<AdmissionConfig, String> {
+    let config: AdmissionConfig = serde_json::from_str(value).map_err(|err| {
+        format!(
+            "expected JSON such as {{\"classes\": [{{\"name\": \"premium\", \"band\": 1, \
+             \"weight\": 4}}], \"default_class\": \"premium\"}} ({err})"
+        )
+    })?;
+    config.validate().map_err(|err| err.to_string())?;
+    Ok(config)
 }
 
 fn parse_bool(value: &str) -> Result<bool, String> {
@@ -612,6 +632,47 @@ pub(crate) mod tests {
         }
     }
 
+    /// Admission of new deployments from a flag or the file, as JSON; a bad one is refused
+    /// at start, naming why.
+    #[test]
+    fn admission_from_a_flag_or_the_file() {
+        let json = r#"{"classes": [{"name": "premium", "band": 1, "weight": 4}, {"name": "regular", "band": 0, "weight": 1}], "default_class": "regular", "queue": {"max_queued": 7}}"#;
+        let s = resolve(&args(&["--admission", json]).unwrap()).unwrap();
+        let a = &s.host.admission;
+        assert_eq!(a.classes().len(), 2);
+        assert_eq!(
+            (a.default_class(), a.queue().max_queued()),
+            (Some("regular"), 7)
+        );
+        let s = with_file(&format!("admission = '{json}'"), "").unwrap();
+        assert_eq!(s.host.admission.classes()[0].name(), "premium");
+        assert!(
+            !settings("").unwrap().host.admission.is_enabled(),
+            "none by default"
+        );
+        for (json, why) in [
+            (r#"{"classes": 3}"#, "expected JSON such as"),
+            (r#"{"clases": []}"#, "unknown field `clases`"),
+            (
+                r#"{"classes": [{"name": "a", "band": 0, "weight": 0}], "default_class": "a"}"#,
+                "weight must be a finite number above 0",
+            ),
+            (
+                r#"{"classes": [{"name": "a", "band": 0, "weight": 1}]}"#,
+                "default_class is required",
+            ),
+        ] {
+            let err = resolve(&args(&["--admission", json]).unwrap())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.starts_with("invalid setting admission = ") && err.contains("from --admission"),
+                "{err}"
+            );
+            assert!(err.contains(why), "{err}\nwanted: {why}");
+        }
+    }
+
     #[test]
     fn error_messages_name_setting_value_and_fix() {
         for (line, want) in [
@@ -691,7 +752,7 @@ pub(crate) mod tests {
             vec![format!("--{long}"), env, arg.get_id().to_string()]
         });
         let declared: Vec<Vec<String>> = declared.collect();
-        assert_eq!(declared.len(), 39);
+        assert_eq!(declared.len(), 40);
         assert_eq!(
             readme, declared,
             "README's settings table (flag, environment, TOML key) must list exactly the \
@@ -781,6 +842,9 @@ pub(crate) mod tests {
                 "http_token" => "\"s3cret-token\"",
                 "http_token_file" => continue,
                 "tokenizer" => &tokenizer,
+                "admission" => {
+                    r#"'{"classes": [{"name": "a", "band": 0, "weight": 1}], "default_class": "a"}'"#
+                }
                 _ => "4242",
             };
             text.push_str(&format!("{key} = {value}\n"));
@@ -803,6 +867,7 @@ pub(crate) mod tests {
         let p = h.prefix;
         let prefix = (p.block_size(), p.worker_capacity(), p.max_entries());
         assert_eq!((prefix, h.affinity_gap), ((4242, 4242, 4242), 4242));
+        assert_eq!(h.admission.default_class(), Some("a"));
         assert_eq!(s.nats.subscription_capacity(), Some(4242));
         let durable = h.durable.as_ref().unwrap();
         assert_eq!((durable.replicas(), durable.max_bytes()), (3, 2_000_000));

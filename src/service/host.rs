@@ -68,6 +68,9 @@ pub struct HostSettings {
     pub provisional_deadline: Duration,
     /// Each deployment's prefix index: block size and bounds.
     pub prefix: crate::prefix::PrefixIndexConfig,
+    /// The admission classes, saturation thresholds and queue of each new deployment (a PUT
+    /// body may change them); default: none, no admission. Checked when a deployment starts.
+    pub admission: crate::admission::AdmissionConfig,
     /// The hot-worker guard of prefix-aware decisions
     /// ([`RoutingConfig::with_affinity_gap`](crate::RoutingConfig::with_affinity_gap)).
     pub affinity_gap: u32,
@@ -91,6 +94,7 @@ impl Default for HostSettings {
             provisional_deadline: crate::lease::DEFAULT_PROVISIONAL_DEADLINE,
             prefix: crate::prefix::PrefixIndexConfig::default(),
             affinity_gap: crate::routing::DEFAULT_AFFINITY_GAP,
+            admission: Default::default(),
             #[cfg(feature = "tokenizer")]
             tokenizer: None,
         }
@@ -966,7 +970,8 @@ async fn start(inner: Arc<Inner>, guard: PendingGuard) -> Result<AddOutcome, Add
             affinity_gap: Some(settings.affinity_gap),
             ..Default::default()
         })
-        .with_prefix(settings.prefix);
+        .with_prefix(settings.prefix)
+        .with_admission(settings.admission.clone());
     // Bounded for both modes: dropping an unfinished start cancels whatever it spawned.
     let waited = inner.connection.connect_deadline();
     let started = tokio::time::timeout(
