@@ -481,6 +481,11 @@ impl Default for ClassTable {
 }
 
 impl ClassTable {
+    /// Whether classes are configured (without the lock).
+    pub(crate) fn is_enabled(&self) -> bool {
+        self.enabled.load(Ordering::Acquire)
+    }
+
     /// The classes in force.
     pub(crate) fn config(&self) -> AdmissionConfig {
         self.inner.read().config.clone()

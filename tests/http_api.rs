@@ -1258,6 +1258,17 @@ async fn admission_classes_over_http() {
     assert_eq!(metric(&text, &series("premium", "requests")), Some(2.0));
     assert_eq!(metric(&text, &series("premium", "tokens")), Some(240.0));
     assert_eq!(metric(&text, &series("regular", "tokens")), Some(360.0));
+    let shown = service.get("/v1/deployments/c").await.json();
+    let admission = &shown["admission"];
+    assert_eq!(admission["default_class"], "regular", "{shown}");
+    assert_eq!(admission["saturation_now"]["saturated"], false, "{shown}");
+    assert_eq!(admission["saturation_now"]["members"], 2, "{shown}");
+    assert_eq!(
+        admission["in_flight"][0],
+        serde_json::json!({"class": "premium", "band": 1, "weight": 4.0,
+            "in_flight_requests": 2, "in_flight_tokens": 240}),
+        "{shown}"
+    );
 
     // A route request names its class (an invalid name is refused); the provisional
     // booking counts at once.

@@ -395,6 +395,32 @@ async fn the_page_shows_every_worker_and_its_figures_change() {
     })
     .await;
     assert_eq!(llama_prefix, 16.0);
+    // Admission: none until classes are set, then saturation and each class's in flight
+    // (the test workers name no class: the default's).
+    let llama_name = DeploymentName::new("llama-70b").unwrap();
+    let none = until(&page, "no admission classes", |shown| {
+        deployment(shown, "llama-70b")
+            .and_then(|d| d["figures"]["admission"].as_str().map(str::to_owned))
+    })
+    .await;
+    assert_eq!(none, "no classes");
+    let scheduler = served.host.get(&llama_name).unwrap().scheduler().clone();
+    scheduler
+        .set_admission(
+            lease_router::AdmissionConfig::default()
+                .with_class(lease_router::AdmissionClass::new("premium", 1, 4.0))
+                .with_class(lease_router::AdmissionClass::new("regular", 0, 1.0))
+                .with_default_class("regular"),
+        )
+        .unwrap();
+    drop(scheduler);
+    let shown = until(&page, "the classes in flight", |shown| {
+        deployment(shown, "llama-70b")
+            .and_then(|d| d["figures"]["admission"].as_str().map(str::to_owned))
+            .filter(|text| text.contains("in flight"))
+    })
+    .await;
+    assert_eq!(shown, "not saturated; in flight: premium 0, regular 12");
     assert_eq!(first["nats"], "connected", "{first:#}");
     assert_eq!(first["errors"], serde_json::json!([]), "{first:#}");
     assert_eq!(first["empty"], false);

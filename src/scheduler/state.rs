@@ -387,6 +387,10 @@ impl SchedulerState {
     /// yet, keeps it waiting (bounded, until its deadline); the answer goes to `reply`.
     /// Without admission classes every request is decided at once.
     pub(super) fn route_or_wait(&mut self, request: RouteRequest, reply: RouteReply) {
+        if !self.classes.is_enabled() && self.waiting.is_empty() {
+            let _ = reply.send(self.route(request));
+            return;
+        }
         let admission = self.classes.config();
         let Some(class) = admission.class_of(request.class.as_deref()).cloned() else {
             let _ = reply.send(self.route(request));

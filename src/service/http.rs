@@ -540,6 +540,14 @@ async fn get_deployment(
         .into_iter()
         .find(|d| d.name == name.as_str());
     let prefix = figures.as_ref().and_then(|d| d.prefix);
+    let admission = match state.host.get(&name) {
+        Some(view) => {
+            let scheduler = view.scheduler().clone();
+            drop(view);
+            admission_figures(&scheduler).await
+        }
+        None => serde_json::Value::Null,
+    };
     let catch_up = figures
         .and_then(|d| d.catch_up)
         .map(|c| json!({ "done": c.done, "replayed": c.replayed, "seconds": c.seconds }));
@@ -548,8 +556,31 @@ async fn get_deployment(
         "ingress": stats,
         "catch_up": catch_up,
         "prefix": prefix,
+        "admission": admission,
     }))
     .into_response())
+}
+
+/// A running deployment's admission: its settings, whether it is saturated now, and each
+/// class's in-flight work across the fleet (`null` figures when the scheduler does not
+/// answer in time).
+async fn admission_figures(scheduler: &crate::scheduler::SchedulerHandle) -> serde_json::Value {
+    let config = scheduler.admission();
+    let figures = tokio::time::timeout(SCHEDULER_QUERY_TIMEOUT, async {
+        let loads = scheduler.loads().await.ok()?;
+        let classes = scheduler.class_loads().await.ok()?;
+        Some((loads, classes))
+    })
+    .await
+    .ok()
+    .flatten();
+    let mut json = admission_json(&config);
+    if let Some((loads, classes)) = figures {
+        let saturation = config.saturation().assess(loads.iter().map(|(_, l)| l));
+        json["saturation_now"] = json!(saturation);
+        json["in_flight"] = json!(classes);
+    }
+    json
 }
 
 /// The optional body of a PUT: the deployment's routing and admission classes.
