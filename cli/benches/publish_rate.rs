@@ -174,7 +174,7 @@ fn rust_round(nats_url: &str, router: SocketAddr, events: u64, batched: bool) ->
             }
             sent += 4;
             n += 1;
-            if n % 256 == 0 {
+            if n.is_multiple_of(256) {
                 while publisher.stats().pending() > ROOM {
                     tokio::task::yield_now().await;
                 }
