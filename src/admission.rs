@@ -543,21 +543,48 @@ impl ClassTable {
     /// longer configured. In the order of the config; empty without classes.
     pub(crate) fn loads(&self, sums: &ClassSums) -> Vec<ClassLoad> {
         let inner = self.inner.read();
+        let folded = Self::fold(&inner, sums);
+        inner
+            .config
+            .classes
+            .iter()
+            .zip(&folded)
+            .map(|(class, sums)| ClassLoad::new(class, sums))
+            .collect()
+    }
+
+    /// The classes in force, and each one's tokens in flight from `sums` (in their order, as
+    /// [`Self::loads`] counts them), read together.
+    pub(crate) fn snapshot(&self, sums: &ClassSums) -> (AdmissionConfig, Vec<u64>) {
+        let inner = self.inner.read();
+        let tokens = Self::fold(&inner, sums)
+            .iter()
+            .map(|sums| {
+                let load = sums.load();
+                load.prompt_tokens + load.expected_output_tokens
+            })
+            .collect();
+        (inner.config.clone(), tokens)
+    }
+
+    /// The sums of each configured class, in the config's order: its own, and for the
+    /// default class also those of no class or of a class no longer configured. Empty
+    /// without classes.
+    fn fold(inner: &TableInner, sums: &ClassSums) -> Vec<LoadSums> {
         let config = &inner.config;
         let Some(default) = config.default_class.as_deref() else {
             return Vec::new();
         };
-        let mut loads: Vec<ClassLoad> = config
+        let mut folded: Vec<LoadSums> = config
             .classes
             .iter()
             .map(|class| {
                 let id = inner.ids.get(class.name.as_str()).copied();
-                let sums = id.map(|id| sums.of(id)).unwrap_or_default();
-                ClassLoad::new(class, &sums)
+                id.map(|id| sums.of(id)).unwrap_or_default()
             })
             .collect();
-        let Some(at) = loads.iter().position(|l| l.class == default) else {
-            return loads;
+        let Some(at) = config.classes.iter().position(|c| c.name == default) else {
+            return folded;
         };
         let configured = |id: ClassId| {
             let index = usize::from(id.0).wrapping_sub(1);
@@ -568,10 +595,10 @@ impl ClassTable {
         };
         for (id, class_sums) in sums.iter() {
             if !configured(id) {
-                loads[at].add(&class_sums);
+                folded[at].merge(&class_sums);
             }
         }
-        loads
+        folded
     }
 }
 
@@ -594,21 +621,14 @@ pub struct ClassLoad {
 
 impl ClassLoad {
     fn new(class: &AdmissionClass, sums: &LoadSums) -> Self {
-        let mut load = Self {
+        let load = sums.load();
+        Self {
             class: class.name.clone(),
             band: class.band,
             weight: class.weight,
-            in_flight_requests: 0,
-            in_flight_tokens: 0,
-        };
-        load.add(sums);
-        load
-    }
-
-    fn add(&mut self, sums: &LoadSums) {
-        let load = sums.load();
-        self.in_flight_requests += load.active_bookings;
-        self.in_flight_tokens += load.prompt_tokens + load.expected_output_tokens;
+            in_flight_requests: load.active_bookings,
+            in_flight_tokens: load.prompt_tokens + load.expected_output_tokens,
+        }
     }
 }
 

@@ -194,6 +194,16 @@ impl LoadSums {
         self.remaining_output_tokens += sign * i64::from(weight.remaining_output_tokens);
     }
 
+    /// Adds another's sums to these.
+    pub(crate) fn merge(&mut self, other: &LoadSums) {
+        self.bookings += other.bookings;
+        self.prompt_tokens += other.prompt_tokens;
+        self.expected_output_tokens += other.expected_output_tokens;
+        self.prefill_tokens += other.prefill_tokens;
+        self.kv_tokens += other.kv_tokens;
+        self.remaining_output_tokens += other.remaining_output_tokens;
+    }
+
     pub(crate) fn is_zero(&self) -> bool {
         *self == Self::default()
     }

@@ -452,7 +452,7 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
                 command = rx.recv() => command,
                 () = tokio::time::sleep(ADMISSION_RECHECK) => {
                     state.drain();
-                    state.admit_waiting(&state.admission());
+                    state.admit_waiting();
                     state.trim_prefix();
                     continue;
                 }

@@ -57,6 +57,49 @@ pub(super) struct SchedulerState {
 /// Where a route decision's answer goes.
 pub(super) type RouteReply = oneshot::Sender<Result<RouteDecision, RouteRequestError>>;
 
+/// What an admission decision reads ([`SchedulerState::picture`]).
+struct Picture {
+    config: AdmissionConfig,
+    saturated: bool,
+    /// Each configured class's tokens in flight across the fleet, in the config's order.
+    tokens: Vec<u64>,
+    /// Whether a request of each configured class waits in this replica.
+    waits: Vec<bool>,
+}
+
+impl Picture {
+    /// Whether a request of `class` may be routed now (before the band of those waiting
+    /// is considered): always while the deployment is not saturated; while it is, only
+    /// while the class is under its weighted fair share of its band's in-flight tokens
+    /// across the fleet. The band's classes that share are those with tokens in flight, or
+    /// waiting here, and the class itself.
+    fn admits(&self, class: &AdmissionClass) -> bool {
+        if !self.saturated {
+            return true;
+        }
+        let classes = self.config.classes();
+        let (mut weights, mut tokens, mut own) = (0.0, 0u64, 0u64);
+        for (i, other) in classes.iter().enumerate() {
+            if other.band() != class.band() {
+                continue;
+            }
+            let in_flight = self.tokens.get(i).copied().unwrap_or(0);
+            let itself = other.name() == class.name();
+            if itself {
+                own = in_flight;
+            }
+            if itself || in_flight > 0 || self.waits.get(i).copied().unwrap_or(false) {
+                weights += other.weight();
+                tokens += in_flight;
+            }
+        }
+        if tokens == 0 || weights <= 0.0 {
+            return true;
+        }
+        (own as f64) / (tokens as f64) < class.weight() / weights
+    }
+}
+
 /// A route request waiting for admission while its deployment is saturated.
 struct Waiting {
     request: RouteRequest,
@@ -373,11 +416,6 @@ impl SchedulerState {
             .collect()
     }
 
-    /// The admission classes in force.
-    pub(super) fn admission(&self) -> AdmissionConfig {
-        self.classes.config()
-    }
-
     /// Whether route requests wait for admission.
     pub(super) fn has_waiting(&self) -> bool {
         !self.waiting.is_empty()
@@ -391,19 +429,19 @@ impl SchedulerState {
             let _ = reply.send(self.route(request));
             return;
         }
-        let admission = self.classes.config();
-        let Some(class) = admission.class_of(request.class.as_deref()).cloned() else {
+        // Those already waiting go first.
+        self.admit_waiting();
+        let picture = self.picture();
+        let Some(class) = picture.config.class_of(request.class.as_deref()).cloned() else {
             let _ = reply.send(self.route(request));
             return;
         };
-        // Those already waiting go first.
-        self.admit_waiting(&admission);
         let higher_waiting = self.waiting.iter().any(|w| w.class.band() > class.band());
-        if !higher_waiting && self.admissible(&admission, &class) {
+        if !higher_waiting && picture.admits(&class) {
             let _ = reply.send(self.route(request));
             return;
         }
-        let queue = admission.queue();
+        let queue = picture.config.queue();
         let wait_ms = request
             .max_wait_ms
             .unwrap_or(queue.max_wait_ms())
@@ -421,7 +459,7 @@ impl SchedulerState {
                     self.waiting.len()
                 )
             };
-            self.refuse(reply, why, &admission);
+            self.refuse(reply, why, &picture.config);
             return;
         }
         let arrival = self.arrivals;
@@ -447,11 +485,13 @@ impl SchedulerState {
     }
 
     /// Routes the waiting requests that may go now, in order; refuses those past their
-    /// deadline; forgets those whose caller went away.
-    pub(super) fn admit_waiting(&mut self, admission: &AdmissionConfig) {
+    /// deadline; forgets those whose caller went away. What it decides with is read once,
+    /// and again after each request it routes (which moves the figures).
+    pub(super) fn admit_waiting(&mut self) {
         if self.waiting.is_empty() {
             return;
         }
+        let mut picture = self.picture();
         let now = tokio::time::Instant::now();
         let mut i = 0;
         while i < self.waiting.len() {
@@ -465,7 +505,7 @@ impl SchedulerState {
                     "class {:?} stayed over its share for the whole wait",
                     waiting.class.name()
                 );
-                self.refuse(waiting.reply, why, admission);
+                self.refuse(waiting.reply, why, &picture.config);
             } else {
                 i += 1;
             }
@@ -476,9 +516,10 @@ impl SchedulerState {
         while i < self.waiting.len() {
             let band = self.waiting[i].class.band();
             let behind = blocked.is_some_and(|b| b > band);
-            if !behind && self.admissible(admission, &self.waiting[i].class.clone()) {
+            if !behind && picture.admits(&self.waiting[i].class) {
                 let waiting = self.waiting.remove(i);
                 let _ = waiting.reply.send(self.route(waiting.request));
+                picture = self.picture();
             } else {
                 blocked = Some(blocked.map_or(band, |b| b.max(band)));
                 i += 1;
@@ -496,43 +537,28 @@ impl SchedulerState {
         }));
     }
 
-    /// Whether a request of `class` may be routed now (before the band of those waiting is
-    /// considered): always while the deployment is not saturated; while it is, only while
-    /// the class is under its weighted fair share of its band's in-flight tokens across the
-    /// fleet. The band's classes that share are those with tokens in flight, or waiting
-    /// here, and the class itself.
-    fn admissible(&self, admission: &AdmissionConfig, class: &AdmissionClass) -> bool {
+    /// What an admission decision reads: the classes, whether the deployment is saturated
+    /// and, if it is, each class's tokens in flight across the fleet and whether one of its
+    /// requests waits here.
+    fn picture(&self) -> Picture {
         let members: Vec<WorkerLoad> = self.loads().map(|(_, load)| load).collect();
-        if !admission.saturation().assess(&members).saturated {
-            return true;
-        }
-        let loads = self.class_loads();
-        let tokens_of = |name: &str| {
-            loads
-                .iter()
-                .find(|l| l.class == name)
-                .map_or(0, |l| l.in_flight_tokens)
-        };
-        let (mut weights, mut tokens) = (0.0, 0u64);
-        for other in admission
-            .classes()
-            .iter()
-            .filter(|c| c.band() == class.band())
-        {
-            let in_flight = tokens_of(other.name());
-            let active = other.name() == class.name()
-                || in_flight > 0
-                || self.waiting.iter().any(|w| w.class.name() == other.name());
-            if active {
-                weights += other.weight();
-                tokens += in_flight;
+        let (config, tokens) = self.classes.snapshot(&self.class_sums);
+        let saturated = config.saturation().assess(&members).saturated;
+        let mut waits = vec![false; config.classes().len()];
+        if saturated {
+            for waiting in &self.waiting {
+                let name = waiting.class.name();
+                if let Some(i) = config.classes().iter().position(|c| c.name() == name) {
+                    waits[i] = true;
+                }
             }
         }
-        if tokens == 0 {
-            return true;
+        Picture {
+            config,
+            saturated,
+            tokens,
+            waits,
         }
-        let share = class.weight() / weights;
-        (tokens_of(class.name()) as f64) / (tokens as f64) < share
     }
 
     /// Each configured class with what it has in flight across the fleet.
