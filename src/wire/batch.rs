@@ -694,6 +694,108 @@ mod tests {
         assert!(n <= claims.len(), "{n}");
     }
 
+    /// An event of a kind this router does not know is dropped alone as `UnknownKind` (a
+    /// newer publisher's), in the encoder's layout and in another; only a batch inside a
+    /// batch is malformed.
+    #[test]
+    fn an_unknown_kind_inside_a_batch_is_unknown_not_malformed() {
+        let sent = events(1);
+        let first = encode(&sent[0]).unwrap();
+        let unknown = map(&[
+            ("v", &|out: &mut Vec<u8>| {
+                rmp::encode::write_u8(out, 1).unwrap()
+            }),
+            ("pub", &|out: &mut Vec<u8>| {
+                rmp::encode::write_u8(out, 1).unwrap()
+            }),
+            ("seq", &|out: &mut Vec<u8>| {
+                rmp::encode::write_u8(out, 2).unwrap()
+            }),
+            ("ts", &|out: &mut Vec<u8>| {
+                rmp::encode::write_u8(out, 3).unwrap()
+            }),
+            ("kind", &|out: &mut Vec<u8>| {
+                rmp::encode::write_str(out, "kv_offloaded").unwrap()
+            }),
+        ]);
+        let mut canonical = CANONICAL_PREFIX.to_vec();
+        rmp::encode::write_array_len(&mut canonical, 2).unwrap();
+        canonical.extend_from_slice(&first);
+        canonical.extend_from_slice(&unknown);
+        let reordered = map(&[
+            ("events", &array_of(&[first.clone(), unknown.clone()])),
+            ("kind", &|out: &mut Vec<u8>| {
+                rmp::encode::write_str(out, "batch").unwrap()
+            }),
+            ("v", &|out: &mut Vec<u8>| {
+                rmp::encode::write_u8(out, 1).unwrap()
+            }),
+        ]);
+        for bytes in [canonical, reordered] {
+            let got = batch(&bytes, limits());
+            assert_eq!(got[0].as_ref().unwrap(), &sent[0]);
+            assert_eq!(
+                got[1],
+                Err(DecodeEventError::UnknownKind {
+                    kind: "kv_offloaded".into()
+                })
+            );
+        }
+    }
+
+    /// A batch of no events is refused in the encoder's own layout too.
+    #[test]
+    fn an_empty_batch_in_the_canonical_layout_is_refused() {
+        let mut bytes = CANONICAL_PREFIX.to_vec();
+        rmp::encode::write_array_len(&mut bytes, 0).unwrap();
+        assert_eq!(
+            refused(&bytes),
+            (
+                1,
+                DecodeEventError::Malformed("a batch holds at least one event".into())
+            )
+        );
+    }
+
+    /// A batch's top-level values that it does not read (a newer publisher's) are skipped
+    /// up to MAX_NESTING_DEPTH + 1 levels of containers, both to read the batch and to count
+    /// what a refused one declares; deeper, the batch is malformed.
+    #[test]
+    fn the_top_level_skips_values_as_deep_as_its_bound() {
+        let nested = |levels: usize| {
+            move |out: &mut Vec<u8>| {
+                out.extend(std::iter::repeat_n(0x91, levels));
+                out.push(0x01);
+            }
+        };
+        let sent = events(3);
+        let encoded: Vec<_> = sent.iter().map(|e| encode(e).unwrap()).collect();
+        let with_extra = |levels: usize, version: u8| {
+            map(&[
+                ("v", &move |out: &mut Vec<u8>| {
+                    rmp::encode::write_u8(out, version).unwrap()
+                }),
+                ("kind", &|out: &mut Vec<u8>| {
+                    rmp::encode::write_str(out, "batch").unwrap()
+                }),
+                ("extra", &nested(levels)),
+                ("events", &array_of(&encoded)),
+            ])
+        };
+        let deepest = MAX_NESTING_DEPTH + 1;
+        let got: Vec<_> = batch(&with_extra(deepest, 1), limits())
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(got, sent);
+        assert_eq!(
+            refused(&with_extra(deepest + 1, 1)).1,
+            DecodeEventError::Malformed("the batch is cut short or malformed".into())
+        );
+        // A newer version's batch drops every event it declares, past the deep value.
+        assert_eq!(refused(&with_extra(deepest, 2)).0, 3);
+    }
+
     #[test]
     fn a_newer_version_drops_the_whole_batch_per_event() {
         let encoded: Vec<_> = events(4).iter().map(|e| encode(e).unwrap()).collect();
