@@ -538,6 +538,7 @@ mod tests {
         assert!(writer.is_empty());
         assert_eq!(writer.finish(), None, "nothing to send");
         writer.push(&sent[0]).unwrap();
+        assert!(!writer.is_empty());
         let one = encode(&sent[0]).unwrap();
         assert_eq!(writer.message_len(0), one.len());
         assert_eq!(
