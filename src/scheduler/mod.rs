@@ -446,21 +446,33 @@ const ADMISSION_RECHECK: Duration = Duration::from_millis(5);
 
 async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>) {
     debug!("scheduler started");
+    // When the waiting route requests are looked at next: on time even while commands keep
+    // the actor busy.
+    let mut next_pass = tokio::time::Instant::now();
     loop {
         let command = if state.has_waiting() {
             tokio::select! {
                 command = rx.recv() => command,
-                () = tokio::time::sleep(ADMISSION_RECHECK) => {
-                    state.drain();
-                    state.admit_waiting();
-                    state.trim_prefix();
-                    continue;
-                }
+                () = tokio::time::sleep_until(next_pass) => None,
             }
         } else {
-            rx.recv().await
+            match rx.recv().await {
+                Some(command) => Some(command),
+                None => break,
+            }
         };
-        let Some(command) = command else { break };
+        if state.has_waiting() && tokio::time::Instant::now() >= next_pass {
+            state.drain();
+            state.admit_waiting();
+            state.trim_prefix();
+            next_pass = tokio::time::Instant::now() + ADMISSION_RECHECK;
+        }
+        let Some(command) = command else {
+            if rx.is_closed() && rx.is_empty() {
+                break;
+            }
+            continue;
+        };
         // Every command first applies what is queued, so answers reflect it.
         state.drain();
         state.forget_idle();

@@ -1023,6 +1023,42 @@ mod admission {
         assert!(handle.route(request("r2", "regular")).await.is_ok());
     }
 
+    /// The queue is looked at on time even while other commands keep the actor busy: a
+    /// waiting request is refused at its deadline, not when the stream of queries stops.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_busy_actor_still_serves_its_queue_on_time() {
+        let (handle, premium) = saturable(0, QueueConfig::default());
+        submit(
+            &handle.cleanup(),
+            &[Op::Admitted(premium, worker(1), weight(1000, None))],
+        );
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let busy = {
+            let (handle, stop) = (handle.clone(), stop.clone());
+            tokio::spawn(async move {
+                let started = std::time::Instant::now();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                    && started.elapsed() < Duration::from_secs(5)
+                {
+                    let _ = handle.loads().await;
+                }
+            })
+        };
+        let started = std::time::Instant::now();
+        overloaded(
+            handle
+                .route(request("p1", "premium").with_max_wait_ms(100))
+                .await,
+        );
+        let waited = started.elapsed();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        busy.await.unwrap();
+        assert!(
+            waited >= Duration::from_millis(100) && waited < Duration::from_secs(2),
+            "{waited:?}"
+        );
+    }
+
     /// Without classes nothing waits, saturated or not.
     #[tokio::test]
     async fn without_classes_every_request_is_routed() {
