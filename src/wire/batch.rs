@@ -561,6 +561,13 @@ mod tests {
             encode_batch(&sent).unwrap(),
             "the writer and encode_batch agree"
         );
+        // Up to 15 events the array header is one byte.
+        let mut writer = BatchWriter::new();
+        for envelope in &sent[..3] {
+            writer.push(envelope).unwrap();
+        }
+        let len = writer.message_len(0);
+        assert_eq!(writer.finish().unwrap().len(), len);
         // The array header grows past 15 events: still measured right.
         let mut writer = BatchWriter::with_capacity(0);
         for envelope in events(16).iter().chain(&events(1)) {

@@ -584,6 +584,25 @@ fn other_integer_widths_and_key_order_decode() {
     );
 }
 
+/// The size limit is inclusive on both decoders: an event of exactly the limit that the plain
+/// reader leaves to the full decoder (an unknown key) is read, one byte more is refused.
+#[test]
+fn the_size_limit_is_inclusive_for_the_full_decoder_too() {
+    let mut bytes = encode(&admitted()).unwrap();
+    bytes[0] += 1;
+    rmp::encode::write_str(&mut bytes, "newer").unwrap();
+    rmp::encode::write_u8(&mut bytes, 1).unwrap();
+    assert!(plain::read(&bytes).is_none(), "left to the full decoder");
+    assert_eq!(decode(&bytes, bytes.len()).unwrap(), admitted());
+    assert_eq!(
+        decode(&bytes, bytes.len() - 1),
+        Err(DecodeEventError::Oversized {
+            len: bytes.len(),
+            max: bytes.len() - 1
+        })
+    );
+}
+
 #[test]
 fn oversized() {
     let bytes = encode(&admitted()).unwrap();
