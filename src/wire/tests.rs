@@ -324,6 +324,20 @@ pub(super) fn decode_default(bytes: &[u8]) -> Result<Envelope, DecodeEventError>
     decode(bytes, DEFAULT_MAX_EVENT_BYTES)
 }
 
+/// The full decoder alone reads every field of every sample (it answers whatever the plain
+/// reader leaves, so it must know each key too).
+#[test]
+fn the_full_decoder_reads_every_field() {
+    for envelope in samples() {
+        let bytes = encode(&envelope).unwrap();
+        assert_eq!(
+            full::decode_full(&bytes, bytes.len()).unwrap(),
+            envelope,
+            "{envelope:?}"
+        );
+    }
+}
+
 #[test]
 fn round_trip_of_every_kind() {
     let mut kinds = Vec::new();
