@@ -360,10 +360,10 @@ impl SchedulerState {
                 self.drain();
             }
         }
-        // The worker will hold the prompt's blocks: handed to the index before the answer, so
-        // that no event applied after it (a reset of that worker) is overtaken; the learning
-        // itself runs after the answer (the trim), or first thing at the index's next access.
-        // As much as a worker's `admitted` can tell: its first MAX_BLOCK_HASHES blocks.
+        // The worker will hold the prompt's blocks: learned before the answer, so that no
+        // event applied after it (a reset of that worker) is overtaken. As much as a worker's
+        // `admitted` can tell: its first MAX_BLOCK_HASHES blocks. Those it was found to hold
+        // only change their recency, left with the evictions to after the answer.
         let mut blocks = blocks;
         blocks.truncate(crate::wire::MAX_BLOCK_HASHES);
         let held = overlaps.get(&worker).map_or(0, |&n| n as usize);
