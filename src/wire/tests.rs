@@ -746,6 +746,21 @@ fn malformed_fields_are_named() {
         9,
     );
     assert_malformed(&bytes, "field `outcome`");
+    // The error lists the values a field takes (a stage, an outcome).
+    assert_malformed(&bytes, r#""finished", "cancelled" or "failed""#);
+    let bytes = reset_with(
+        |m| {
+            m.ks("kind", "progressed")
+                .kv("wid", 1)
+                .kv("dp", 0)
+                .ks("rid", "r")
+                .kv("otok", 1)
+                .ks("stage", "done")
+        },
+        10,
+    );
+    assert_malformed(&bytes, r#"field `stage`"#);
+    assert_malformed(&bytes, r#""prefill_done" or "decoding""#);
     // Duplicate key.
     let bytes = reset_with(
         |m| m.ks("kind", "worker_reset").kv("wid", 1).kv("wid", 2),
