@@ -443,17 +443,13 @@ impl LeasePublisher {
         prompt_tokens: u32,
         expected_output_tokens: Option<u32>,
     ) -> Result<(), PublishEventError> {
-        self.publish(Admitted {
-            block_hashes: Vec::new(),
-            block_capacity: None,
-            request_id: request_id.into(),
+        self.publish(Admitted::new(
+            request_id,
             worker_id,
             dp_rank,
             prompt_tokens,
             expected_output_tokens,
-            cached_tokens: None,
-            class: None,
-        })
+        ))
     }
 
     /// Queues an [`Admitted`] event of a request in admission class `class` (wire 1.4,
@@ -472,15 +468,14 @@ impl LeasePublisher {
         class: impl Into<String>,
     ) -> Result<(), PublishEventError> {
         self.publish(Admitted {
-            block_hashes: Vec::new(),
-            block_capacity: None,
-            request_id: request_id.into(),
-            worker_id,
-            dp_rank,
-            prompt_tokens,
-            expected_output_tokens,
-            cached_tokens: None,
             class: Some(class.into()),
+            ..Admitted::new(
+                request_id,
+                worker_id,
+                dp_rank,
+                prompt_tokens,
+                expected_output_tokens,
+            )
         })
     }
 

@@ -379,6 +379,28 @@ pub struct Admitted {
 }
 
 impl Admitted {
+    /// An admission with none of the optional fields (no cached tokens, blocks, capacity or
+    /// class): what the publisher's shorthands start from.
+    pub(crate) fn new(
+        request_id: impl Into<String>,
+        worker_id: u64,
+        dp_rank: u32,
+        prompt_tokens: u32,
+        expected_output_tokens: Option<u32>,
+    ) -> Self {
+        Self {
+            request_id: request_id.into(),
+            worker_id,
+            dp_rank,
+            prompt_tokens,
+            expected_output_tokens,
+            cached_tokens: None,
+            block_hashes: Vec::new(),
+            block_capacity: None,
+            class: None,
+        }
+    }
+
     /// The worker and rank that hold the request.
     pub fn worker(&self) -> WorkerWithDpRank {
         WorkerWithDpRank::new(self.worker_id, self.dp_rank)
