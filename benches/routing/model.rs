@@ -275,7 +275,9 @@ impl PrefixCache {
             };
             if self.last_use.get(&h) == Some(&tick) {
                 self.last_use.remove(&h);
-                evicted.push(h);
+                if self.changes.is_some() {
+                    evicted.push(h);
+                }
             }
         }
         if let Some(changes) = &mut self.changes {
