@@ -139,11 +139,10 @@ pub struct PrefixIndex {
     free_slots: Vec<u32>,
     len: u32,
     evicted: u64,
-    /// Slots that [`learn_deferred`](Self::learn_deferred) may have taken past a bound,
-    /// for the next [`trim`](Self::trim), each with the blocks it left to refresh there
-    /// (a range of `refresh`).
-    untrimmed: Vec<(u32, std::ops::Range<usize>)>,
-    refresh: Vec<u64>,
+    /// Calls that forgot worker ranks (restarted, left, made exact), whether they held
+    /// blocks or not: a decision's learning, done after its answer, is dropped if this moved
+    /// since its overlaps.
+    forgets: u64,
     /// The exact ranks (see the module's documentation), whether they hold blocks or not.
     exact: HashSet<WorkerWithDpRank>,
 }
@@ -185,8 +184,7 @@ impl PrefixIndex {
             free_slots: Vec::new(),
             len: 0,
             evicted: 0,
-            untrimmed: Vec::new(),
-            refresh: Vec::new(),
+            forgets: 0,
             exact: HashSet::new(),
         }
     }
@@ -251,51 +249,15 @@ impl PrefixIndex {
     fn learn_bounded(&mut self, worker: WorkerWithDpRank, hashes: &[u64]) {
         if let Some(slot) = self.learn_slot(worker, hashes) {
             for &hash in hashes.iter().rev() {
-                self.learn_one(slot, hash, true);
+                self.learn_one(slot, hash);
             }
         }
     }
 
-    /// As [`learn`](Self::learn), with the work that no overlap depends on left to the next
-    /// [`trim`](Self::trim): a decision learns its booking before its answer, and after it
-    /// refreshes the first `held` blocks (those the worker was found to hold already: only
-    /// their recency changes) and evicts past the bounds (a chase through the worker's
-    /// recency list, cache miss after miss).
-    pub(crate) fn learn_deferred(&mut self, worker: WorkerWithDpRank, hashes: &[u64], held: usize) {
-        if self.exact.contains(&worker) {
-            return;
-        }
-        let held = held.min(hashes.len());
-        if let Some(slot) = self.learn_slot(worker, &hashes[held..]) {
-            for &hash in hashes[held..].iter().rev() {
-                self.learn_one(slot, hash, false);
-            }
-            let start = self.refresh.len();
-            self.refresh.extend_from_slice(&hashes[..held]);
-            self.untrimmed.push((slot, start..self.refresh.len()));
-        } else if held > 0 {
-            let slot = self.slot(worker);
-            let start = self.refresh.len();
-            self.refresh.extend_from_slice(&hashes[..held]);
-            self.untrimmed.push((slot, start..self.refresh.len()));
-        }
-    }
-
-    /// Does what [`learn_deferred`](Self::learn_deferred) left: refreshes, then evicts past
-    /// the bounds.
-    pub(crate) fn trim(&mut self) {
-        let mut refresh = std::mem::take(&mut self.refresh);
-        for (slot, range) in std::mem::take(&mut self.untrimmed) {
-            for &hash in refresh[range].iter().rev() {
-                self.learn_one(slot, hash, false);
-            }
-            self.keep_capacity(slot);
-        }
-        refresh.clear();
-        self.refresh = refresh;
-        if self.len > self.config.max_entries {
-            self.shrink();
-        }
+    /// How many calls forgot worker ranks: unchanged between two readings, no rank was
+    /// reset (or left) in between.
+    pub(crate) fn forgets(&self) -> u64 {
+        self.forgets
     }
 
     /// The slot of `worker`, when there is something to learn; the map's buckets of
@@ -382,9 +344,7 @@ impl PrefixIndex {
         }
     }
 
-    /// `bounded`: the worker's capacity and the index's bound are kept at once (else by the
-    /// next [`trim`](Self::trim)).
-    fn learn_one(&mut self, slot: u32, hash: u64, bounded: bool) {
+    fn learn_one(&mut self, slot: u32, hash: u64) {
         if let Some(entry) = self.holds(&hash, slot) {
             self.unlink(slot, entry);
             self.link_newest(slot, entry);
@@ -395,11 +355,9 @@ impl PrefixIndex {
         self.link_newest(slot, entry);
         self.workers[slot as usize].len += 1;
         self.len += 1;
-        if bounded {
-            self.keep_capacity(slot);
-            if self.len > self.config.max_entries {
-                self.shrink();
-            }
+        self.keep_capacity(slot);
+        if self.len > self.config.max_entries {
+            self.shrink();
         }
     }
 
@@ -509,6 +467,7 @@ impl PrefixIndex {
 
     /// Forgets everything `worker` was taken to hold (its engine restarted, or it left).
     pub fn forget_worker(&mut self, worker: WorkerWithDpRank) -> usize {
+        self.forgets += 1;
         let Some(slot) = self.slots.remove(&worker) else {
             return 0;
         };
@@ -518,14 +477,13 @@ impl PrefixIndex {
         }
         // Counted as forgotten, not as evicted to stay within the bounds.
         self.evicted -= forgotten as u64;
-        // What a decision left to refresh there is not this slot's next worker's.
-        self.untrimmed.retain(|&(s, _)| s != slot);
         self.free_slots.push(slot);
         forgotten
     }
 
     /// Forgets every worker rank that `covers` names (a reset of all of a worker's ranks).
     pub fn forget_where(&mut self, covers: impl Fn(WorkerWithDpRank) -> bool) -> usize {
+        self.forgets += 1;
         let workers: Vec<_> = self.slots.keys().copied().filter(|&w| covers(w)).collect();
         workers.into_iter().map(|w| self.forget_worker(w)).sum()
     }
@@ -626,7 +584,7 @@ impl PrefixIndex {
             let slot = self.slot(w.worker);
             self.workers[slot as usize].capacity = w.capacity.max(1);
             for &hash in &w.blocks {
-                self.learn_one(slot, hash, true);
+                self.learn_one(slot, hash);
             }
         }
     }
@@ -810,62 +768,30 @@ mod tests {
         assert_eq!((ix.worker_blocks(w(1)), ix.overlap(w(1), &[6])), (1, 1));
     }
 
-    /// A decision's learning holds past the bounds until the trim, which then leaves what
-    /// learning within the bounds would have left.
+    /// Every reset moves the count of forgets, whether the rank held blocks or not (a
+    /// decision's learning after its answer relies on it), as does a rank made exact;
+    /// learning and evicting leave it.
     #[test]
-    fn deferred_learning_is_trimmed_to_what_bounded_learning_keeps() {
-        let (mut bounded, mut deferred) = (index(3, 5), index(3, 5));
-        for ix in [&mut bounded, &mut deferred] {
-            ix.learn(w(1), &[1, 2]);
-            ix.learn(w(2), &[7, 8]);
-        }
-        bounded.learn(w(1), &[1, 3, 4, 5]);
-        deferred.learn_deferred(w(1), &[1, 3, 4, 5], 0);
-        assert_eq!(deferred.worker_blocks(w(1)), 5, "past its capacity of 3");
-        assert_eq!(deferred.len(), 7, "past the bound of 5");
-        deferred.trim();
-        assert_eq!(deferred.image(), bounded.image());
-        // Bounded, the head (learned last) went and came back: one eviction more.
-        assert_eq!((deferred.len(), deferred.evicted()), (bounded.len(), 2));
-        assert_eq!(bounded.evicted(), 3);
-        assert!(deferred.len() <= 5 && deferred.worker_blocks(w(1)) <= 3);
-        deferred.trim();
+    fn forgets_count_every_reset() {
+        let mut ix = index(2, 1000);
+        ix.learn(w(1), &[1, 2, 3]);
+        ix.set_worker_capacity(w(1), 1);
         assert_eq!(
-            deferred.image(),
-            bounded.image(),
-            "a second trim changes nothing"
+            (ix.forgets(), ix.evicted()),
+            (0, 2),
+            "evictions are not forgets"
         );
-        // A worker forgotten before the trim: the blocks left to refresh in its freed slot
-        // are not its next worker's.
-        deferred.learn(w(3), &[20, 21]);
-        deferred.learn_deferred(w(3), &[20, 21, 22, 23], 2);
-        deferred.forget_worker(w(3));
-        deferred.learn(w(4), &[30]);
-        deferred.trim();
-        assert_eq!(deferred.worker_blocks(w(4)), 1);
-        assert!(deferred.len() <= 5);
-    }
-
-    /// The blocks a decision found held are refreshed by the trim, before it evicts: the
-    /// worker keeps the prompt, as learning it within the bounds would, not what it used
-    /// least recently before.
-    #[test]
-    fn the_trim_refreshes_the_blocks_found_held_before_it_evicts() {
-        let (mut bounded, mut deferred) = (index(4, 100), index(4, 100));
-        for ix in [&mut bounded, &mut deferred] {
-            ix.learn(w(1), &[1, 2, 3]);
-            ix.learn(w(1), &[9]);
-        }
-        bounded.learn(w(1), &[1, 2, 3, 4]);
-        deferred.learn_deferred(w(1), &[1, 2, 3, 4], 3);
-        deferred.trim();
-        assert_eq!(deferred.image(), bounded.image());
-        assert_eq!(deferred.overlap(w(1), &[1, 2, 3, 4]), 4);
-        assert_eq!(
-            deferred.overlap(w(1), &[9]),
-            0,
-            "the least recently used went"
-        );
+        assert_eq!(ix.forget_worker(w(9)), 0);
+        assert_eq!(ix.forgets(), 1, "a rank it did not know");
+        assert_eq!(ix.forget_worker(w(1)), 1);
+        assert_eq!(ix.forgets(), 2);
+        assert_eq!(ix.forget_where(|x| x.worker_id.0 == 7), 0);
+        assert_eq!(ix.forgets(), 3, "no rank it knew");
+        ix.learn(w(3), &[5]);
+        ix.store_exact(w(3), &[6]);
+        assert_eq!(ix.forgets(), 4, "made exact: what was learned went");
+        ix.store_exact(w(3), &[7]);
+        assert_eq!(ix.forgets(), 4, "exact already");
     }
 
     fn rank(id: u64, dp: u32) -> WorkerWithDpRank {
@@ -888,8 +814,6 @@ mod tests {
         assert_eq!(ix.worker_hashes(w(1)), vec![20, 21, 22]);
         assert_eq!(ix.store_exact(w(1), &[23]), 0, "once");
         ix.learn(w(1), &[1, 2]);
-        ix.learn_deferred(w(1), &[5, 6], 0);
-        ix.trim();
         assert_eq!(
             ix.worker_hashes(w(1)),
             vec![20, 21, 22, 23],

@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 use serde::Serialize;
 
 use super::{PrefixImage, PrefixIndex, PrefixIndexConfig};
@@ -51,10 +51,6 @@ impl PrefixState {
         self.config
     }
 
-    pub(crate) fn lock(&self) -> MutexGuard<'_, PrefixIndex> {
-        self.index.lock()
-    }
-
     /// A worker's `admitted` said it holds `hashes` (and, if it said so, how many blocks it
     /// holds at most).
     pub(crate) fn learn(&self, worker: WorkerWithDpRank, hashes: &[u64], capacity: Option<u32>) {
@@ -74,20 +70,29 @@ impl PrefixState {
         }
     }
 
-    /// This replica booked a request with `hashes` on `worker`: learned at once, within
-    /// the bounds by the next [`trim`](Self::trim).
-    /// `held`: how many of its first blocks the decision found `worker` to hold.
-    pub(crate) fn learn_booked(&self, worker: WorkerWithDpRank, hashes: &[u64], held: usize) {
+    /// The overlaps of a request's `hashes` with each rank that holds its first block, and
+    /// the index's count of forgets to hand back to [`learn_booked`](Self::learn_booked).
+    pub(crate) fn overlaps(&self, hashes: &[u64]) -> (Vec<(WorkerWithDpRank, u32)>, u64) {
+        let index = self.index.lock();
+        (index.overlaps(hashes), index.forgets())
+    }
+
+    /// This replica booked a request with `hashes` on `worker`, deciding on the index as it
+    /// was at `forgets` ([`overlaps`](Self::overlaps)). Learned after the answer, so
+    /// nothing unless no rank was forgotten since: a reset of `worker` applied in between
+    /// must not be overtaken (its engine restarted empty), and resets are rare enough that
+    /// the others' do not matter. The worker's own `admitted` teaches the blocks anyway.
+    pub(crate) fn learn_booked(&self, worker: WorkerWithDpRank, hashes: &[u64], forgets: u64) {
         if hashes.is_empty() {
             return;
         }
-        self.index.lock().learn_deferred(worker, hashes, held);
+        let mut index = self.index.lock();
+        if index.forgets() != forgets {
+            return;
+        }
+        index.learn(worker, hashes);
+        drop(index);
         self.learned.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Evicts what the bookings learned past the bounds.
-    pub(crate) fn trim(&self) {
-        self.index.lock().trim();
     }
 
     /// A worker (every rank `covers` names) restarted or left: its cache is empty. A rank

@@ -464,7 +464,7 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
         if state.has_waiting() && tokio::time::Instant::now() >= next_pass {
             state.drain();
             state.admit_waiting();
-            state.trim_prefix();
+            state.learn_booked();
             next_pass = tokio::time::Instant::now() + ADMISSION_RECHECK;
         }
         let Some(command) = command else {
@@ -499,8 +499,8 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
             }
             Command::Route(request, reply) => {
                 state.route_or_wait(request, reply);
-                // The decision's learning evicts after its answer.
-                state.trim_prefix();
+                // What the decision booked is learned after its answer.
+                state.learn_booked();
             }
             Command::SetRouting(routing, reply) => {
                 let worker_idle = state.routing().worker_idle;

@@ -45,6 +45,9 @@ pub(super) struct SchedulerState {
     observer: Option<Arc<dyn ReplicaRequestLeaseObserver>>,
     stats: Arc<SchedulerStats>,
     prefix: Arc<PrefixState>,
+    /// The last decision's booking, for [`learn_booked`](Self::learn_booked): its worker,
+    /// its blocks and the index's count of forgets its overlaps were read at.
+    booked_blocks: Option<(WorkerWithDpRank, Vec<u64>, u64)>,
     classes: Arc<ClassTable>,
     /// Every admission class's sums over the live bookings of every worker.
     class_sums: ClassSums,
@@ -129,6 +132,7 @@ impl SchedulerState {
             observer: None,
             stats,
             prefix,
+            booked_blocks: None,
             classes,
             class_sums: ClassSums::default(),
             waiting: Vec::new(),
@@ -327,12 +331,15 @@ impl SchedulerState {
         &mut self,
         mut request: RouteRequest,
     ) -> Result<RouteDecision, RouteRequestError> {
+        // The previous decision's booking first (one the admission queue routed just now).
+        self.learn_booked();
         let block_size = self.prefix.config().block_size();
         let blocks = request.blocks(block_size)?;
-        let overlaps: HashMap<WorkerWithDpRank, u32> = if blocks.is_empty() {
-            HashMap::new()
+        let (overlaps, forgets): (HashMap<WorkerWithDpRank, u32>, u64) = if blocks.is_empty() {
+            (HashMap::new(), 0)
         } else {
-            self.prefix.lock().overlaps(&blocks).into_iter().collect()
+            let (overlaps, forgets) = self.prefix.overlaps(&blocks);
+            (overlaps.into_iter().collect(), forgets)
         };
         let mut load = request.load();
         let (worker, candidates) = self
@@ -360,14 +367,14 @@ impl SchedulerState {
                 self.drain();
             }
         }
-        // The worker will hold the prompt's blocks: learned before the answer, so that no
-        // event applied after it (a reset of that worker) is overtaken. As much as a worker's
-        // `admitted` can tell: its first MAX_BLOCK_HASHES blocks. Those it was found to hold
-        // only change their recency, left with the evictions to after the answer.
-        let mut blocks = blocks;
-        blocks.truncate(crate::wire::MAX_BLOCK_HASHES);
-        let held = overlaps.get(&worker).map_or(0, |&n| n as usize);
-        self.prefix.learn_booked(worker, &blocks, held);
+        // The worker will hold the prompt's blocks, as much as its `admitted` can tell (its
+        // first MAX_BLOCK_HASHES): learned right after the answer (`learn_booked`), before
+        // this actor's next command, so the next decision sees them.
+        if !blocks.is_empty() {
+            let mut blocks = blocks;
+            blocks.truncate(crate::wire::MAX_BLOCK_HASHES);
+            self.booked_blocks = Some((worker, blocks, forgets));
+        }
         Ok(RouteDecision {
             booking,
             policy: self.chooser.config().policy,
@@ -375,9 +382,13 @@ impl SchedulerState {
         })
     }
 
-    /// Keeps the prefix index within its bounds after a decision learned its booking.
-    pub(super) fn trim_prefix(&self) {
-        self.prefix.trim();
+    /// Teaches the prefix index the blocks of the last decision's booking, after its answer:
+    /// a map insert and an eviction a block, in an index of millions of entries, are most
+    /// of a prefix-aware decision's cost and no answer depends on them.
+    pub(super) fn learn_booked(&mut self) {
+        if let Some((worker, blocks, forgets)) = self.booked_blocks.take() {
+            self.prefix.learn_booked(worker, &blocks, forgets);
+        }
     }
 
     /// Applies everything queued so far.

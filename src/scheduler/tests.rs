@@ -805,8 +805,8 @@ async fn a_booking_on_a_guarded_worker_weighs_its_cache() {
     assert_eq!(after - before, 72 - 64, "its 4 blocks need no prefill");
 }
 
-/// A decision learns its booking's blocks (the next decision sees them) and the index is
-/// trimmed to the worker's capacity after the answer, the prompt's tail first.
+/// A decision learns its booking's blocks after its answer (the next decision sees them),
+/// within the worker's capacity, the prompt's tail first.
 #[tokio::test]
 async fn a_decision_learns_its_booking_within_the_capacity() {
     let tracker = TaskTracker::new();
@@ -831,6 +831,41 @@ async fn a_decision_learns_its_booking_within_the_capacity() {
     assert_eq!(second.candidates[0].cached_tokens, 48);
     handle.load(worker(1)).await.unwrap();
     assert_eq!(handle.prefix_figures().entries, 3);
+}
+
+/// A reset applied between a decision's answer and the learning of its booking wins: the
+/// restarted engine holds nothing, so nothing is learned; without one, the booking is.
+#[test]
+fn a_reset_after_the_answer_is_not_overtaken_by_the_booking() {
+    for reset in [false, true] {
+        let (handle, mut actor) = Scheduler::new("t");
+        submit(
+            &handle.cleanup(),
+            &[Op::Seen(worker(1)), Op::Seen(worker(2))],
+        );
+        actor.state.drain();
+        let ids: Vec<u32> = (0..80).collect();
+        let decision = actor
+            .state
+            .route(RouteRequest::new("a", 80).with_token_ids(ids))
+            .unwrap();
+        assert_eq!(
+            handle.prefix_figures().entries,
+            0,
+            "learned after the answer"
+        );
+        if reset {
+            handle
+                .cleanup()
+                .prefix()
+                .forget(|w| w == decision.worker(), false);
+        }
+        actor.state.learn_booked();
+        let expected = if reset { 0 } else { 5 };
+        assert_eq!(handle.prefix_figures().entries, expected, "reset: {reset}");
+        let learned = handle.prefix_figures().learned_admissions;
+        assert_eq!(learned, u64::from(!reset), "reset: {reset}");
+    }
 }
 
 mod admission {
