@@ -720,6 +720,44 @@ mod tests {
         v
     }
 
+    /// The settings read back what was set, within their floors and ceiling; an index
+    /// counts the ranks it keeps, those with blocks and those that only announced a capacity.
+    #[test]
+    fn settings_and_counts_read_back() {
+        let config = PrefixIndexConfig::new();
+        assert_eq!(config, PrefixIndexConfig::default());
+        assert_eq!(
+            (config.block_size(), config.worker_capacity(), config.max_entries()),
+            (16, 32_768, 4_000_000)
+        );
+        let set = config
+            .with_block_size(32)
+            .with_worker_capacity(9)
+            .with_max_entries(77);
+        assert_eq!(
+            (set.block_size(), set.worker_capacity(), set.max_entries()),
+            (32, 9, 77)
+        );
+        let floors = config
+            .with_block_size(0)
+            .with_worker_capacity(0)
+            .with_max_entries(0);
+        assert_eq!(
+            (floors.block_size(), floors.worker_capacity(), floors.max_entries()),
+            (1, 1, 1)
+        );
+        assert_eq!(config.with_max_entries(u32::MAX).max_entries(), u32::MAX - 1);
+        let mut ix = PrefixIndex::new(set);
+        assert!(ix.is_empty() && ix.workers() == 0);
+        assert_eq!(ix.worker_capacity(w(1)), 9, "the deployment's");
+        ix.set_worker_capacity(w(1), 4);
+        assert!(ix.is_empty(), "a capacity holds no block");
+        assert_eq!((ix.workers(), ix.worker_capacity(w(1))), (1, 4));
+        ix.learn(w(2), &[1]);
+        assert!(!ix.is_empty());
+        assert_eq!((ix.workers(), ix.len()), (2, 1));
+    }
+
     #[test]
     fn the_overlap_is_the_longest_prefix_held() {
         let mut ix = index(100, 1000);
