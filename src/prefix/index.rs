@@ -727,7 +727,11 @@ mod tests {
         let config = PrefixIndexConfig::new();
         assert_eq!(config, PrefixIndexConfig::default());
         assert_eq!(
-            (config.block_size(), config.worker_capacity(), config.max_entries()),
+            (
+                config.block_size(),
+                config.worker_capacity(),
+                config.max_entries()
+            ),
             (16, 32_768, 4_000_000)
         );
         let set = config
@@ -743,10 +747,17 @@ mod tests {
             .with_worker_capacity(0)
             .with_max_entries(0);
         assert_eq!(
-            (floors.block_size(), floors.worker_capacity(), floors.max_entries()),
+            (
+                floors.block_size(),
+                floors.worker_capacity(),
+                floors.max_entries()
+            ),
             (1, 1, 1)
         );
-        assert_eq!(config.with_max_entries(u32::MAX).max_entries(), u32::MAX - 1);
+        assert_eq!(
+            config.with_max_entries(u32::MAX).max_entries(),
+            u32::MAX - 1
+        );
         let mut ix = PrefixIndex::new(set);
         assert!(ix.is_empty() && ix.workers() == 0);
         assert_eq!(ix.worker_capacity(w(1)), 9, "the deployment's");
