@@ -602,7 +602,8 @@ impl ClassTable {
     }
 }
 
-/// What a class has in flight across the fleet ([`crate::SchedulerHandle::class_loads`]).
+/// What a class has in flight across the fleet, and what this replica's admission did
+/// with its route requests ([`crate::SchedulerHandle::class_loads`]).
 #[derive(Clone, PartialEq, Debug, Serialize)]
 pub struct ClassLoad {
     /// The class.
@@ -617,6 +618,9 @@ pub struct ClassLoad {
     /// Tokens in flight: prompt plus expected output of those bookings, as admitted
     /// (unknown output counts 0).
     pub in_flight_tokens: u64,
+    /// This replica's admission decisions for the class (its own: not fleet-wide).
+    #[serde(flatten)]
+    pub admission: ClassAdmission,
 }
 
 impl ClassLoad {
@@ -628,7 +632,124 @@ impl ClassLoad {
             weight: class.weight,
             in_flight_requests: load.active_bookings,
             in_flight_tokens: load.prompt_tokens + load.expected_output_tokens,
+            admission: ClassAdmission::default(),
         }
+    }
+}
+
+/// Upper bounds, in seconds, of the buckets of a class's queue wait ([`WaitFigures`]): from
+/// the queue's resolution (it is looked at every 5 ms) to past the default longest wait.
+pub(crate) const QUEUE_WAIT_BUCKETS: [f64; 11] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// What one replica's admission did with the route requests of one class, since the
+/// replica started: each replica counts the requests it was asked to route, so these add
+/// up over the replicas (unlike the in-flight figures, which every replica shares). Counted
+/// only while the deployment has classes, under the class a request counts under (its own,
+/// or the default).
+#[derive(Clone, PartialEq, Debug, Default, Serialize)]
+pub struct ClassAdmission {
+    /// Routed (a decision answered with a worker), at once or from the queue.
+    pub admitted: u64,
+    /// Entered this replica's queue (each once).
+    pub queued: u64,
+    /// In this replica's queue now: `queued` less those that left it (`wait.count`).
+    pub waiting: u64,
+    /// Refused with 429: at once (no wait allowed, or the queue full) or when their wait
+    /// ran out.
+    pub refused: u64,
+    /// Left the queue because their caller went away.
+    pub abandoned: u64,
+    /// The time spent in the queue by the requests that left it (routed, refused or
+    /// abandoned).
+    pub wait: WaitFigures,
+}
+
+/// A histogram of queue waits.
+#[derive(Clone, PartialEq, Debug, Default, Serialize)]
+pub struct WaitFigures {
+    /// Waits observed.
+    pub count: u64,
+    /// Their sum, in seconds.
+    pub sum_seconds: f64,
+    /// `(upper bound in seconds, cumulative count)`, 5 ms to 10 s, without +Inf (that is
+    /// `count`). Left out of the JSON.
+    #[serde(skip)]
+    pub buckets: Vec<(f64, u64)>,
+}
+
+/// One class's admission counts, kept by the scheduler actor (plain fields: only it writes
+/// them, and queries read them through it).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ClassCounts {
+    pub(crate) admitted: u64,
+    pub(crate) queued: u64,
+    pub(crate) refused: u64,
+    pub(crate) abandoned: u64,
+    left: u64,
+    waited: std::time::Duration,
+    /// Per bucket (not cumulative); the last is +Inf.
+    wait_buckets: [u64; QUEUE_WAIT_BUCKETS.len() + 1],
+}
+
+impl ClassCounts {
+    /// A request left the queue after `waited`.
+    pub(crate) fn left_queue(&mut self, waited: std::time::Duration) {
+        let seconds = waited.as_secs_f64();
+        let bucket = QUEUE_WAIT_BUCKETS
+            .iter()
+            .position(|&bound| seconds <= bound)
+            .unwrap_or(QUEUE_WAIT_BUCKETS.len());
+        self.wait_buckets[bucket] += 1;
+        self.waited += waited;
+        self.left += 1;
+    }
+
+    /// The figures, with `waiting` requests of the class in the queue now.
+    pub(crate) fn figures(&self, waiting: u64) -> ClassAdmission {
+        let mut cumulative = 0;
+        let buckets = QUEUE_WAIT_BUCKETS
+            .iter()
+            .zip(&self.wait_buckets)
+            .map(|(&bound, &n)| {
+                cumulative += n;
+                (bound, cumulative)
+            })
+            .collect();
+        ClassAdmission {
+            admitted: self.admitted,
+            queued: self.queued,
+            waiting,
+            refused: self.refused,
+            abandoned: self.abandoned,
+            wait: WaitFigures {
+                count: self.left,
+                sum_seconds: self.waited.as_secs_f64(),
+                buckets,
+            },
+        }
+    }
+}
+
+/// Every class's [`ClassCounts`] in one replica, by class name: kept across changes of the
+/// classes (a class removed and configured again goes on counting), bounded by the names a
+/// deployment may configure over its life.
+#[derive(Debug, Default)]
+pub(crate) struct AdmissionCounts(HashMap<String, ClassCounts>);
+
+impl AdmissionCounts {
+    /// The counts of `class`.
+    pub(crate) fn of(&mut self, class: &str) -> &mut ClassCounts {
+        self.0.entry_ref(class).or_default()
+    }
+
+    /// The figures of `class` (zero if it never counted), with `waiting` queued now.
+    pub(crate) fn figures(&self, class: &str, waiting: u64) -> ClassAdmission {
+        self.0
+            .get(class)
+            .map(|counts| counts.figures(waiting))
+            .unwrap_or_else(|| ClassCounts::default().figures(waiting))
     }
 }
 

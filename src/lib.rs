@@ -21,7 +21,8 @@
 //!   policies, over the load the scheduler keeps.
 //! - `admission`: a deployment's admission classes ([`AdmissionConfig`]: priority bands
 //!   and weights) and what each class has in flight across the fleet ([`ClassLoad`]),
-//!   kept from the leases; without classes there is no admission.
+//!   kept from the leases, with what this replica's admission did with its requests
+//!   ([`ClassAdmission`]); without classes there is no admission.
 //! - `scheduler`: the actor that owns per-worker load (sums only: the leases are the
 //!   per-booking record) and makes route decisions: [`SchedulerHandle`].
 //! - `router`: one deployment's [`Router`]: one-pass wiring under a drop guard, teardown,
@@ -76,9 +77,10 @@ mod types;
 pub mod wire;
 
 pub use admission::{
-    AdmissionClass, AdmissionConfig, ClassLoad, ConfigureAdmissionError, QueueConfig, Saturation,
-    SaturationConfig, DEFAULT_MAX_KV_SHARE, DEFAULT_MAX_PREFILL_TOKENS_PER_WORKER,
-    DEFAULT_MAX_QUEUED, DEFAULT_MAX_WAIT_MS, MAX_CLASSES, MAX_CLASS_NAME_LEN, MAX_CLASS_WEIGHT,
+    AdmissionClass, AdmissionConfig, ClassAdmission, ClassLoad, ConfigureAdmissionError,
+    QueueConfig, Saturation, SaturationConfig, WaitFigures, DEFAULT_MAX_KV_SHARE,
+    DEFAULT_MAX_PREFILL_TOKENS_PER_WORKER, DEFAULT_MAX_QUEUED, DEFAULT_MAX_WAIT_MS, MAX_CLASSES,
+    MAX_CLASS_NAME_LEN, MAX_CLASS_WEIGHT,
 };
 pub use connection::{
     connect, redact_url, ConnectNatsError, ConnectionStats, NatsAuth, NatsConnectConfig,

@@ -331,6 +331,30 @@ async fn replicas_sharing_the_bus_hold_the_shares_where_isolated_ones_do_not() {
     );
     assert!(error(isolated) > 0.3);
     assert_eq!(in_flight(&sa).await, in_flight(&sb).await);
+    // What each replica's admission did is its own: A was asked only premium requests, B
+    // only regular ones (none waited: the queue holds none).
+    let decided = |scheduler: &SchedulerHandle| {
+        let scheduler = scheduler.clone();
+        async move {
+            let loads = scheduler.class_loads().await.unwrap();
+            loads
+                .iter()
+                .map(|c| {
+                    let a = &c.admission;
+                    (c.class.clone(), a.admitted, a.refused, a.queued)
+                })
+                .collect::<Vec<_>>()
+        }
+    };
+    let class = |name: &str, admitted, refused| (name.to_owned(), admitted, refused, 0);
+    assert_eq!(
+        decided(&sa).await,
+        [class("premium", 4, 6), class("regular", 0, 0)]
+    );
+    assert_eq!(
+        decided(&sb).await,
+        [class("premium", 0, 0), class("regular", 1, 9)]
+    );
 
     drop((sa, sb, sc, sd));
     for (router, tracker) in [(a, ta), (b, tb), (c, tc), (d, td)] {

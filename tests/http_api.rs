@@ -1195,6 +1195,25 @@ async fn admission_classes_over_http() {
         ),
         (r#"{"classes": {"name": "a"}}"#, "invalid JSON body"),
         (too_many.as_str(), "65 classes: a deployment has at most 64"),
+        // Weights JSON has no number for: a string, null, NaN, out of f64's range.
+        (
+            r#"{"classes": [{"name": "a", "band": 0, "weight": "4"}], "default_class": "a"}"#,
+            "invalid type: string \"4\", expected f64",
+        ),
+        (
+            r#"{"classes": [{"name": "a", "band": 0, "weight": null}], "default_class": "a"}"#,
+            "invalid type: null, expected f64",
+        ),
+        (
+            r#"{"classes": [{"name": "a", "band": 0, "weight": NaN}], "default_class": "a"}"#,
+            "invalid JSON body",
+        ),
+        (
+            r#"{"classes": [{"name": "a", "band": 0, "weight": 1e999}], "default_class": "a"}"#,
+            "number out of range",
+        ),
+        ("[1, 2]", "invalid JSON body"),
+        ("\"classes\"", "invalid JSON body"),
     ] {
         let error = service
             .post_json("/v1/deployments/c", "PUT", bad)
@@ -1264,9 +1283,11 @@ async fn admission_classes_over_http() {
     assert_eq!(admission["saturation_now"]["saturated"], false, "{shown}");
     assert_eq!(admission["saturation_now"]["members"], 2, "{shown}");
     assert_eq!(
-        admission["in_flight"][0],
+        admission["per_class"][0],
         serde_json::json!({"class": "premium", "band": 1, "weight": 4.0,
-            "in_flight_requests": 2, "in_flight_tokens": 240}),
+            "in_flight_requests": 2, "in_flight_tokens": 240, "admitted": 0, "queued": 0,
+            "waiting": 0, "refused": 0, "abandoned": 0,
+            "wait": {"count": 0, "sum_seconds": 0.0}}),
         "{shown}"
     );
 
@@ -1291,6 +1312,46 @@ async fn admission_classes_over_http() {
         .await
         .assert_error(400, "an invalid class name");
     assert!(error.contains("is not a class name"), "{error}");
+    for (bad, needle) in [
+        (
+            r#"{"request_id": "r2", "prompt_tokens": 10, "class": 5}"#,
+            "invalid type: integer `5`, expected a string",
+        ),
+        (
+            r#"{"request_id": "r2", "prompt_tokens": 10, "max_wait_ms": -1}"#,
+            "invalid value: integer `-1`",
+        ),
+        (
+            r#"{"request_id": "r2", "prompt_tokens": 10, "max_wait_ms": "soon"}"#,
+            "invalid type: string \"soon\"",
+        ),
+    ] {
+        let error = service
+            .post_json("/v1/deployments/c/route", "POST", bad)
+            .await
+            .assert_error(400, bad);
+        assert!(error.contains(needle), "{bad}: {error}");
+    }
+    // A valid name the deployment does not have: routed, under the default class.
+    let reply = service
+        .post_json(
+            "/v1/deployments/c/route",
+            "POST",
+            r#"{"request_id": "g1", "prompt_tokens": 10, "class": "gold"}"#,
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let text = service.metrics().await;
+    assert_eq!(metric(&text, &series("regular", "requests")), Some(4.0));
+    let admitted = |class: &str| {
+        format!("lease_router_class_admitted_total{{deployment=\"c\",class=\"{class}\"}}")
+    };
+    assert_eq!(metric(&text, &admitted("premium")), Some(1.0), "{text}");
+    assert_eq!(metric(&text, &admitted("regular")), Some(1.0), "{text}");
+    assert!(!text.contains("class=\"gold\""), "{text}");
+    // Released, so the saturation figures below are the workers' and r1's.
+    let cancel = service.call("DELETE", "/v1/deployments/c/route/g1").await;
+    assert_eq!(cancel.json()["released"], true, "{}", cancel.body);
 
     // Saturation: prefill waiting per member worker, (200 + 310) / 2, against the threshold.
     let saturated = |text: &str| metric(text, "lease_router_saturated{deployment=\"c\"}");
@@ -1357,9 +1418,7 @@ async fn admission_classes_over_http() {
     assert_eq!(reply.json()["admission"]["classes"], serde_json::json!([]));
     let text = service.metrics().await;
     assert!(
-        !text
-            .lines()
-            .any(|l| l.starts_with("lease_router_class_inflight")),
+        !text.lines().any(|l| l.starts_with("lease_router_class_")),
         "{text}"
     );
     service.stop().await;
@@ -1447,17 +1506,93 @@ async fn a_saturated_deployment_answers_429_with_retry_after() {
     );
     let stats = scheduler.stats();
     assert_eq!(stats.admission_waited, 2, "p2 and p3");
+
+    // A queue at its bound: one request waits, the next is refused at once.
+    assert_eq!(
+        put(r#"{"queue": {"max_queued": 1, "max_wait_ms": 3000}}"#)
+            .await
+            .status,
+        200
+    );
+    let waits = {
+        let (client, url) = (served.client.clone(), served.addr);
+        tokio::spawn(async move {
+            client
+                .post(format!("http://{url}/v1/deployments/c/route"))
+                .header("content-type", "application/json")
+                .body(r#"{"request_id": "p4", "prompt_tokens": 10, "class": "premium", "max_wait_ms": 1000}"#)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    let class_series = |name: &str, class: &str| {
+        format!("lease_router_class_{name}{{deployment=\"c\",class=\"{class}\"}}")
+    };
+    poll("p4 waits", || async {
+        let text = service.metrics().await;
+        (metric(&text, &class_series("waiting", "premium")) == Some(1.0)).then_some(())
+    })
+    .await;
+    let started = Instant::now();
+    let error = route(r#"{"request_id": "p5", "prompt_tokens": 10, "class": "premium"}"#)
+        .await
+        .assert_error(429, "the queue is at its bound");
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "at once: {:?}",
+        started.elapsed()
+    );
+    assert!(error.contains("queue is full (1 waiting)"), "{error}");
+    assert_eq!(
+        waits.await.unwrap().unwrap(),
+        429,
+        "p4, at the end of its wait"
+    );
+
+    // Per class, what this replica did: premium p1, p2, p5 and p4 refused, p2, p3 and p4
+    // queued, p3 abandoned; regular r1 admitted. The per-deployment counters are the sums.
     let text = service.metrics().await;
     for (series, value) in [
-        ("lease_router_admission_waited_total{deployment=\"c\"}", 2.0),
+        ("lease_router_admission_waited_total{deployment=\"c\"}", 3.0),
         ("lease_router_admission_abandoned_total{deployment=\"c\"}", 1.0),
         (
             "lease_router_route_decisions_total{deployment=\"c\",policy=\"weighted_cost\",outcome=\"refused\"}",
-            2.0,
+            4.0,
         ),
+        (
+            "lease_router_route_decisions_total{deployment=\"c\",policy=\"weighted_cost\",outcome=\"routed\"}",
+            1.0,
+        ),
+        (&class_series("refused_total", "premium"), 4.0),
+        (&class_series("queued_total", "premium"), 3.0),
+        (&class_series("abandoned_total", "premium"), 1.0),
+        (&class_series("admitted_total", "premium"), 0.0),
+        (&class_series("waiting", "premium"), 0.0),
+        (&class_series("queue_wait_seconds_count", "premium"), 3.0),
+        (&class_series("admitted_total", "regular"), 1.0),
+        (&class_series("refused_total", "regular"), 0.0),
+        (&class_series("queued_total", "regular"), 0.0),
     ] {
         assert_eq!(metric(&text, series), Some(value), "{series} in {text}");
     }
+    // p2 waited 0.2 s, p3 until its caller left (0.1 s or more), p4 1 s.
+    let waited = metric(&text, &class_series("queue_wait_seconds_sum", "premium")).unwrap();
+    assert!((1.25..3.0).contains(&waited), "{waited}");
+    let shown = service.get("/v1/deployments/c").await.json();
+    let premium = &shown["admission"]["per_class"][0];
+    assert_eq!(premium["class"], "premium", "{shown}");
+    for (field, value) in [
+        ("admitted", 0),
+        ("queued", 3),
+        ("waiting", 0),
+        ("refused", 4),
+        ("abandoned", 1),
+    ] {
+        assert_eq!(premium[field], value, "{field}: {shown}");
+    }
+    assert_eq!(premium["wait"]["count"], 3, "{shown}");
+    assert_eq!(shown["admission"]["per_class"][1]["admitted"], 1, "{shown}");
     drop(scheduler);
     served.stop().await;
     service.stop().await;

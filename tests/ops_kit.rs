@@ -18,7 +18,8 @@ use std::time::Duration;
 use std::net::SocketAddr;
 
 use lease_router::service::{serve, ApiState, DeploymentHost, HostSettings};
-use lease_router::{DeploymentName, LeaseStreamConfig, NatsConnection};
+use lease_router::NatsConnection;
+use lease_router::{AdmissionClass, AdmissionConfig, DeploymentName, LeaseStreamConfig};
 use lease_router_testkit::NatsServer;
 use serde_json::Value;
 use tokio::net::TcpListener;
@@ -403,9 +404,16 @@ impl TestRouter {
     async fn start() -> (Self, String) {
         let server = common::js_server().await;
         let connection = common::client(&server.url()).await;
+        // Admission classes, so the per-class series exist (the workers name no class: the
+        // default's).
+        let admission = AdmissionConfig::default()
+            .with_class(AdmissionClass::new("premium", 1, 4.0))
+            .with_class(AdmissionClass::new("regular", 0, 1.0))
+            .with_default_class("regular");
         let settings = HostSettings {
             durable: Some(LeaseStreamConfig::new()),
             max_active_leases: LEASE_BOUND,
+            admission,
             ..HostSettings::default()
         };
         let host = DeploymentHost::new(connection, settings);
@@ -447,8 +455,12 @@ impl TestRouter {
             client,
         };
 
-        // Until every worker has its bookings, the replay is done and the lag histogram has
-        // the events (polled, bounded).
+        // Until every worker has its bookings (the default class all of them), the replay is
+        // done and the lag histogram has the events (polled, bounded).
+        let in_flight = format!(
+            "lease_router_class_inflight_requests{{deployment=\"ops\",class=\"regular\"}} {}\n",
+            WORKERS * 4
+        );
         let deadline = tokio::time::Instant::now() + common::BOUND;
         let text = loop {
             let text = get(&router.client, &router.metrics_url()).await;
@@ -459,6 +471,7 @@ impl TestRouter {
                 })
                 .count();
             if busy_workers == WORKERS as usize
+                && text.contains(&in_flight)
                 && text.contains("lease_router_catchup_done{deployment=\"ops\"} 1")
                 && !text.contains(
                     "lease_router_publish_to_apply_lag_seconds_count{deployment=\"ops\"} 0\n",

@@ -153,6 +153,11 @@ const READ_PAGE: &str = r##"JSON.stringify({
     figures: Object.fromEntries([...s.querySelectorAll(".figures [data-field]")]
       .map(f => [f.dataset.field, f.textContent])),
     dropReasons: (s.querySelector("[data-field=drop_reasons]") || {}).textContent,
+    classes: [...s.querySelectorAll("tr.class")].map(r => ({
+      name: r.dataset.class,
+      figures: Object.fromEntries([...r.querySelectorAll("[data-field]")]
+        .map(f => [f.dataset.field, f.textContent])),
+    })),
     workers: [...s.querySelectorAll("tr.worker")].map(r => ({
       id: r.dataset.worker + "/" + r.dataset.dpRank,
       visible: r.getBoundingClientRect().height > 0,
@@ -317,6 +322,156 @@ impl Workers {
     }
 }
 
+/// Each class's figures as the page shows them, by class name.
+fn classes_shown(shown: &Value, name: &str) -> Option<Vec<(String, Value)>> {
+    let classes = deployment(shown, name)?["classes"].as_array()?;
+    Some(
+        classes
+            .iter()
+            .map(|c| (c["name"].as_str().unwrap().to_owned(), c["figures"].clone()))
+            .collect(),
+    )
+}
+
+/// One figure of one class's row, as a number.
+fn class_figure(classes: &[(String, Value)], class: &str, field: &str) -> Option<f64> {
+    let (_, figures) = classes.iter().find(|(name, _)| name == class)?;
+    number(&figures[field])
+}
+
+/// Admission on the page: none until classes are set; then whether the deployment is
+/// saturated, and per class its in-flight requests across the fleet (the test workers name
+/// no class: the default's, but for one premium request) and what this replica's admission
+/// did: admitted, queued, waiting now, refused, abandoned.
+async fn admission_is_shown(served: &Served, llama: &mut Workers, page: &Page) {
+    use lease_router::{AdmissionClass, AdmissionConfig, QueueConfig, RouteRequest};
+    use lease_router::{RouteRequestError, SaturationConfig};
+    let none = until(page, "no admission classes", |shown| {
+        deployment(shown, "llama-70b")
+            .and_then(|d| d["figures"]["admission"].as_str().map(str::to_owned))
+    })
+    .await;
+    assert_eq!(none, "no classes");
+    let name = DeploymentName::new("llama-70b").unwrap();
+    let scheduler = served.host.get(&name).unwrap().scheduler().clone();
+    let admission = AdmissionConfig::default()
+        .with_class(AdmissionClass::new("premium", 1, 4.0))
+        .with_class(AdmissionClass::new("regular", 0, 1.0))
+        .with_default_class("regular")
+        .with_queue(
+            QueueConfig::default()
+                .with_max_queued(1)
+                .with_max_wait_ms(60_000),
+        );
+    scheduler.set_admission(admission.clone()).unwrap();
+    // Not saturated: both classes are routed.
+    for (id, class) in [("p0", "premium"), ("r0", "regular")] {
+        let routed = scheduler
+            .route(RouteRequest::new(id, 10).with_class(class))
+            .await;
+        assert!(routed.is_ok(), "{id}: {routed:?}");
+    }
+    // A premium request of another replica's, admitted by its worker: premium has work in
+    // flight that stays (the provisional bookings above expire unconfirmed).
+    let (worker_id, publisher) = &mut llama.publishers[0];
+    publisher
+        .send(Admitted {
+            block_hashes: Vec::new(),
+            block_capacity: None,
+            class: Some("premium".into()),
+            request_id: "other-replica".into(),
+            worker_id: *worker_id,
+            dp_rank: 0,
+            prompt_tokens: 50,
+            expected_output_tokens: Some(10),
+            cached_tokens: None,
+        })
+        .await;
+    publisher.flush().await;
+    let shown = until(page, "the classes in flight", |shown| {
+        let classes = classes_shown(shown, "llama-70b")?;
+        (class_figure(&classes, "premium", "admitted") == Some(1.0)
+            // The workers' 12, and this replica's r0 until it expires unconfirmed.
+            && (12.0..=13.0).contains(&class_figure(&classes, "regular", "in_flight_requests")?)
+            && (1.0..=2.0).contains(&class_figure(&classes, "premium", "in_flight_requests")?))
+        .then(|| shown.clone())
+    })
+    .await;
+    assert_eq!(
+        deployment(&shown, "llama-70b").unwrap()["figures"]["admission"],
+        "not saturated"
+    );
+
+    // Saturated by any prefill waiting: regular (alone in band 0, all of its tokens) may not
+    // go, nor may premium (alone in band 1); one premium request waits, the queue's bound.
+    scheduler
+        .set_admission(
+            admission
+                .clone()
+                .with_saturation(SaturationConfig::default().with_max_prefill_tokens_per_worker(0)),
+        )
+        .unwrap();
+    let refused = scheduler
+        .route(
+            RouteRequest::new("r1", 10)
+                .with_class("regular")
+                .with_max_wait_ms(0),
+        )
+        .await;
+    assert!(
+        matches!(refused, Err(RouteRequestError::Overloaded { .. })),
+        "{refused:?}"
+    );
+    let waiting = {
+        let scheduler = scheduler.clone();
+        tokio::spawn(async move {
+            scheduler
+                .route(RouteRequest::new("p1", 10).with_class("premium"))
+                .await
+        })
+    };
+    until(page, "a premium request waiting", |shown| {
+        let classes = classes_shown(shown, "llama-70b")?;
+        (class_figure(&classes, "premium", "waiting") == Some(1.0)).then_some(())
+    })
+    .await;
+    // The queue is full: the next one (behind the higher band anyway) is refused at once.
+    let refused = scheduler
+        .route(RouteRequest::new("r2", 10).with_class("regular"))
+        .await;
+    assert!(
+        matches!(refused, Err(RouteRequestError::Overloaded { .. })),
+        "{refused:?}"
+    );
+    let shown = until(page, "the refusals", |shown| {
+        let classes = classes_shown(shown, "llama-70b")?;
+        (class_figure(&classes, "regular", "refused") == Some(2.0)).then(|| shown.clone())
+    })
+    .await;
+    let classes = classes_shown(&shown, "llama-70b").unwrap();
+    let figures = |class: &str| {
+        ["admitted", "queued", "waiting", "refused", "abandoned"]
+            .map(|field| class_figure(&classes, class, field).unwrap())
+    };
+    assert_eq!(figures("premium"), [1.0, 1.0, 1.0, 0.0, 0.0], "{shown:#}");
+    assert_eq!(figures("regular"), [1.0, 0.0, 0.0, 2.0, 0.0], "{shown:#}");
+    assert_eq!(
+        deployment(&shown, "llama-70b").unwrap()["figures"]["admission"],
+        "saturated"
+    );
+    // Its caller goes away: it leaves the queue.
+    waiting.abort();
+    until(page, "the abandoned request", |shown| {
+        let classes = classes_shown(shown, "llama-70b")?;
+        (class_figure(&classes, "premium", "abandoned") == Some(1.0)
+            && class_figure(&classes, "premium", "waiting") == Some(0.0))
+        .then_some(())
+    })
+    .await;
+    // Back to the default saturation thresholds for the rest of the test.
+    scheduler.set_admission(admission).unwrap();
+}
+
 async fn with_deadline<T>(what: &str, future: impl Future<Output = T>) -> T {
     timeout(POLL_DEADLINE, future)
         .await
@@ -395,32 +550,7 @@ async fn the_page_shows_every_worker_and_its_figures_change() {
     })
     .await;
     assert_eq!(llama_prefix, 16.0);
-    // Admission: none until classes are set, then saturation and each class's in flight
-    // (the test workers name no class: the default's).
-    let llama_name = DeploymentName::new("llama-70b").unwrap();
-    let none = until(&page, "no admission classes", |shown| {
-        deployment(shown, "llama-70b")
-            .and_then(|d| d["figures"]["admission"].as_str().map(str::to_owned))
-    })
-    .await;
-    assert_eq!(none, "no classes");
-    let scheduler = served.host.get(&llama_name).unwrap().scheduler().clone();
-    scheduler
-        .set_admission(
-            lease_router::AdmissionConfig::default()
-                .with_class(lease_router::AdmissionClass::new("premium", 1, 4.0))
-                .with_class(lease_router::AdmissionClass::new("regular", 0, 1.0))
-                .with_default_class("regular"),
-        )
-        .unwrap();
-    drop(scheduler);
-    let shown = until(&page, "the classes in flight", |shown| {
-        deployment(shown, "llama-70b")
-            .and_then(|d| d["figures"]["admission"].as_str().map(str::to_owned))
-            .filter(|text| text.contains("in flight"))
-    })
-    .await;
-    assert_eq!(shown, "not saturated; in flight: premium 0, regular 12");
+    admission_is_shown(&served, &mut llama, &page).await;
     assert_eq!(first["nats"], "connected", "{first:#}");
     assert_eq!(first["errors"], serde_json::json!([]), "{first:#}");
     assert_eq!(first["empty"], false);

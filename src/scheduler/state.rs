@@ -11,7 +11,9 @@ use hashbrown::HashMap;
 use super::{Inbox, Op, ReleaseReason, SchedulerStats, WorkerStatus, DEFAULT_WORKER_IDLE};
 use tokio::sync::oneshot;
 
-use crate::admission::{AdmissionClass, AdmissionConfig, ClassLoad, ClassSums, ClassTable};
+use crate::admission::{
+    AdmissionClass, AdmissionConfig, AdmissionCounts, ClassLoad, ClassSums, ClassTable,
+};
 use crate::load::{LoadSums, RequestLoad, WorkerLoad};
 use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
 use crate::prefix::PrefixState;
@@ -55,6 +57,8 @@ pub(super) struct SchedulerState {
     waiting: Vec<Waiting>,
     /// Arrival number of the next waiting request.
     arrivals: u64,
+    /// What this replica's admission did with each class's requests.
+    admission_counts: AdmissionCounts,
 }
 
 /// Where a route decision's answer goes.
@@ -110,6 +114,8 @@ struct Waiting {
     reply: RouteReply,
     /// Tokio's clock, so that tests with a paused clock can pass it.
     deadline: tokio::time::Instant,
+    /// When it entered the queue (tokio's clock, as the deadline).
+    since: tokio::time::Instant,
     arrival: u64,
 }
 
@@ -137,6 +143,7 @@ impl SchedulerState {
             class_sums: ClassSums::default(),
             waiting: Vec::new(),
             arrivals: 0,
+            admission_counts: AdmissionCounts::default(),
         }
     }
 
@@ -449,7 +456,7 @@ impl SchedulerState {
         };
         let higher_waiting = self.waiting.iter().any(|w| w.class.band() > class.band());
         if !higher_waiting && picture.admits(&class) {
-            let _ = reply.send(self.route(request));
+            let _ = reply.send(self.route_admitted(request, &class));
             return;
         }
         let queue = picture.config.queue();
@@ -470,12 +477,14 @@ impl SchedulerState {
                     self.waiting.len()
                 )
             };
-            self.refuse(reply, why, &picture.config);
+            self.refuse(reply, why, &class, &picture.config);
             return;
         }
         let arrival = self.arrivals;
         self.arrivals += 1;
         self.stats.admission_waited.fetch_add(1, Ordering::Relaxed);
+        self.admission_counts.of(class.name()).queued += 1;
+        let now = tokio::time::Instant::now();
         let at = self
             .waiting
             .partition_point(|w| w.class.band() >= class.band());
@@ -485,7 +494,8 @@ impl SchedulerState {
                 request,
                 class,
                 reply,
-                deadline: tokio::time::Instant::now() + Duration::from_millis(wait_ms),
+                deadline: now + Duration::from_millis(wait_ms),
+                since: now,
                 arrival,
             },
         );
@@ -508,15 +518,21 @@ impl SchedulerState {
         while i < self.waiting.len() {
             let waiting = &self.waiting[i];
             if waiting.reply.is_closed() {
-                self.waiting.remove(i);
+                let waiting = self.waiting.remove(i);
                 self.stats.count_abandoned();
+                let counts = self.admission_counts.of(waiting.class.name());
+                counts.abandoned += 1;
+                counts.left_queue(now.saturating_duration_since(waiting.since));
             } else if waiting.deadline <= now {
                 let waiting = self.waiting.remove(i);
                 let why = format!(
                     "class {:?} stayed over its share for the whole wait",
                     waiting.class.name()
                 );
-                self.refuse(waiting.reply, why, &picture.config);
+                self.admission_counts
+                    .of(waiting.class.name())
+                    .left_queue(now.saturating_duration_since(waiting.since));
+                self.refuse(waiting.reply, why, &waiting.class, &picture.config);
             } else {
                 i += 1;
             }
@@ -529,7 +545,11 @@ impl SchedulerState {
             let behind = blocked.is_some_and(|b| b > band);
             if !behind && picture.admits(&self.waiting[i].class) {
                 let waiting = self.waiting.remove(i);
-                let _ = waiting.reply.send(self.route(waiting.request));
+                self.admission_counts
+                    .of(waiting.class.name())
+                    .left_queue(now.saturating_duration_since(waiting.since));
+                let decided = self.route_admitted(waiting.request, &waiting.class);
+                let _ = waiting.reply.send(decided);
                 picture = self.picture();
             } else {
                 blocked = Some(blocked.map_or(band, |b| b.max(band)));
@@ -538,7 +558,27 @@ impl SchedulerState {
         }
     }
 
-    fn refuse(&mut self, reply: RouteReply, why: String, admission: &AdmissionConfig) {
+    /// Routes a request its admission let through, counted under its class when routed.
+    fn route_admitted(
+        &mut self,
+        request: RouteRequest,
+        class: &AdmissionClass,
+    ) -> Result<RouteDecision, RouteRequestError> {
+        let decided = self.route(request);
+        if decided.is_ok() {
+            self.admission_counts.of(class.name()).admitted += 1;
+        }
+        decided
+    }
+
+    fn refuse(
+        &mut self,
+        reply: RouteReply,
+        why: String,
+        class: &AdmissionClass,
+        admission: &AdmissionConfig,
+    ) {
+        self.admission_counts.of(class.name()).refused += 1;
         let secs = admission.queue().max_wait_ms().div_ceil(1000).max(1);
         self.stats
             .count_decision(self.chooser.config().policy, RouteOutcome::Refused);
@@ -572,9 +612,19 @@ impl SchedulerState {
         }
     }
 
-    /// Each configured class with what it has in flight across the fleet.
+    /// Each configured class with what it has in flight across the fleet, and what this
+    /// replica's admission did with its requests.
     pub(super) fn class_loads(&self) -> Vec<ClassLoad> {
-        self.classes.loads(&self.class_sums)
+        let mut loads = self.classes.loads(&self.class_sums);
+        for load in &mut loads {
+            let waiting = self
+                .waiting
+                .iter()
+                .filter(|w| w.class.name() == load.class)
+                .count() as u64;
+            load.admission = self.admission_counts.figures(&load.class, waiting);
+        }
+        loads
     }
 
     /// The least-loaded member: fewest bookings, then fewest tokens.

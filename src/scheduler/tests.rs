@@ -951,6 +951,31 @@ mod admission {
         let why = overloaded(handle.route(request("p4", "premium")).await);
         assert!(why.contains("queue is full"), "{why}");
         assert!(waiting.iter().all(|w| !w.is_finished()));
+        let counted = |class: usize| {
+            let handle = handle.clone();
+            async move {
+                let loads = handle.class_loads().await.unwrap();
+                let a = &loads[class].admission;
+                [
+                    a.admitted,
+                    a.queued,
+                    a.waiting,
+                    a.refused,
+                    a.abandoned,
+                    a.wait.count,
+                ]
+            }
+        };
+        assert_eq!(
+            counted(0).await,
+            [1, 2, 2, 2, 0, 0],
+            "premium: p0; p2, p3; p1, p4"
+        );
+        assert_eq!(
+            counted(1).await,
+            [2, 0, 0, 0, 0, 0],
+            "regular: r0, r1 (unknown)"
+        );
         // The heavy request completes: not saturated any more, both go.
         submit(
             &handle.cleanup(),
@@ -965,6 +990,12 @@ mod admission {
             let decision = w.await.unwrap().unwrap();
             assert_eq!(decision.worker(), worker(1));
         }
+        assert_eq!(
+            counted(0).await,
+            [3, 2, 0, 2, 0, 2],
+            "p2 and p3 left the queue routed"
+        );
+        assert_eq!(counted(1).await, [2, 0, 0, 0, 0, 0]);
         let stats = handle.stats();
         assert_eq!(stats.admission_waited, 2);
         assert_eq!(
@@ -1020,6 +1051,34 @@ mod admission {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         assert_eq!(handle.stats().admission_abandoned, 1);
+        // Per class: premium's three waits, observed as each left the queue (the clock is
+        // paused: p1 its 50 ms, p2 the queue's 1,000, p3 until it was seen gone).
+        let premium = handle.class_loads().await.unwrap()[0].admission.clone();
+        assert_eq!(
+            (
+                premium.queued,
+                premium.refused,
+                premium.abandoned,
+                premium.waiting
+            ),
+            (3, 2, 1, 0)
+        );
+        assert_eq!(premium.wait.count, 3);
+        // Cumulative; each seen at the queue's next 5 ms pass: p3 at once, p1 at 50 ms, p2 at
+        // 1 s.
+        let at_most = |seconds: f64| {
+            let bucket = premium.wait.buckets.iter().find(|(b, _)| *b == seconds);
+            bucket.expect("a bucket").1
+        };
+        assert_eq!(
+            [at_most(0.025), at_most(0.1), at_most(0.5), at_most(2.5)],
+            [1, 2, 2, 3],
+            "{premium:?}"
+        );
+        assert!(
+            (1.05..1.07).contains(&premium.wait.sum_seconds),
+            "{premium:?}"
+        );
     }
 
     /// While saturated, a request of a lower band stays behind one of a higher band that

@@ -7,7 +7,7 @@
 //! | `GET /readyz` | 200 once every deployment's router is live (and the [`ReadinessHook`], if any, agrees), 503 otherwise; `degraded` lists durable deployments whose stream lacked events they needed |
 //! | `GET /metrics` | OpenMetrics text (see [`super::metrics`]) |
 //! | `GET /v1/deployments` | the deployments with their active lease counts |
-//! | `GET /v1/deployments/{name}` | one deployment, its ingress counters and, in durable mode, its catch-up |
+//! | `GET /v1/deployments/{name}` | one deployment, its ingress counters, in durable mode its catch-up, and its admission (settings, saturation now, each class's in-flight work and this replica's admission counts) |
 //! | `PUT /v1/deployments/{name}` | start a router: 201, 200 if it exists, 400 for an invalid name or body, 503 if NATS does not answer within the connect deadline; an optional JSON body `{"policy": "...", "weights": {"prefill": x, "kv": y}, "classes": [{"name", "band", "weight"}], "default_class": "...", "saturation": {"max_prefill_tokens_per_worker", "kv_capacity_tokens", "max_kv_share"}, "queue": {"max_queued", "max_wait_ms"}}` sets its routing, admission classes, saturation thresholds and admission queue (also of a router that exists; `"classes": []` removes the classes, `default_class` alone changes the default among the classes in force, what is left out is kept) |
 //! | `DELETE /v1/deployments/{name}` | tear it down: 204, 404 if absent |
 //! | `GET /v1/deployments/{name}/leases?limit=N` | active leases (default limit 1000) |
@@ -561,9 +561,9 @@ async fn get_deployment(
     .into_response())
 }
 
-/// A running deployment's admission: its settings, whether it is saturated now, and each
-/// class's in-flight work across the fleet (`null` figures when the scheduler does not
-/// answer in time).
+/// A running deployment's admission: its settings, whether it is saturated now, and per
+/// class its in-flight work across the fleet with this replica's admission counts (no
+/// figures when the scheduler does not answer in time).
 async fn admission_figures(scheduler: &crate::scheduler::SchedulerHandle) -> serde_json::Value {
     let config = scheduler.admission();
     let figures = tokio::time::timeout(SCHEDULER_QUERY_TIMEOUT, async {
@@ -578,7 +578,7 @@ async fn admission_figures(scheduler: &crate::scheduler::SchedulerHandle) -> ser
     if let Some((loads, classes)) = figures {
         let saturation = config.saturation().assess(loads.iter().map(|(_, l)| l));
         json["saturation_now"] = json!(saturation);
-        json["in_flight"] = json!(classes);
+        json["per_class"] = json!(classes);
     }
     json
 }

@@ -26,7 +26,6 @@ use crate::admission::ClassLoad;
 use crate::load::WorkerLoad;
 use crate::routing::{RouteOutcome, RoutePolicy};
 use crate::scheduler::SchedulerFigures;
-use crate::stats::LagFigures;
 use crate::types::WorkerWithDpRank;
 
 /// The prefix of every metric name.
@@ -174,7 +173,67 @@ impl Collector for ClassLoads {
             "class_inflight_tokens",
             "Prompt plus expected output tokens in flight of each admission class, fleet-wide.",
             &series(|c| c.in_flight_tokens),
-        )
+        )?;
+        type Pick = fn(&ClassLoad) -> u64;
+        let counters: [(&str, &str, Pick); 4] = [
+            (
+                "class_admitted",
+                "Route requests of each admission class this replica routed, at once or from \
+                 its queue.",
+                |c| c.admission.admitted,
+            ),
+            (
+                "class_queued",
+                "Route requests of each admission class that entered this replica's admission \
+                 queue.",
+                |c| c.admission.queued,
+            ),
+            (
+                "class_refused",
+                "Route requests of each admission class this replica refused with 429.",
+                |c| c.admission.refused,
+            ),
+            (
+                "class_abandoned",
+                "Route requests of each admission class that left this replica's admission \
+                 queue because their caller went away.",
+                |c| c.admission.abandoned,
+            ),
+        ];
+        for (name, help, pick) in counters {
+            counter_family(&mut encoder, name, help, &series(pick))?;
+        }
+        gauge_family(
+            &mut encoder,
+            "class_waiting",
+            "Route requests of each admission class waiting in this replica's admission queue.",
+            &series(|c| c.admission.waiting),
+        )?;
+        let mut metric = encoder.encode_descriptor(
+            "class_queue_wait",
+            "Time route requests of each admission class spent in this replica's admission \
+             queue, observed as they left it (routed, refused or abandoned).",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+        )?;
+        for (deployment, classes) in &self.classes {
+            for class in classes {
+                let wait = &class.admission.wait;
+                let labels = [
+                    ("deployment", deployment.as_str()),
+                    ("class", class.class.as_str()),
+                ];
+                metric
+                    .encode_family(&labels)?
+                    .encode_histogram::<NoLabelSet>(
+                        wait.sum_seconds,
+                        wait.count,
+                        &histogram_buckets(&wait.buckets, wait.count),
+                        None,
+                    )?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -427,12 +486,11 @@ fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) ->
         .encode_gauge(&value)
 }
 
-/// Per-bucket counts as the encoder wants them (it accumulates), from the cumulative
-/// snapshot; the last bucket is +Inf (`f64::MAX` to the encoder).
-fn histogram_buckets(lag: &LagFigures) -> Vec<(f64, u64)> {
+/// Per-bucket counts as the encoder wants them (it accumulates), from cumulative `buckets`
+/// of `count` observations; the last bucket is +Inf (`f64::MAX` to the encoder).
+fn histogram_buckets(cumulative: &[(f64, u64)], count: u64) -> Vec<(f64, u64)> {
     let mut previous = 0;
-    let mut buckets: Vec<(f64, u64)> = lag
-        .buckets
+    let mut buckets: Vec<(f64, u64)> = cumulative
         .iter()
         .map(|&(bound, cumulative)| {
             let own = cumulative.saturating_sub(previous);
@@ -440,7 +498,7 @@ fn histogram_buckets(lag: &LagFigures) -> Vec<(f64, u64)> {
             (bound, own)
         })
         .collect();
-    buckets.push((f64::MAX, lag.count.saturating_sub(previous)));
+    buckets.push((f64::MAX, count.saturating_sub(previous)));
     buckets
 }
 
@@ -820,7 +878,7 @@ pub(super) fn encode_snapshot(
                 .encode_histogram::<NoLabelSet>(
                     d.ingress.lag.sum_seconds,
                     d.ingress.lag.count,
-                    &histogram_buckets(&d.ingress.lag),
+                    &histogram_buckets(&d.ingress.lag.buckets, d.ingress.lag.count),
                     None,
                 )?;
         }
@@ -1142,6 +1200,65 @@ mod tests {
             documented, exported,
             "README.md's Metrics table and the exporter differ"
         );
+    }
+
+    /// Each class's in-flight gauges and this replica's admission counters, queue gauge and
+    /// wait histogram, labelled by deployment and class.
+    #[test]
+    fn class_series() {
+        let mut counts = crate::admission::ClassCounts::default();
+        counts.admitted = 7;
+        counts.queued = 4;
+        counts.refused = 2;
+        counts.abandoned = 1;
+        for ms in [3, 40, 40] {
+            counts.left_queue(Duration::from_millis(ms));
+        }
+        let premium = ClassLoad {
+            class: "premium".into(),
+            band: 1,
+            weight: 4.0,
+            in_flight_requests: 3,
+            in_flight_tokens: 900,
+            admission: counts.figures(1),
+        };
+        let classes = ClassLoads {
+            saturated: vec![("prod".into(), true)],
+            classes: vec![("prod".into(), vec![premium])],
+        };
+        let mut registry = Registry::with_prefix(METRIC_PREFIX);
+        registry.register_collector(Box::new(classes));
+        let mut text = String::new();
+        encode_registry(&mut text, &registry).unwrap();
+        let labels = "deployment=\"prod\",class=\"premium\"";
+        for line in [
+            "lease_router_saturated{deployment=\"prod\"} 1".to_string(),
+            format!("lease_router_class_inflight_requests{{{labels}}} 3"),
+            format!("lease_router_class_inflight_tokens{{{labels}}} 900"),
+            format!("lease_router_class_admitted_total{{{labels}}} 7"),
+            format!("lease_router_class_queued_total{{{labels}}} 4"),
+            format!("lease_router_class_refused_total{{{labels}}} 2"),
+            format!("lease_router_class_abandoned_total{{{labels}}} 1"),
+            format!("lease_router_class_waiting{{{labels}}} 1"),
+            "# TYPE lease_router_class_queue_wait_seconds histogram".to_string(),
+            format!("lease_router_class_queue_wait_seconds_count{{{labels}}} 3"),
+            format!("lease_router_class_queue_wait_seconds_bucket{{le=\"0.005\",{labels}}} 1"),
+            format!("lease_router_class_queue_wait_seconds_bucket{{le=\"0.025\",{labels}}} 1"),
+            format!("lease_router_class_queue_wait_seconds_bucket{{le=\"0.05\",{labels}}} 3"),
+            format!("lease_router_class_queue_wait_seconds_bucket{{le=\"10.0\",{labels}}} 3"),
+            format!("lease_router_class_queue_wait_seconds_bucket{{le=\"+Inf\",{labels}}} 3"),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
+        }
+        let sum = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "lease_router_class_queue_wait_seconds_sum{{{labels}}} "
+                ))
+            })
+            .expect("a sum");
+        assert!((sum.parse::<f64>().unwrap() - 0.083).abs() < 1e-9, "{sum}");
     }
 
     #[test]
