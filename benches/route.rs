@@ -21,11 +21,13 @@
 //! `SchedulerHandle::route` with the 8,192-token prompt's 512 block hashes, on a second
 //! scheduler whose index holds the same 10,000,000 entries for the same 1,000 members:
 //! first back to back (`route_prefix_decision_back_to_back_p99_us=`: each decision also
-//! waits for the eviction the previous one left for after its answer), then one every
-//! `ROUTE_PREFIX_GAP_US` (default 200 µs, 5,000 decisions a second, a fleet of 1,000 ranks
-//! admitting 5 requests a second each): `route_prefix_decision_p99_us=` (goal < 100). Each
-//! decision's booking is completed after it (untimed); its provisional blocks stay, as they
-//! would.
+//! waits for the learning of the previous one's booking, done after its answer), then one
+//! every `ROUTE_PREFIX_GAP_US` (default 200 µs, 5,000 decisions a second, a fleet of 1,000
+//! ranks admitting 5 requests a second each): `route_prefix_decision_p99_us=` (goal < 100);
+//! then paced the same way without the hashes, load-only decisions on the same scheduler, so
+//! that `route_prefix_decision_paced_vs_load_only` shows what the prefix part adds in the
+//! same run (both include the two thread wake-ups of a paced decision). Each decision's
+//! booking is completed after it (untimed); its provisional blocks stay, as they would.
 
 mod common;
 
@@ -187,15 +189,23 @@ async fn prefix_decisions(members: &[WorkerWithDpRank], prompts: &[u32], decisio
     let mut rng = Rng::new(13);
     let gap = Duration::from_micros(env("ROUTE_PREFIX_GAP_US", 200));
     let mut p99s = Vec::new();
-    // Back to back, then one every `gap`.
-    for paced in [false, true] {
+    // Back to back, then one every `gap`; last, one every `gap` without the hashes (a
+    // load-only decision on the same scheduler: what the prefix part adds, same run).
+    for (mode, (paced, with_hashes)) in [(false, true), (true, true), (true, false)]
+        .into_iter()
+        .enumerate()
+    {
         let mut samples = Vec::new();
         let mut overlapping = 0u64;
         let mut next = Instant::now();
         for round in 0..decisions + decisions / 10 {
             let hashes = block_hashes(&request_tokens(&mut rng, prompts), 16);
-            let request = RouteRequest::new(uuid_like(4 + u64::from(paced), round), PROMPT_TOKENS)
-                .with_block_hashes(hashes);
+            let request = RouteRequest::new(uuid_like(4 + mode as u64, round), PROMPT_TOKENS);
+            let request = if with_hashes {
+                request.with_block_hashes(hashes)
+            } else {
+                request
+            };
             if paced {
                 next += gap;
                 while Instant::now() < next {
@@ -214,8 +224,9 @@ async fn prefix_decisions(members: &[WorkerWithDpRank], prompts: &[u32], decisio
         samples.sort_unstable();
         let us = |q: f64| percentile(&samples, q) as f64 / 1000.0;
         println!(
-            "route_prefix_decision: mode={} entries={} p50_us={:.1} p99_us={:.1} max_us={:.1} chosen_with_overlap={:.2} goal_p99_us=100 met={}",
+            "route_prefix_decision: mode={}{} entries={} p50_us={:.1} p99_us={:.1} max_us={:.1} chosen_with_overlap={:.2} goal_p99_us=100 met={}",
             if paced { format!("one_every_{}us", gap.as_micros()) } else { "back_to_back".into() },
+            if with_hashes { "" } else { "_load_only" },
             scheduler.prefix_figures().entries,
             us(0.5),
             us(0.99),
@@ -223,10 +234,15 @@ async fn prefix_decisions(members: &[WorkerWithDpRank], prompts: &[u32], decisio
             overlapping as f64 / (decisions + decisions / 10) as f64,
             us(0.99) < 100.0
         );
-        p99s.push(us(0.99));
+        p99s.push((us(0.5), us(0.99)));
     }
-    println!("route_prefix_decision_back_to_back_p99_us={:.1}", p99s[0]);
-    println!("route_prefix_decision_p99_us={:.1}", p99s[1]);
+    println!("route_prefix_decision_back_to_back_p99_us={:.1}", p99s[0].1);
+    println!("route_prefix_decision_p99_us={:.1}", p99s[1].1);
+    println!(
+        "route_prefix_decision_paced_vs_load_only p50={:.2} p99={:.2}",
+        p99s[1].0 / p99s[2].0,
+        p99s[1].1 / p99s[2].1
+    );
 }
 
 const PER_RANK: u32 = 10_000;

@@ -499,8 +499,13 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
             }
             Command::Route(request, reply) => {
                 state.route_or_wait(request, reply);
-                // What the decision booked is learned after its answer.
-                state.learn_booked();
+                // What the decision booked is learned after its answer, and after the task
+                // that waits for the answer had its turn: woken from this worker thread, it
+                // runs next here (tokio's LIFO slot), not behind the learning.
+                if state.has_booked_blocks() {
+                    tokio::task::yield_now().await;
+                    state.learn_booked();
+                }
             }
             Command::SetRouting(routing, reply) => {
                 let worker_idle = state.routing().worker_idle;

@@ -389,6 +389,11 @@ impl SchedulerState {
         })
     }
 
+    /// Whether the last decision left blocks for [`learn_booked`](Self::learn_booked).
+    pub(super) fn has_booked_blocks(&self) -> bool {
+        self.booked_blocks.is_some()
+    }
+
     /// Teaches the prefix index the blocks of the last decision's booking, after its answer:
     /// a map insert and an eviction a block, in an index of millions of entries, are most
     /// of a prefix-aware decision's cost and no answer depends on them.
