@@ -977,6 +977,22 @@ mod tests {
         assert_eq!(ix.len(), 10);
     }
 
+    /// Past a large bound the index gives up a 1/1024 of it at once (so that the search for
+    /// the largest rank stays rare), and not before the bound is passed.
+    #[test]
+    fn a_large_bound_shrinks_by_a_chunk_once_passed() {
+        let mut ix = index(10_000, 4096);
+        let blocks: Vec<u64> = (1..=4096).collect();
+        ix.learn(w(1), &blocks[..3000]);
+        ix.learn(w(2), &blocks[3000..]);
+        assert_eq!((ix.len(), ix.evicted()), (4096, 0), "at the bound, nothing goes");
+        ix.learn(w(3), &[9999]);
+        // 4097 entries: down to 4096 - (4 - 1), the largest rank's 4 least recent.
+        assert_eq!((ix.len(), ix.evicted()), (4093, 4));
+        assert_eq!(ix.worker_blocks(w(1)), 2996);
+        assert_eq!(ix.worker_blocks(w(2)), 1096);
+    }
+
     #[test]
     fn forgetting_a_worker_leaves_the_others_and_reuses_the_room() {
         let mut ix = index(100, 1000);
