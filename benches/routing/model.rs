@@ -512,6 +512,31 @@ impl Worker {
     }
 }
 
+/// What the engine has still to prefill (the `admission` bench; unused by the others).
+#[allow(dead_code)]
+impl Worker {
+    /// Prompt tokens this engine has still to prefill: those of its queued requests (less
+    /// what every worker holds cached) and the rest of its running prefills.
+    pub fn prefill_waiting(&self) -> u64 {
+        let queued: u64 = self
+            .queue
+            .iter()
+            .map(|(_, r, _)| u64::from(r.uncached()))
+            .sum();
+        let running: u64 = self
+            .running
+            .iter()
+            .map(|s| u64::from(s.prefill_left))
+            .sum();
+        queued + running
+    }
+
+    /// Requests in its queue (not yet in the batch) and in its batch.
+    pub fn queued_and_running(&self) -> (usize, usize) {
+        (self.queue.len(), self.running.len())
+    }
+}
+
 /// The prompt tokens of `request` that `cache` holds: its longest cached prefix of blocks,
 /// at most `prompt - 1` (and at least what the request says every worker holds).
 fn cached_tokens(cache: &PrefixCache, block_size: u32, request: &Request, blocks: &Blocks) -> u32 {

@@ -1,0 +1,889 @@
+//! Fleet-wide admission under overload (`cargo bench --bench admission`; issue 28 item 4).
+//! The module docs are completed below, once the figures are known.
+mod common;
+#[path = "routing/model.rs"]
+mod model;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{percentile, Rng};
+use lease_router::wire::{Admitted, Completed, Outcome, ProgressStage, Progressed};
+use lease_router::{
+    AdmissionClass, AdmissionConfig, ApplyConfig, IngressStats, LeaseConfig, LeasePublisher,
+    NatsIngress, NoIngress, PublisherConfig, RequestLeaseManager, RequestLoad, RoutePolicy,
+    RouteRequest, RouteRequestError, Router, RouterConfig, RoutingConfig, WorkerWithDpRank,
+};
+use model::{Happened, Request, Worker, ENGINE, MIX};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+const WORKERS: usize = 8;
+const REPLICAS: usize = 4;
+/// The heavy class's share of its stream through replica 0 (the rest spread over the
+/// others).
+const SKEW: f64 = 0.85;
+/// How far past the end the model may run for the measured requests to complete.
+const MAX_DRAIN: f64 = 600.0;
+
+fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
+    match std::env::var(name) {
+        Ok(v) => v
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v:?} is not a valid value")),
+        Err(_) => default,
+    }
+}
+
+/// How a class's requests reach the replicas.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Ingress {
+    /// Each replica in turn.
+    Spread,
+    /// This share through replica 0, the rest through the others in turn.
+    Skewed(f64),
+}
+
+impl Ingress {
+    fn describe(self) -> String {
+        match self {
+            Self::Spread => "spread".into(),
+            Self::Skewed(share) => format!("skewed({:.0}%_on_replica_0)", share * 100.0),
+        }
+    }
+}
+
+/// A stream of requests: its load (a share of the measured capacity) and its ingress. The
+/// same stream gives the same requests wherever it is used.
+#[derive(Clone, Copy, Debug)]
+struct Stream {
+    id: u64,
+    load: f64,
+    ingress: Ingress,
+}
+
+/// The heavy stream: 100% of capacity, mostly through replica 0.
+const HEAVY: Stream = Stream {
+    id: 1,
+    load: 1.0,
+    ingress: Ingress::Skewed(SKEW),
+};
+/// The light stream: 50% of capacity, spread.
+const LIGHT: Stream = Stream {
+    id: 2,
+    load: 0.5,
+    ingress: Ingress::Spread,
+};
+
+/// One class of a case and the stream that offers its requests.
+#[derive(Clone, Debug)]
+struct Class {
+    name: &'static str,
+    band: u8,
+    weight: f64,
+    stream: Stream,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Setting {
+    /// The workers publish lease events on NATS; every replica hears all of them.
+    Shared,
+    /// Each replica hears only the events of the requests it routed (at once, as a proxy in
+    /// their response path would): it enforces the shares from its own decisions only.
+    Isolated,
+}
+
+impl Setting {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Shared => "shared",
+            Self::Isolated => "isolated",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    name: &'static str,
+    setting: Setting,
+    classes: Vec<Class>,
+}
+
+impl Case {
+    fn admission(&self) -> AdmissionConfig {
+        let mut config = AdmissionConfig::default();
+        for c in &self.classes {
+            config = config.with_class(AdmissionClass::new(c.name, c.band, c.weight));
+        }
+        // The lowest band's last class takes what names no class (none here: every request
+        // names its class).
+        let default = self
+            .classes
+            .iter()
+            .min_by_key(|c| c.band)
+            .expect("a class")
+            .name;
+        config.with_default_class(default)
+    }
+
+    fn label(&self) -> String {
+        format!("case={} setting={}", self.name, self.setting.name())
+    }
+}
+
+/// The model's time line, in model seconds (= wall seconds: the bench runs in real time).
+#[derive(Clone, Copy, Debug)]
+struct Plan {
+    warmup: f64,
+    measure_end: f64,
+    /// Arrivals stop here.
+    end: f64,
+}
+
+impl Plan {
+    fn in_window(&self, t: f64) -> bool {
+        t >= self.warmup && t < self.measure_end
+    }
+}
+
+/// One request of a case: its class (index in the case's classes), its replica, its sizes.
+#[derive(Clone, Copy, Debug)]
+struct Arrival {
+    class: usize,
+    replica: usize,
+    request: Request,
+}
+
+/// The requests of `classes`' streams, in arrival order.
+fn arrivals(seed: u64, capacity: f64, until: f64, classes: &[Class]) -> Vec<Arrival> {
+    let mut out = Vec::new();
+    for (k, class) in classes.iter().enumerate() {
+        let stream = class.stream;
+        let stream_seed = seed.wrapping_mul(0x9E37_79B9).wrapping_add(stream.id);
+        let mut pick = Rng::new(stream_seed ^ 0x1A6E_55);
+        let mut turn = 0usize;
+        for r in model::arrivals(stream_seed, stream.load * capacity, until, MIX) {
+            let replica = match stream.ingress {
+                Ingress::Spread => {
+                    turn += 1;
+                    turn % REPLICAS
+                }
+                Ingress::Skewed(share) => {
+                    if model::uniform(&mut pick) < share {
+                        0
+                    } else {
+                        turn += 1;
+                        1 + turn % (REPLICAS - 1)
+                    }
+                }
+            };
+            out.push(Arrival {
+                class: k,
+                replica,
+                request: r,
+            });
+        }
+    }
+    out.sort_by(|a, b| a.request.arrival.total_cmp(&b.request.arrival));
+    out
+}
+
+fn worker(w: usize) -> WorkerWithDpRank {
+    WorkerWithDpRank::new(w as u64 + 1, 0)
+}
+
+fn request_id(index: usize) -> String {
+    format!("q{index:07}")
+}
+
+/// Where the workers' lease events go.
+enum Feed {
+    /// One publisher per worker, on the bench's nats-server.
+    Bus(Vec<LeasePublisher>),
+    /// Straight into the manager of the replica that routed the request.
+    Direct(Vec<RequestLeaseManager>),
+}
+
+impl Feed {
+    fn admitted(&self, index: usize, r: &Request, class: &str, w: usize, replica: usize) {
+        let id = request_id(index);
+        match self {
+            Self::Bus(publishers) => {
+                let _ = publishers[w].publish(Admitted {
+                    block_hashes: Vec::new(),
+                    block_capacity: None,
+                    class: Some(class.to_owned()),
+                    request_id: id,
+                    worker_id: worker(w).worker_id.0,
+                    dp_rank: 0,
+                    prompt_tokens: r.prompt,
+                    expected_output_tokens: None,
+                    cached_tokens: Some(r.cached),
+                });
+            }
+            Self::Direct(managers) => {
+                let load = RequestLoad::new(r.prompt, None).with_cached_tokens(r.cached);
+                managers[replica].admit_current_in_class(&id, worker(w), load, Some(class));
+            }
+        }
+    }
+
+    fn happened(&self, h: Happened, w: usize, replica: usize) {
+        let (index, stage, output) = match h {
+            Happened::FirstToken(i) => (i, Some(ProgressStage::PrefillDone), 1),
+            Happened::Progress(i, n) => (i, Some(ProgressStage::Decoding), n),
+            Happened::Completed(i) => (i, None, 0),
+        };
+        let id = request_id(index);
+        match (self, stage) {
+            (Self::Bus(publishers), Some(stage)) => {
+                let _ = publishers[w].publish(Progressed {
+                    request_id: id,
+                    worker_id: worker(w).worker_id.0,
+                    dp_rank: 0,
+                    stage,
+                    output_tokens: output,
+                });
+            }
+            (Self::Bus(publishers), None) => {
+                let _ = publishers[w].publish(Completed {
+                    request_id: id,
+                    worker_id: worker(w).worker_id.0,
+                    dp_rank: 0,
+                    outcome: Outcome::Finished,
+                });
+            }
+            (Self::Direct(managers), Some(_)) => {
+                managers[replica].progress_current(&id, worker(w), output);
+            }
+            (Self::Direct(managers), None) => {
+                managers[replica].complete_current(&id, worker(w));
+            }
+        }
+    }
+}
+
+/// The routers of one case and what feeds them.
+struct Fleet {
+    routers: Vec<Router>,
+    /// Kept for the case's length, like a process's.
+    connections: Vec<lease_router::NatsConnection>,
+    stats: Vec<Arc<IngressStats>>,
+    feed: Feed,
+}
+
+fn router_config(deployment: &str, case: &Case) -> RouterConfig {
+    // Nothing expires and no member is forgotten within a run (as in the routing bench).
+    RouterConfig::new(deployment)
+        .with_lease(LeaseConfig {
+            scan_interval: Duration::from_secs(3600),
+            ..LeaseConfig::default()
+        })
+        .with_routing(
+            RoutingConfig::default()
+                .with_policy(RoutePolicy::WeightedCost)
+                .with_worker_idle(Duration::from_secs(3600)),
+        )
+        .with_admission(case.admission())
+}
+
+impl Fleet {
+    async fn start(case: &Case, deployment: &str, url: &str) -> Self {
+        match case.setting {
+            Setting::Shared => {
+                let subjects = common::subjects(deployment);
+                let (mut routers, mut stats, mut connections) = (Vec::new(), Vec::new(), Vec::new());
+                for _ in 0..REPLICAS {
+                    let connection = common::nats(url, None).await;
+                    let s = Arc::new(IngressStats::new());
+                    let ingress = NatsIngress::new(
+                        connection.client().clone(),
+                        subjects.clone(),
+                        ApplyConfig::default(),
+                        s.clone(),
+                    );
+                    let router = Router::start(router_config(deployment, case), ingress)
+                        .await
+                        .expect("router starts");
+                    routers.push(router);
+                    stats.push(s);
+                    connections.push(connection);
+                }
+                let connection = common::nats(url, None).await;
+                let publishers: Vec<_> = (0..WORKERS)
+                    .map(|_| {
+                        LeasePublisher::start(
+                            connection.client().clone(),
+                            subjects.clone(),
+                            PublisherConfig::default(),
+                        )
+                    })
+                    .collect();
+                for (w, publisher) in publishers.iter().enumerate() {
+                    publisher
+                        .worker_reset(worker(w).worker_id.0, None)
+                        .expect("queued");
+                    publisher.flush().await.expect("flushed");
+                }
+                connections.push(connection);
+                Self {
+                    routers,
+                    connections,
+                    stats,
+                    feed: Feed::Bus(publishers),
+                }
+            }
+            Setting::Isolated => {
+                let mut routers = Vec::new();
+                for _ in 0..REPLICAS {
+                    let router = Router::start(router_config(deployment, case), NoIngress)
+                        .await
+                        .expect("router starts");
+                    for w in 0..WORKERS {
+                        router.manager().reset_worker(worker(w).worker_id, None);
+                    }
+                    routers.push(router);
+                }
+                let managers = routers.iter().map(|r| r.manager().clone()).collect();
+                Self {
+                    routers,
+                    connections: Vec::new(),
+                    stats: Vec::new(),
+                    feed: Feed::Direct(managers),
+                }
+            }
+        }
+    }
+
+    async fn wait_members(&self) {
+        for router in &self.routers {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while router.scheduler().loads().await.expect("scheduler").len() < WORKERS {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "a replica did not learn every worker within 10 s"
+                );
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+    }
+
+    async fn shutdown(self, measured: &mut Measured) {
+        let Fleet {
+            routers,
+            connections,
+            stats,
+            feed,
+        } = self;
+        measured.waited = routers
+            .iter()
+            .map(|r| r.scheduler().stats().admission_waited)
+            .sum();
+        match feed {
+            Feed::Bus(publishers) => {
+                for p in publishers {
+                    let _ = p.close().await;
+                }
+            }
+            Feed::Direct(managers) => drop(managers),
+        }
+        for s in &stats {
+            let snap = s.snapshot();
+            measured.bus_lag_sum += snap.lag.sum_seconds;
+            measured.bus_lag_count += snap.lag.count;
+            measured.bus_dropped += snap.dropped_total();
+        }
+        for router in routers {
+            router.shutdown().await.expect("router shuts down cleanly");
+        }
+        drop(connections);
+    }
+}
+
+/// What became of one request.
+#[derive(Clone, Copy, Debug)]
+struct Fate {
+    /// Model time of the route decision's answer (NaN: none yet).
+    decided: f64,
+    refused: bool,
+    worker: usize,
+    first_token: f64,
+    completed: f64,
+}
+
+impl Default for Fate {
+    fn default() -> Self {
+        Self {
+            decided: f64::NAN,
+            refused: false,
+            worker: usize::MAX,
+            first_token: f64::NAN,
+            completed: f64::NAN,
+        }
+    }
+}
+
+/// What one case measured.
+#[derive(Debug, Default)]
+struct Measured {
+    fates: Vec<Fate>,
+    /// Prefill (compute) share of each worker's time in the measured window.
+    utilisation: Vec<f64>,
+    /// Prefill tokens the engines had still to do, per worker, sampled each second of the
+    /// measured window.
+    backlog: Vec<f64>,
+    /// Wall seconds behind the schedule at each model event handled, sorted.
+    driver_lag: Vec<f64>,
+    /// Route requests that waited in a replica's queue (the routers' count).
+    waited: u64,
+    bus_lag_sum: f64,
+    bus_lag_count: u64,
+    bus_dropped: u64,
+}
+
+/// A route decision's answer: the request, and its worker or a refusal (429).
+type Answer = (usize, Result<usize, RouteRequestError>);
+
+/// Runs one case in real time on `requests` and measures it.
+async fn run(
+    case: Case,
+    plan: Plan,
+    requests: Arc<Vec<Arrival>>,
+    deployment: String,
+    url: String,
+) -> Measured {
+    let fleet = Fleet::start(&case, &deployment, &url).await;
+    fleet.wait_members().await;
+    let names: Vec<&'static str> = case.classes.iter().map(|c| c.name).collect();
+
+    let mut workers: Vec<Worker> = (0..WORKERS).map(|_| Worker::new(ENGINE)).collect();
+    let n = requests.len();
+    let mut fates = vec![Fate::default(); n];
+    let mut happened = Vec::new();
+    let mut driver_lag = Vec::new();
+    let mut backlog = Vec::new();
+    let mut next_sample = plan.warmup;
+    let (tx, mut rx) = mpsc::unbounded_channel::<Answer>();
+    let mut answers: Vec<Answer> = Vec::new();
+    let mut next = 0usize;
+    let mut pending = 0usize;
+    let start = Instant::now();
+
+    // Real time: the model's events happen when the wall clock reaches them; a route
+    // decision's answer places its request on its worker when it comes.
+    loop {
+        let wall = start.elapsed().as_secs_f64();
+        loop {
+            let step = workers
+                .iter()
+                .enumerate()
+                .filter_map(|(w, k)| k.step_end.map(|t| (t, w)))
+                .min_by(|a, b| a.0.total_cmp(&b.0));
+            let arrival = requests.get(next).map(|a| a.request.arrival);
+            let (t, is_arrival) = match (arrival, step) {
+                (Some(a), Some((s, _))) if a <= s => (a, true),
+                (Some(a), None) => (a, true),
+                (_, Some((s, _))) => (s, false),
+                (None, None) => break,
+            };
+            if t > wall {
+                break;
+            }
+            driver_lag.push(wall - t);
+            while next_sample <= t && next_sample < plan.measure_end {
+                let waiting: u64 = workers.iter().map(Worker::prefill_waiting).sum();
+                backlog.push(waiting as f64 / WORKERS as f64);
+                next_sample += 1.0;
+            }
+            if is_arrival {
+                let index = next;
+                next += 1;
+                let a = requests[index];
+                let scheduler = fleet.routers[a.replica].scheduler().clone();
+                let request = RouteRequest::new(request_id(index), a.request.prompt)
+                    .with_cached_tokens(a.request.cached)
+                    .with_class(names[a.class]);
+                let tx = tx.clone();
+                pending += 1;
+                tokio::spawn(async move {
+                    let answer = scheduler
+                        .route(request)
+                        .await
+                        .map(|d| (d.booking.worker.worker_id.0 - 1) as usize);
+                    let _ = tx.send((index, answer));
+                });
+            } else {
+                let w = step.expect("a step").1;
+                workers[w].end_step(plan.in_window(t), &mut happened);
+                for h in happened.drain(..) {
+                    let index = match h {
+                        Happened::FirstToken(i) => {
+                            fates[i].first_token = t;
+                            i
+                        }
+                        Happened::Completed(i) => {
+                            fates[i].completed = t;
+                            i
+                        }
+                        Happened::Progress(i, _) => i,
+                    };
+                    fleet.feed.happened(h, w, requests[index].replica);
+                }
+            }
+        }
+        // The answers that came, placed now: after every model event up to now.
+        while let Ok(answer) = rx.try_recv() {
+            answers.push(answer);
+        }
+        for (index, answer) in answers.drain(..) {
+            pending -= 1;
+            let a = requests[index];
+            let fate = &mut fates[index];
+            fate.decided = wall;
+            match answer {
+                Ok(w) => {
+                    fate.worker = w;
+                    // The worker accepts it into its queue at once and says so.
+                    fleet
+                        .feed
+                        .admitted(index, &a.request, names[a.class], w, a.replica);
+                    workers[w].arrive(wall, index, a.request);
+                }
+                Err(RouteRequestError::Overloaded { .. }) => fate.refused = true,
+                Err(other) => panic!("{}: request {index}: {other}", case.label()),
+            }
+        }
+        let next_event = workers
+            .iter()
+            .filter_map(|k| k.step_end)
+            .chain(requests.get(next).map(|a| a.request.arrival))
+            .min_by(f64::total_cmp);
+        if next == n && pending == 0 {
+            break;
+        }
+        match next_event {
+            Some(t) => {
+                let due = start + Duration::from_secs_f64(t);
+                tokio::select! {
+                    answer = rx.recv() => answers.extend(answer),
+                    () = tokio::time::sleep_until(due) => {}
+                }
+            }
+            None => answers.extend(rx.recv().await),
+        }
+    }
+
+    // Every request has its answer: the model runs on alone, as fast as it computes, until
+    // every measured routed request has completed.
+    let measured_open = |fates: &[Fate]| {
+        fates
+            .iter()
+            .zip(requests.iter())
+            .filter(|(f, a)| {
+                plan.in_window(a.request.arrival) && f.worker != usize::MAX && f.completed.is_nan()
+            })
+            .count()
+    };
+    let mut open = measured_open(&fates);
+    while open > 0 {
+        let Some((t, w)) = workers
+            .iter()
+            .enumerate()
+            .filter_map(|(w, k)| k.step_end.map(|t| (t, w)))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+        else {
+            break;
+        };
+        if t > plan.end + MAX_DRAIN {
+            break;
+        }
+        workers[w].end_step(plan.in_window(t), &mut happened);
+        for h in happened.drain(..) {
+            match h {
+                Happened::FirstToken(i) => fates[i].first_token = t,
+                Happened::Completed(i) => {
+                    fates[i].completed = t;
+                    open -= usize::from(
+                        plan.in_window(requests[i].request.arrival) && fates[i].worker != usize::MAX,
+                    );
+                }
+                Happened::Progress(..) => {}
+            }
+        }
+    }
+
+    let window = plan.measure_end - plan.warmup;
+    let mut measured = Measured {
+        fates,
+        utilisation: workers.iter().map(|w| w.prefill_busy / window).collect(),
+        backlog,
+        ..Measured::default()
+    };
+    driver_lag.sort_by(f64::total_cmp);
+    measured.driver_lag = driver_lag;
+    fleet.shutdown(&mut measured).await;
+    measured
+}
+
+/// The figures of one class in one case.
+#[derive(Clone, Copy, Debug, Default)]
+struct ClassRow {
+    /// Requests that arrived in the measured window, routed, refused.
+    offered: usize,
+    routed: usize,
+    refused: usize,
+    /// Prompt + output tokens of the requests completed in the window (whenever they
+    /// arrived).
+    work: u64,
+    completed: usize,
+    ttft_p50: f64,
+    ttft_p99: f64,
+    wait_p99: f64,
+    /// Routed requests without a first token when the run ended (counted with the time so
+    /// far).
+    cut: usize,
+}
+
+fn ms_percentile(values: &[f64], q: f64) -> f64 {
+    let mut us: Vec<u64> = values.iter().map(|s| (s * 1e6) as u64).collect();
+    us.sort_unstable();
+    percentile(&us, q) as f64 / 1000.0
+}
+
+fn class_rows(m: &Measured, requests: &[Arrival], plan: Plan, classes: usize) -> Vec<ClassRow> {
+    let mut rows = vec![ClassRow::default(); classes];
+    let mut ttft: Vec<Vec<f64>> = vec![Vec::new(); classes];
+    let mut wait: Vec<Vec<f64>> = vec![Vec::new(); classes];
+    let last = plan.end + MAX_DRAIN;
+    for (f, a) in m.fates.iter().zip(requests) {
+        let row = &mut rows[a.class];
+        if plan.in_window(f.completed) {
+            row.work += u64::from(a.request.prompt + a.request.output);
+            row.completed += 1;
+        }
+        if !plan.in_window(a.request.arrival) {
+            continue;
+        }
+        row.offered += 1;
+        if f.refused {
+            row.refused += 1;
+            continue;
+        }
+        row.routed += 1;
+        wait[a.class].push(f.decided - a.request.arrival);
+        if f.first_token.is_nan() {
+            row.cut += 1;
+        }
+        let first = if f.first_token.is_nan() {
+            last
+        } else {
+            f.first_token
+        };
+        ttft[a.class].push(first - a.request.arrival);
+    }
+    for (k, row) in rows.iter_mut().enumerate() {
+        row.ttft_p50 = ms_percentile(&ttft[k], 0.5);
+        row.ttft_p99 = ms_percentile(&ttft[k], 0.99);
+        row.wait_p99 = ms_percentile(&wait[k], 0.99);
+    }
+    rows
+}
+
+/// Prints a case's lines; returns its class rows.
+fn report(case: &Case, m: &Measured, requests: &[Arrival], plan: Plan, capacity: f64) -> Vec<ClassRow> {
+    let rows = class_rows(m, requests, plan, case.classes.len());
+    let total_work: u64 = rows.iter().map(|r| r.work).sum();
+    let total_weight: f64 = case.classes.iter().map(|c| c.weight).sum();
+    for (class, row) in case.classes.iter().zip(&rows) {
+        println!(
+            "admission_class {} class={} band={} weight={} offered_load={:.0}% ingress={} \
+             offered={} routed={} refused={} refused_share={:.3} completed={} work_share={:.3} \
+             configured_share={:.3} ttft_p50_ms={:.0} ttft_p99_ms={:.0} queue_wait_p99_ms={:.0} \
+             cut={}",
+            case.label(),
+            class.name,
+            class.band,
+            class.weight,
+            class.stream.load * 100.0,
+            class.stream.ingress.describe(),
+            row.offered,
+            row.routed,
+            row.refused,
+            row.refused as f64 / row.offered.max(1) as f64,
+            row.completed,
+            row.work as f64 / total_work.max(1) as f64,
+            class.weight / total_weight,
+            row.ttft_p50,
+            row.ttft_p99,
+            row.wait_p99,
+            row.cut,
+        );
+    }
+    let window = plan.measure_end - plan.warmup;
+    let completed: usize = rows.iter().map(|r| r.completed).sum();
+    let util_min = m.utilisation.iter().copied().fold(f64::MAX, f64::min);
+    let util_max = m.utilisation.iter().copied().fold(0.0, f64::max);
+    let backlog_mean = m.backlog.iter().sum::<f64>() / m.backlog.len().max(1) as f64;
+    let lag_ms: Vec<u64> = m.driver_lag.iter().map(|s| (s * 1e6) as u64).collect();
+    println!(
+        "admission_case {} completed_per_s={:.1} completed_vs_capacity={:.2} util_min={:.2} \
+         util_max={:.2} engine_prefill_backlog_per_worker_mean={:.0} first={:.0} last={:.0} \
+         waited={} driver_lag_p99_ms={:.1} bus_events={} bus_lag_mean_ms={:.2} dropped={}",
+        case.label(),
+        completed as f64 / window,
+        completed as f64 / window / capacity,
+        util_min,
+        util_max,
+        backlog_mean,
+        m.backlog.first().copied().unwrap_or(0.0),
+        m.backlog.last().copied().unwrap_or(0.0),
+        m.waited,
+        percentile(&lag_ms, 0.99) as f64 / 1000.0,
+        m.bus_lag_count,
+        m.bus_lag_sum / m.bus_lag_count.max(1) as f64 * 1000.0,
+        m.bus_dropped,
+    );
+    rows
+}
+
+fn main() {
+    common::run(bench());
+}
+
+async fn bench() {
+    let quick = env("ADMISSION_QUICK", 0u8) != 0;
+    let seed: u64 = env("ADMISSION_SEED", 1);
+    let measure: f64 = env("ADMISSION_SECONDS", if quick { 15.0 } else { 40.0 });
+    let warmup: f64 = env("ADMISSION_WARMUP", if quick { 5.0 } else { 10.0 });
+    let tail: f64 = env("ADMISSION_TAIL", if quick { 3.0 } else { 5.0 });
+    let plan = Plan {
+        warmup,
+        measure_end: warmup + measure,
+        end: warmup + measure + tail,
+    };
+    let began = std::time::Instant::now();
+    println!("{}", common::machine());
+    let per_worker = model::saturated_throughput(ENGINE, seed, MIX);
+    let capacity = per_worker * WORKERS as f64;
+    let defaults = AdmissionConfig::default();
+    println!(
+        "admission_model workers={WORKERS} replicas={REPLICAS} capacity_rps={capacity:.1} \
+         (saturated worker {per_worker:.2} requests/s) seed={seed} warmup_s={warmup} \
+         measured_s={measure} tail_s={tail} policy=weighted_cost saturation={:?} queue={:?} \
+         engine={ENGINE:?} mix={MIX:?}",
+        defaults.saturation(),
+        defaults.queue(),
+    );
+
+    let fair = |setting| Case {
+        name: "fair",
+        setting,
+        classes: vec![
+            Class {
+                name: "heavy",
+                band: 0,
+                weight: 4.0,
+                stream: HEAVY,
+            },
+            Class {
+                name: "light",
+                band: 0,
+                weight: 1.0,
+                stream: LIGHT,
+            },
+        ],
+    };
+    let high = Class {
+        name: "high",
+        band: 1,
+        weight: 1.0,
+        stream: LIGHT,
+    };
+    let low = Class {
+        name: "low",
+        band: 0,
+        weight: 1.0,
+        stream: HEAVY,
+    };
+    let overload = Case {
+        name: "priority_overload",
+        setting: Setting::Shared,
+        classes: vec![high.clone(), low],
+    };
+    let unloaded = Case {
+        name: "priority_unloaded",
+        setting: Setting::Shared,
+        classes: vec![high],
+    };
+    let groups: Vec<Vec<Case>> = if quick {
+        vec![vec![
+            fair(Setting::Shared),
+            fair(Setting::Isolated),
+            overload,
+            unloaded,
+        ]]
+    } else {
+        vec![
+            vec![fair(Setting::Shared), fair(Setting::Isolated)],
+            vec![overload, unloaded],
+        ]
+    };
+
+    let server = common::bench_server().await;
+    let url = server.server.url();
+    let mut results: Vec<(Case, Vec<ClassRow>)> = Vec::new();
+    let mut i = 0;
+    for group in groups {
+        let mut tasks = Vec::new();
+        for case in group {
+            let requests = Arc::new(arrivals(seed, capacity, plan.end, &case.classes));
+            i += 1;
+            let task = tokio::spawn(run(
+                case.clone(),
+                plan,
+                requests.clone(),
+                format!("adm-{i}"),
+                url.clone(),
+            ));
+            tasks.push((case, requests, task));
+        }
+        for (case, requests, task) in tasks {
+            let m = task.await.expect("a case panicked");
+            let rows = report(&case, &m, &requests, plan, capacity);
+            results.push((case, rows));
+        }
+    }
+
+    let find = |name: &str, setting: Setting| {
+        results
+            .iter()
+            .find(|(c, _)| c.name == name && c.setting == setting)
+            .map(|(c, rows)| (c, rows))
+            .expect("the case ran")
+    };
+    let error = |(case, rows): (&Case, &Vec<ClassRow>), k: usize| {
+        let total: u64 = rows.iter().map(|r| r.work).sum();
+        let weights: f64 = case.classes.iter().map(|c| c.weight).sum();
+        let share = rows[k].work as f64 / total.max(1) as f64;
+        let configured = case.classes[k].weight / weights;
+        (share - configured).abs() / configured
+    };
+    let shared = find("fair", Setting::Shared);
+    let isolated = find("fair", Setting::Isolated);
+    println!(
+        "fair_share_error={:.3} fair_share_error_isolated={:.3} (heavy class; light class: \
+         {:.3} shared, {:.3} isolated)",
+        error(shared, 0),
+        error(isolated, 0),
+        error(shared, 1),
+        error(isolated, 1),
+    );
+    let over = find("priority_overload", Setting::Shared).1[0].ttft_p99;
+    let alone = find("priority_unloaded", Setting::Shared).1[0].ttft_p99;
+    println!(
+        "priority_ttft_p99_overload_vs_unloaded={:.2} (high band p99 TTFT {over:.0} ms under \
+         overload, {alone:.0} ms alone)",
+        over / alone
+    );
+    println!("admission_wall_s={:.1}", began.elapsed().as_secs_f64());
+}
