@@ -12,7 +12,8 @@ use lease_router::wire::{Admitted, Completed, Outcome, ProgressStage, Progressed
 use lease_router::{
     AdmissionClass, AdmissionConfig, ApplyConfig, IngressStats, LeaseConfig, LeasePublisher,
     NatsIngress, NoIngress, PublisherConfig, RequestLeaseManager, RequestLoad, RoutePolicy,
-    RouteRequest, RouteRequestError, Router, RouterConfig, RoutingConfig, WorkerWithDpRank,
+    RouteRequest, RouteRequestError, Router, RouterConfig, RoutingConfig, SaturationConfig,
+    WorkerWithDpRank,
 };
 use model::{Happened, Request, Worker, ENGINE, MIX};
 use tokio::sync::mpsc;
@@ -107,6 +108,8 @@ struct Case {
     name: &'static str,
     setting: Setting,
     classes: Vec<Class>,
+    /// When the deployment counts as saturated.
+    saturation: SaturationConfig,
 }
 
 impl Case {
@@ -123,11 +126,18 @@ impl Case {
             .min_by_key(|c| c.band)
             .expect("a class")
             .name;
-        config.with_default_class(default)
+        config
+            .with_default_class(default)
+            .with_saturation(self.saturation)
     }
 
     fn label(&self) -> String {
-        format!("case={} setting={}", self.name, self.setting.name())
+        format!(
+            "case={} setting={} max_prefill_tokens_per_worker={}",
+            self.name,
+            self.setting.name(),
+            self.saturation.max_prefill_tokens_per_worker()
+        )
     }
 }
 
@@ -432,6 +442,12 @@ struct Measured {
     /// Prefill tokens the engines had still to do, per worker, sampled each second of the
     /// measured window.
     backlog: Vec<f64>,
+    /// Tokens the engines served to each class in the measured window: a request's prompt
+    /// when its prefill completes (its first token), its output tokens as they are decoded
+    /// (counted at each `progressed`, every 32, and at completion).
+    served: Vec<u64>,
+    /// The whole run, sampled every [`TRACE_EVERY`] model seconds.
+    trace: Vec<Sample>,
     /// Wall seconds behind the schedule at each model event handled, sorted.
     driver_lag: Vec<f64>,
     /// Route requests that waited in a replica's queue (the routers' count).
@@ -439,6 +455,23 @@ struct Measured {
     bus_lag_sum: f64,
     bus_lag_count: u64,
     bus_dropped: u64,
+}
+
+/// How often the run is sampled for the trace (`ADMISSION_TRACE=1`).
+const TRACE_EVERY: f64 = 5.0;
+
+/// The state of a run at one moment, for the trace.
+#[derive(Clone, Debug, Default)]
+struct Sample {
+    t: f64,
+    /// Per worker: prefill tokens still to do, requests queued in the engine, running.
+    backlog: f64,
+    queued: f64,
+    running: f64,
+    /// Per class, since the start: routed, refused, tokens served.
+    routed: Vec<u64>,
+    refused: Vec<u64>,
+    served: Vec<u64>,
 }
 
 /// A route decision's answer: the request, and its worker or a refusal (429).
@@ -463,6 +496,17 @@ async fn run(
     let mut driver_lag = Vec::new();
     let mut backlog = Vec::new();
     let mut next_sample = plan.warmup;
+    let classes = case.classes.len();
+    let mut served = vec![0u64; classes];
+    let mut reported = vec![0u32; n];
+    let mut now = Sample {
+        routed: vec![0; classes],
+        refused: vec![0; classes],
+        served: vec![0; classes],
+        ..Sample::default()
+    };
+    let mut trace = Vec::new();
+    let mut next_trace = 0.0;
     let (tx, mut rx) = mpsc::unbounded_channel::<Answer>();
     let mut answers: Vec<Answer> = Vec::new();
     let mut next = 0usize;
@@ -490,6 +534,17 @@ async fn run(
                 break;
             }
             driver_lag.push(wall - t);
+            while next_trace <= t {
+                let per_worker = |f: &dyn Fn(&Worker) -> f64| {
+                    workers.iter().map(f).sum::<f64>() / WORKERS as f64
+                };
+                now.t = next_trace;
+                now.backlog = per_worker(&|w| w.prefill_waiting() as f64);
+                now.queued = per_worker(&|w| w.queued_and_running().0 as f64);
+                now.running = per_worker(&|w| w.queued_and_running().1 as f64);
+                trace.push(now.clone());
+                next_trace += TRACE_EVERY;
+            }
             while next_sample <= t && next_sample < plan.measure_end {
                 let waiting: u64 = workers.iter().map(Worker::prefill_waiting).sum();
                 backlog.push(waiting as f64 / WORKERS as f64);
@@ -516,17 +571,30 @@ async fn run(
                 let w = step.expect("a step").1;
                 workers[w].end_step(plan.in_window(t), &mut happened);
                 for h in happened.drain(..) {
-                    let index = match h {
+                    let (index, tokens) = match h {
                         Happened::FirstToken(i) => {
                             fates[i].first_token = t;
-                            i
+                            reported[i] = 1;
+                            (i, requests[i].request.prompt + 1)
                         }
                         Happened::Completed(i) => {
                             fates[i].completed = t;
-                            i
+                            let output = requests[i].request.output;
+                            let more = output.saturating_sub(reported[i]);
+                            reported[i] = output;
+                            (i, more)
                         }
-                        Happened::Progress(i, _) => i,
+                        Happened::Progress(i, produced) => {
+                            let more = produced - reported[i];
+                            reported[i] = produced;
+                            (i, more)
+                        }
                     };
+                    let class = requests[index].class;
+                    now.served[class] += u64::from(tokens);
+                    if plan.in_window(t) {
+                        served[class] += u64::from(tokens);
+                    }
                     fleet.feed.happened(h, w, requests[index].replica);
                 }
             }
@@ -542,6 +610,7 @@ async fn run(
             fate.decided = wall;
             match answer {
                 Ok(w) => {
+                    now.routed[a.class] += 1;
                     fate.worker = w;
                     // The worker accepts it into its queue at once and says so.
                     fleet
@@ -549,7 +618,10 @@ async fn run(
                         .admitted(index, &a.request, names[a.class], w, a.replica);
                     workers[w].arrive(wall, index, a.request);
                 }
-                Err(RouteRequestError::Overloaded { .. }) => fate.refused = true,
+                Err(RouteRequestError::Overloaded { .. }) => {
+                    now.refused[a.class] += 1;
+                    fate.refused = true;
+                }
                 Err(other) => panic!("{}: request {index}: {other}", case.label()),
             }
         }
@@ -617,6 +689,8 @@ async fn run(
         fates,
         utilisation: workers.iter().map(|w| w.prefill_busy / window).collect(),
         backlog,
+        served,
+        trace,
         ..Measured::default()
     };
     driver_lag.sort_by(f64::total_cmp);
@@ -632,6 +706,8 @@ struct ClassRow {
     offered: usize,
     routed: usize,
     refused: usize,
+    /// Tokens served in the window (see [`Measured::served`]).
+    served: u64,
     /// Prompt + output tokens of the requests completed in the window (whenever they
     /// arrived).
     work: u64,
@@ -682,6 +758,7 @@ fn class_rows(m: &Measured, requests: &[Arrival], plan: Plan, classes: usize) ->
         ttft[a.class].push(first - a.request.arrival);
     }
     for (k, row) in rows.iter_mut().enumerate() {
+        row.served = m.served[k];
         row.ttft_p50 = ms_percentile(&ttft[k], 0.5);
         row.ttft_p99 = ms_percentile(&ttft[k], 0.99);
         row.wait_p99 = ms_percentile(&wait[k], 0.99);
@@ -693,12 +770,13 @@ fn class_rows(m: &Measured, requests: &[Arrival], plan: Plan, classes: usize) ->
 fn report(case: &Case, m: &Measured, requests: &[Arrival], plan: Plan, capacity: f64) -> Vec<ClassRow> {
     let rows = class_rows(m, requests, plan, case.classes.len());
     let total_work: u64 = rows.iter().map(|r| r.work).sum();
+    let total_served: u64 = rows.iter().map(|r| r.served).sum();
     let total_weight: f64 = case.classes.iter().map(|c| c.weight).sum();
     for (class, row) in case.classes.iter().zip(&rows) {
         println!(
             "admission_class {} class={} band={} weight={} offered_load={:.0}% ingress={} \
-             offered={} routed={} refused={} refused_share={:.3} completed={} work_share={:.3} \
-             configured_share={:.3} ttft_p50_ms={:.0} ttft_p99_ms={:.0} queue_wait_p99_ms={:.0} \
+             offered={} routed={} refused={} refused_share={:.3} served_share={:.3} \
+             configured_share={:.3} completed={} completed_work_share={:.3} ttft_p50_ms={:.0} ttft_p99_ms={:.0} queue_wait_p99_ms={:.0} \
              cut={}",
             case.label(),
             class.name,
@@ -710,14 +788,40 @@ fn report(case: &Case, m: &Measured, requests: &[Arrival], plan: Plan, capacity:
             row.routed,
             row.refused,
             row.refused as f64 / row.offered.max(1) as f64,
+            row.served as f64 / total_served.max(1) as f64,
+            class.weight / total_weight,
             row.completed,
             row.work as f64 / total_work.max(1) as f64,
-            class.weight / total_weight,
             row.ttft_p50,
             row.ttft_p99,
             row.wait_p99,
             row.cut,
         );
+    }
+    if env("ADMISSION_TRACE", 0u8) != 0 {
+        for pair in m.trace.windows(2) {
+            let (a, b) = (&pair[0], &pair[1]);
+            let delta = |x: &[u64], y: &[u64]| -> Vec<u64> {
+                x.iter().zip(y).map(|(x, y)| y - x).collect()
+            };
+            let served = delta(&a.served, &b.served);
+            let total: u64 = served.iter().sum();
+            println!(
+                "admission_trace {} t={:.0} backlog_per_worker={:.0} queued_per_worker={:.1} \
+                 running_per_worker={:.1} routed={:?} refused={:?} served_share={:?}",
+                case.label(),
+                b.t,
+                b.backlog,
+                b.queued,
+                b.running,
+                delta(&a.routed, &b.routed),
+                delta(&a.refused, &b.refused),
+                served
+                    .iter()
+                    .map(|s| (*s as f64 / total.max(1) as f64 * 1000.0).round() / 1000.0)
+                    .collect::<Vec<_>>(),
+            );
+        }
     }
     let window = plan.measure_end - plan.warmup;
     let completed: usize = rows.iter().map(|r| r.completed).sum();
@@ -754,7 +858,7 @@ async fn bench() {
     let quick = env("ADMISSION_QUICK", 0u8) != 0;
     let seed: u64 = env("ADMISSION_SEED", 1);
     let measure: f64 = env("ADMISSION_SECONDS", if quick { 15.0 } else { 40.0 });
-    let warmup: f64 = env("ADMISSION_WARMUP", if quick { 5.0 } else { 10.0 });
+    let warmup: f64 = env("ADMISSION_WARMUP", if quick { 15.0 } else { 40.0 });
     let tail: f64 = env("ADMISSION_TAIL", if quick { 3.0 } else { 5.0 });
     let plan = Plan {
         warmup,
@@ -775,9 +879,14 @@ async fn bench() {
         defaults.queue(),
     );
 
+    let saturation = SaturationConfig::default();
+    // One step's token budget: the engines never hold more than one step of prefill
+    // waiting (the priority case's second setting).
+    let tight = saturation.with_max_prefill_tokens_per_worker(u64::from(ENGINE.chunk_tokens));
     let fair = |setting| Case {
         name: "fair",
         setting,
+        saturation,
         classes: vec![
             Class {
                 name: "heavy",
@@ -809,29 +918,38 @@ async fn bench() {
         name: "priority_overload",
         setting: Setting::Shared,
         classes: vec![high.clone(), low],
+        saturation,
+    };
+    let overload_tight = Case {
+        name: "priority_overload_tight",
+        saturation: tight,
+        ..overload.clone()
     };
     let unloaded = Case {
         name: "priority_unloaded",
         setting: Setting::Shared,
         classes: vec![high],
+        saturation,
     };
     let groups: Vec<Vec<Case>> = if quick {
         vec![vec![
             fair(Setting::Shared),
             fair(Setting::Isolated),
             overload,
+            overload_tight,
             unloaded,
         ]]
     } else {
         vec![
             vec![fair(Setting::Shared), fair(Setting::Isolated)],
-            vec![overload, unloaded],
+            vec![overload, overload_tight, unloaded],
         ]
     };
 
     let server = common::bench_server().await;
     let url = server.server.url();
     let mut results: Vec<(Case, Vec<ClassRow>)> = Vec::new();
+    let mut measured: Vec<(Case, Measured)> = Vec::new();
     let mut i = 0;
     for group in groups {
         let mut tasks = Vec::new();
@@ -850,7 +968,8 @@ async fn bench() {
         for (case, requests, task) in tasks {
             let m = task.await.expect("a case panicked");
             let rows = report(&case, &m, &requests, plan, capacity);
-            results.push((case, rows));
+            results.push((case.clone(), rows));
+            measured.push((case, m));
         }
     }
 
@@ -862,9 +981,9 @@ async fn bench() {
             .expect("the case ran")
     };
     let error = |(case, rows): (&Case, &Vec<ClassRow>), k: usize| {
-        let total: u64 = rows.iter().map(|r| r.work).sum();
+        let total: u64 = rows.iter().map(|r| r.served).sum();
         let weights: f64 = case.classes.iter().map(|c| c.weight).sum();
-        let share = rows[k].work as f64 / total.max(1) as f64;
+        let share = rows[k].served as f64 / total.max(1) as f64;
         let configured = case.classes[k].weight / weights;
         (share - configured).abs() / configured
     };
@@ -878,12 +997,39 @@ async fn bench() {
         error(shared, 1),
         error(isolated, 1),
     );
-    let over = find("priority_overload", Setting::Shared).1[0].ttft_p99;
-    let alone = find("priority_unloaded", Setting::Shared).1[0].ttft_p99;
+    // The engines' prefill backlog at the window's end against the saturation threshold:
+    // what the admission let pile up on the workers.
+    let backlog = |name: &str, setting: Setting| {
+        let (case, m) = measured
+            .iter()
+            .find(|(c, _)| c.name == name && c.setting == setting)
+            .expect("the case ran");
+        m.backlog.last().copied().unwrap_or(0.0)
+            / case.saturation.max_prefill_tokens_per_worker() as f64
+    };
     println!(
-        "priority_ttft_p99_overload_vs_unloaded={:.2} (high band p99 TTFT {over:.0} ms under \
-         overload, {alone:.0} ms alone)",
-        over / alone
+        "fair_backlog_end_vs_threshold={:.2} fair_backlog_end_vs_threshold_isolated={:.2}",
+        backlog("fair", Setting::Shared),
+        backlog("fair", Setting::Isolated),
     );
+    let alone = find("priority_unloaded", Setting::Shared).1[0].ttft_p99;
+    for (name, key) in [
+        ("priority_overload", "priority_ttft_p99_overload_vs_unloaded"),
+        (
+            "priority_overload_tight",
+            "priority_ttft_p99_overload_vs_unloaded_tight",
+        ),
+    ] {
+        let (case, rows) = find(name, Setting::Shared);
+        let over = rows[0].ttft_p99;
+        println!(
+            "{key}={:.2} (high band p99 TTFT {over:.0} ms under overload at \
+             max_prefill_tokens_per_worker={}, {alone:.0} ms alone; backlog at the end {:.2}x \
+             the threshold)",
+            over / alone,
+            case.saturation.max_prefill_tokens_per_worker(),
+            backlog(name, Setting::Shared),
+        );
+    }
     println!("admission_wall_s={:.1}", began.elapsed().as_secs_f64());
 }
