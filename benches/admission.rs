@@ -1,5 +1,88 @@
-//! Fleet-wide admission under overload (`cargo bench --bench admission`; issue 28 item 4).
-//! The module docs are completed below, once the figures are known.
+//! Fleet-wide admission under overload: 4 router replicas share one deployment's admission
+//! classes over the bus, or each enforces them from its own decisions only (`cargo bench
+//! --bench admission`, issue 28 item 4; BENCHMARKS.md has the figures and their reading).
+//!
+//! # The deployment and the replicas
+//! The routing bench's model (`routing.rs` has the parameters and their sources): 8 workers,
+//! each a vLLM-like engine (continuous batching, chunked prefill of 2,048 tokens a step, FIFO
+//! queue, 256 sequences, 400,000 KV tokens) serving the conversation mix of the Azure 2023
+//! trace. Capacity is measured, not assumed: one worker kept saturated completes
+//! `capacity / 8` requests a second (printed). Offered loads are shares of it.
+//!
+//! 4 replicas, each a real `Router` (policy weighted cost, the crate's default) with the
+//! admission classes of the case, the crate's default saturation (16,384 prefill tokens
+//! waiting per worker; the KV criterion off, as by default) and queue (1,024 requests, 2 s
+//! wait). Every route request names its class and sets no wait of its own (so the queue's
+//! 2 s); the routers are not told output lengths, so a class's in-flight tokens are its
+//! prompts'. Settings:
+//! - **shared**: the workers publish real lease events with [`LeasePublisher`]s (`admitted`
+//!   with `cls`, prompt and cached tokens when a request reaches its worker, `progressed` at
+//!   the first token and every 32 output tokens, `completed`) on a private nats-server; each
+//!   replica hears them through a real `NatsIngress`, so every replica counts every class's
+//!   in-flight work across the fleet.
+//! - **isolated**: each replica hears only the events of the requests it routed (at once, as
+//!   a proxy in their response path would: `NoIngress`, fed through its manager): it
+//!   enforces the shares, and judges saturation, from its own decisions only, as per-router
+//!   admission does (Dynamo's per-router policy queues, llm-d's per-picker flow control).
+//!
+//! # The cases
+//! Two streams of requests, the same mix, Poisson, each its own seed:
+//! - the **heavy** stream offers 100% of capacity, 85% of it through replica 0 and the rest
+//!   through replicas 1 to 3 in turn (skewed ingress);
+//! - the **light** stream offers 50% of capacity, through the 4 replicas in turn.
+//!
+//! **fair** (shared, then isolated): classes `heavy` (weight 4) and `light` (weight 1) in one
+//! band, on those streams: 150% of capacity. Each class offers more than its fair share of
+//! capacity (heavy 100% > 80%, light 50% > 20%): both are backlogged, so the fair answer is
+//! the configured 4:1 (a class offering less than its share would get all it asks, and the
+//! other the rest). Measured: each class's share of the work served in the measured window
+//! (below) against 4/5 and 1/5; `fair_share_error` is the heavy class's `|measured share -
+//! 0.8| / 0.8` (as `tests/admission.rs` defines it), the light class's error printed beside.
+//!
+//! **priority**: classes `high` (band 1) on the light stream and `low` (band 0) on the heavy
+//! one (150% of capacity), at the default saturation and at one step's prefill (2,048 tokens
+//! per worker: `_tight`); next to `high` alone on its stream (50% of capacity, never
+//! saturated: the unloaded figure). `priority_ttft_p99_overload_vs_unloaded` is the high
+//! band's p99 time to first token under overload over its p99 alone (goal <= 1.2).
+//!
+//! # What is measured
+//! - **Work served**: the tokens the engines served each class inside the measured window: a
+//!   request's prompt in the step that completes its prefill (its first token), its output
+//!   tokens as they are decoded (counted at each `progressed`, every 32, and at completion).
+//!   `completed_work_share` (prompt + output of the requests that completed in the window)
+//!   is printed too; it lags by the requests' time in the engines (tens of seconds here).
+//! - **TTFT**: of the routed requests that arrived in the window, from their arrival (a wait
+//!   in a replica's queue counts), to the end of the step that finishes their prefill.
+//! - **Refused** (429 after the queue's 2 s, or at once with a full queue): counted per class
+//!   and not retried (a client that gives up; a retry would only add offered load).
+//! - The engines' prefill backlog per worker (tokens still to prefill: queued and
+//!   running), sampled each second of the window: `fair_backlog_end_vs_threshold` is its
+//!   value at the window's end over the saturation threshold, what admission let pile up.
+//!
+//! # The run
+//! Real time on the bus (model second = wall second), like the routing bench's shared cases.
+//! Warm-up 40 s: at 150% the engines' batches take ~35 s to fill (`ADMISSION_TRACE=1` shows
+//! it), and before that the engines prefill faster than their steady capacity and the
+//! classes' in-flight figures still carry the unsaturated start. Then 40 s measured, 5 s
+//! more of arrivals; every answer is awaited, and the model runs on alone (as fast as it
+//! computes, no events) until every measured routed request has completed. The fair cases
+//! run at once on one nats-server (each its own deployment), then the priority cases: about
+//! 3 minutes.
+//!
+//! Output: per case, one `admission_class` line per class (offered, routed, refused, served
+//! share, TTFT p50/p99 in ms, the p99 wait in the replicas' queues) and an `admission_case`
+//! line (completions against capacity, prefill utilisation, the engines' backlog, how late
+//! the driver ran, the bus's lag); then `fair_share_error=` with `fair_share_error_isolated=`
+//! beside it, `fair_backlog_end_vs_threshold=` (and `_isolated=`),
+//! `priority_ttft_p99_overload_vs_unloaded=` and `_tight=`.
+//!
+//! Environment: `ADMISSION_SEED` (1), `ADMISSION_SECONDS` (measured, 40), `ADMISSION_WARMUP`
+//! (40), `ADMISSION_TAIL` (5), `ADMISSION_TRACE=1` (each case's state every 5 s: backlog,
+//! engine queue and batch, routed, refused and served per class), `ADMISSION_QUICK=1` (15 s
+//! warm-up, 15 s measured, every case at once: ~40 s; its figures are from the start-up
+//! transient, a smoke check only).
+//!
+//! [`LeasePublisher`]: lease_router::LeasePublisher
 mod common;
 #[path = "routing/model.rs"]
 mod model;
@@ -118,8 +201,8 @@ impl Case {
         for c in &self.classes {
             config = config.with_class(AdmissionClass::new(c.name, c.band, c.weight));
         }
-        // The lowest band's last class takes what names no class (none here: every request
-        // names its class).
+        // The lowest band's first class takes what names no class (none here: every
+        // request names its class).
         let default = self
             .classes
             .iter()
@@ -170,7 +253,7 @@ fn arrivals(seed: u64, capacity: f64, until: f64, classes: &[Class]) -> Vec<Arri
     for (k, class) in classes.iter().enumerate() {
         let stream = class.stream;
         let stream_seed = seed.wrapping_mul(0x9E37_79B9).wrapping_add(stream.id);
-        let mut pick = Rng::new(stream_seed ^ 0x1A6E_55);
+        let mut pick = Rng::new(stream_seed ^ 0x001A_6E55);
         let mut turn = 0usize;
         for r in model::arrivals(stream_seed, stream.load * capacity, until, MIX) {
             let replica = match stream.ingress {
@@ -302,7 +385,8 @@ impl Fleet {
         match case.setting {
             Setting::Shared => {
                 let subjects = common::subjects(deployment);
-                let (mut routers, mut stats, mut connections) = (Vec::new(), Vec::new(), Vec::new());
+                let (mut routers, mut stats, mut connections) =
+                    (Vec::new(), Vec::new(), Vec::new());
                 for _ in 0..REPLICAS {
                     let connection = common::nats(url, None).await;
                     let s = Arc::new(IngressStats::new());
@@ -676,7 +760,8 @@ async fn run(
                 Happened::Completed(i) => {
                     fates[i].completed = t;
                     open -= usize::from(
-                        plan.in_window(requests[i].request.arrival) && fates[i].worker != usize::MAX,
+                        plan.in_window(requests[i].request.arrival)
+                            && fates[i].worker != usize::MAX,
                     );
                 }
                 Happened::Progress(..) => {}
@@ -767,7 +852,13 @@ fn class_rows(m: &Measured, requests: &[Arrival], plan: Plan, classes: usize) ->
 }
 
 /// Prints a case's lines; returns its class rows.
-fn report(case: &Case, m: &Measured, requests: &[Arrival], plan: Plan, capacity: f64) -> Vec<ClassRow> {
+fn report(
+    case: &Case,
+    m: &Measured,
+    requests: &[Arrival],
+    plan: Plan,
+    capacity: f64,
+) -> Vec<ClassRow> {
     let rows = class_rows(m, requests, plan, case.classes.len());
     let total_work: u64 = rows.iter().map(|r| r.work).sum();
     let total_served: u64 = rows.iter().map(|r| r.served).sum();
@@ -1014,7 +1105,10 @@ async fn bench() {
     );
     let alone = find("priority_unloaded", Setting::Shared).1[0].ttft_p99;
     for (name, key) in [
-        ("priority_overload", "priority_ttft_p99_overload_vs_unloaded"),
+        (
+            "priority_overload",
+            "priority_ttft_p99_overload_vs_unloaded",
+        ),
         (
             "priority_overload_tight",
             "priority_ttft_p99_overload_vs_unloaded_tight",

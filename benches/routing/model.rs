@@ -523,11 +523,7 @@ impl Worker {
             .iter()
             .map(|(_, r, _)| u64::from(r.uncached()))
             .sum();
-        let running: u64 = self
-            .running
-            .iter()
-            .map(|s| u64::from(s.prefill_left))
-            .sum();
+        let running: u64 = self.running.iter().map(|s| u64::from(s.prefill_left)).sum();
         queued + running
     }
 
