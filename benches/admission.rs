@@ -863,11 +863,13 @@ fn report(
     let total_work: u64 = rows.iter().map(|r| r.work).sum();
     let total_served: u64 = rows.iter().map(|r| r.served).sum();
     let total_weight: f64 = case.classes.iter().map(|c| c.weight).sum();
+    // Weights share within a band: a configured share only where every class is in one.
+    let one_band = case.classes.iter().all(|c| c.band == case.classes[0].band);
     for (class, row) in case.classes.iter().zip(&rows) {
         println!(
             "admission_class {} class={} band={} weight={} offered_load={:.0}% ingress={} \
              offered={} routed={} refused={} refused_share={:.3} served_share={:.3} \
-             configured_share={:.3} completed={} completed_work_share={:.3} ttft_p50_ms={:.0} ttft_p99_ms={:.0} queue_wait_p99_ms={:.0} \
+             configured_share={} completed={} completed_work_share={:.3} ttft_p50_ms={:.0} ttft_p99_ms={:.0} queue_wait_p99_ms={:.0} \
              cut={}",
             case.label(),
             class.name,
@@ -880,7 +882,11 @@ fn report(
             row.refused,
             row.refused as f64 / row.offered.max(1) as f64,
             row.served as f64 / total_served.max(1) as f64,
-            class.weight / total_weight,
+            if one_band {
+                format!("{:.3}", class.weight / total_weight)
+            } else {
+                "none".into()
+            },
             row.completed,
             row.work as f64 / total_work.max(1) as f64,
             row.ttft_p50,
