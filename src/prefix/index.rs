@@ -985,7 +985,11 @@ mod tests {
         let blocks: Vec<u64> = (1..=4096).collect();
         ix.learn(w(1), &blocks[..3000]);
         ix.learn(w(2), &blocks[3000..]);
-        assert_eq!((ix.len(), ix.evicted()), (4096, 0), "at the bound, nothing goes");
+        assert_eq!(
+            (ix.len(), ix.evicted()),
+            (4096, 0),
+            "at the bound, nothing goes"
+        );
         ix.learn(w(3), &[9999]);
         // 4097 entries: down to 4096 - (4 - 1), the largest rank's 4 least recent.
         assert_eq!((ix.len(), ix.evicted()), (4093, 4));
