@@ -31,11 +31,14 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lease_router::{block_hashes, LeaseConfig, PrefixIndex, PrefixIndexConfig};
+use lease_router::{
+    RequestLeaseManager, RoutePolicy, RouteRequest, RoutingConfig, SchedulerHandle,
+};
 use lease_router::{RequestLoad, WorkerWithDpRank};
-use lease_router::{RoutePolicy, RouteRequest, RoutingConfig};
 use tokio_util::task::TaskTracker;
 
 use common::{machine, percentile, uuid_like, Rng};
@@ -186,47 +189,48 @@ async fn prefix_decisions(members: &[WorkerWithDpRank], prompts: &[u32], decisio
     fill(members, per_rank, |rank, hashes| {
         lease_router::internals::learn_prefix(&manager, rank, hashes)
     });
-    let mut rng = Rng::new(13);
     let gap = Duration::from_micros(env("ROUTE_PREFIX_GAP_US", 200));
+    let task_gap = Duration::from_millis(1);
+    let prompts: Arc<[u32]> = prompts.into();
     let mut p99s = Vec::new();
-    // Back to back, then one every `gap`; last, one every `gap` without the hashes (a
-    // load-only decision on the same scheduler: what the prefix part adds, same run).
-    for (mode, (paced, with_hashes)) in [(false, true), (true, true), (true, false)]
-        .into_iter()
-        .enumerate()
-    {
-        let mut samples = Vec::new();
-        let mut overlapping = 0u64;
-        let mut next = Instant::now();
-        for round in 0..decisions + decisions / 10 {
-            let hashes = block_hashes(&request_tokens(&mut rng, prompts), 16);
-            let request = RouteRequest::new(uuid_like(4 + mode as u64, round), PROMPT_TOKENS);
-            let request = if with_hashes {
-                request.with_block_hashes(hashes)
-            } else {
-                request
-            };
-            if paced {
-                next += gap;
-                while Instant::now() < next {
-                    std::hint::spin_loop();
-                }
-            }
-            let started = Instant::now();
-            let decision = scheduler.route(request).await.expect("routed");
-            let took = started.elapsed();
-            if round >= decisions / 10 {
-                samples.push(took.as_nanos() as u64);
-            }
-            overlapping += u64::from(decision.candidates[0].overlap_blocks > 0);
-            manager.complete_remote(&decision.booking);
-        }
+    // Back to back, then one every `gap`, then one every `gap` without the hashes (a
+    // load-only decision on the same scheduler: what the prefix part adds, same run): from
+    // this thread, a client beside the runtime. Last, the two paced ones from a task on the
+    // runtime, as the HTTP handler asks, one a millisecond (tokio's timer).
+    let modes = [
+        (false, true, false),
+        (true, true, false),
+        (true, false, false),
+        (true, true, true),
+        (true, false, true),
+    ];
+    for (mode, (paced, with_hashes, from_task)) in modes.into_iter().enumerate() {
+        let run = Decisions {
+            scheduler: scheduler.clone(),
+            manager: manager.clone(),
+            prompts: prompts.clone(),
+            seed: 13 + mode as u64,
+            mode: mode as u64,
+            gap: paced.then_some(if from_task { task_gap } else { gap }),
+            with_hashes,
+            decisions,
+        };
+        let (mut samples, overlapping) = if from_task {
+            tokio::spawn(run.run()).await.expect("decisions")
+        } else {
+            run.run().await
+        };
         samples.sort_unstable();
         let us = |q: f64| percentile(&samples, q) as f64 / 1000.0;
         println!(
-            "route_prefix_decision: mode={}{} entries={} p50_us={:.1} p99_us={:.1} max_us={:.1} chosen_with_overlap={:.2} goal_p99_us=100 met={}",
-            if paced { format!("one_every_{}us", gap.as_micros()) } else { "back_to_back".into() },
+            "route_prefix_decision: mode={}{}{} entries={} p50_us={:.1} p99_us={:.1} max_us={:.1} chosen_with_overlap={:.2} goal_p99_us=100 met={}",
+            match (paced, from_task) {
+                (false, _) => "back_to_back".to_string(),
+                (true, false) => format!("one_every_{}us", gap.as_micros()),
+                (true, true) => format!("one_every_{}us", task_gap.as_micros()),
+            },
             if with_hashes { "" } else { "_load_only" },
+            if from_task { "_from_a_task" } else { "" },
             scheduler.prefix_figures().entries,
             us(0.5),
             us(0.99),
@@ -238,11 +242,69 @@ async fn prefix_decisions(members: &[WorkerWithDpRank], prompts: &[u32], decisio
     }
     println!("route_prefix_decision_back_to_back_p99_us={:.1}", p99s[0].1);
     println!("route_prefix_decision_p99_us={:.1}", p99s[1].1);
-    println!(
-        "route_prefix_decision_paced_vs_load_only p50={:.2} p99={:.2}",
-        p99s[1].0 / p99s[2].0,
-        p99s[1].1 / p99s[2].1
-    );
+    println!("route_prefix_decision_from_a_task_p99_us={:.1}", p99s[3].1);
+    for (name, prefix, load_only) in [("", 1, 2), ("_from_a_task", 3, 4)] {
+        println!(
+            "route_prefix_decision{name}_vs_load_only p50={:.2} p99={:.2}",
+            p99s[prefix].0 / p99s[load_only].0,
+            p99s[prefix].1 / p99s[load_only].1
+        );
+    }
+}
+
+/// One mode's decisions: the latency of each (after a tenth to warm up), and how many
+/// chose a rank with an overlap.
+struct Decisions {
+    scheduler: SchedulerHandle,
+    manager: RequestLeaseManager,
+    prompts: Arc<[u32]>,
+    seed: u64,
+    mode: u64,
+    /// Paced one every this, or back to back.
+    gap: Option<Duration>,
+    with_hashes: bool,
+    decisions: u64,
+}
+
+impl Decisions {
+    async fn run(self) -> (Vec<u64>, u64) {
+        let mut rng = Rng::new(self.seed);
+        let mut samples = Vec::new();
+        let mut overlapping = 0u64;
+        let mut next = Instant::now();
+        let mut tokio_next = tokio::time::Instant::now();
+        for round in 0..self.decisions + self.decisions / 10 {
+            let hashes = block_hashes(&request_tokens(&mut rng, &self.prompts), 16);
+            let request = RouteRequest::new(uuid_like(4 + self.mode, round), PROMPT_TOKENS);
+            let request = if self.with_hashes {
+                request.with_block_hashes(hashes)
+            } else {
+                request
+            };
+            if let Some(gap) = self.gap {
+                if gap >= Duration::from_millis(1) {
+                    // On the runtime: asleep on tokio's timer, as a handler waits for its
+                    // next request.
+                    tokio_next += gap;
+                    tokio::time::sleep_until(tokio_next).await;
+                } else {
+                    next += gap;
+                    while Instant::now() < next {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+            let started = Instant::now();
+            let decision = self.scheduler.route(request).await.expect("routed");
+            let took = started.elapsed();
+            if round >= self.decisions / 10 {
+                samples.push(took.as_nanos() as u64);
+            }
+            overlapping += u64::from(decision.candidates[0].overlap_blocks > 0);
+            self.manager.complete_remote(&decision.booking);
+        }
+        (samples, overlapping)
+    }
 }
 
 const PER_RANK: u32 = 10_000;
