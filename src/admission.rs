@@ -192,14 +192,26 @@ impl SaturationConfig {
         let kv_share = self
             .kv_capacity_tokens
             .map(|capacity| kv as f64 / (capacity as f64 * members as f64));
-        let saturated = prefill_per_worker > self.max_prefill_tokens_per_worker as f64
-            || kv_share.is_some_and(|share| share > self.max_kv_share);
-        Saturation {
-            saturated,
+        let mut saturation = Saturation {
+            saturated: false,
             members,
             prefill_tokens_per_worker: prefill_per_worker,
             kv_share,
-        }
+        };
+        let (prefill, kv) = self.past(&saturation);
+        saturation.saturated = prefill || kv;
+        saturation
+    }
+
+    /// Which criteria `saturation` is past: (prefill, KV). Admission bounds each class by
+    /// its part of the criteria the deployment is past.
+    pub(crate) fn past(&self, saturation: &Saturation) -> (bool, bool) {
+        let prefill =
+            saturation.prefill_tokens_per_worker > self.max_prefill_tokens_per_worker as f64;
+        let kv = saturation
+            .kv_share
+            .is_some_and(|share| share > self.max_kv_share);
+        (prefill, kv)
     }
 }
 
@@ -553,18 +565,12 @@ impl ClassTable {
             .collect()
     }
 
-    /// The classes in force, and each one's tokens in flight from `sums` (in their order, as
-    /// [`Self::loads`] counts them), read together.
-    pub(crate) fn snapshot(&self, sums: &ClassSums) -> (AdmissionConfig, Vec<u64>) {
+    /// The classes in force, and each one's load across the fleet from `sums` (in their
+    /// order, as [`Self::loads`] counts them), read together.
+    pub(crate) fn snapshot(&self, sums: &ClassSums) -> (AdmissionConfig, Vec<WorkerLoad>) {
         let inner = self.inner.read();
-        let tokens = Self::fold(&inner, sums)
-            .iter()
-            .map(|sums| {
-                let load = sums.load();
-                load.prompt_tokens + load.expected_output_tokens
-            })
-            .collect();
-        (inner.config.clone(), tokens)
+        let loads = Self::fold(&inner, sums).iter().map(LoadSums::load).collect();
+        (inner.config.clone(), loads)
     }
 
     /// The sums of each configured class, in the config's order: its own, and for the

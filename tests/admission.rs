@@ -203,69 +203,87 @@ async fn two_replicas_count_every_class_of_the_fleet_alike() {
     }
 }
 
-/// Premium 4 and regular 1 in one band, saturated by any prefill waiting, refusing at once
-/// whatever may not go.
+/// Premium 4 and regular 1 in one band, saturated past 150 prefill tokens waiting per worker,
+/// refusing at once whatever may not go.
 fn strict() -> AdmissionConfig {
     AdmissionConfig::default()
         .with_class(AdmissionClass::new("premium", 0, 4.0))
         .with_class(AdmissionClass::new("regular", 0, 1.0))
         .with_default_class("regular")
-        .with_saturation(SaturationConfig::default().with_max_prefill_tokens_per_worker(0))
+        .with_saturation(SaturationConfig::default().with_max_prefill_tokens_per_worker(150))
         .with_queue(QueueConfig::default().with_max_queued(0))
 }
 
-/// Offers `rounds` premium requests to `premium_to` and as many regular ones to
-/// `regular_to`, alternating; each routed one is admitted by its worker on `deployment_of`
-/// its replica's deployment, and the next decision waits until `watchers` have seen it.
-/// Returns the requests routed per class (premium, regular).
+/// Rounds before [`offer`] counts: the fleet fills to its saturation threshold first.
+const WARM_ROUNDS: usize = 10;
+
+/// Offers `rounds` premium requests to the first replica and as many regular ones to the
+/// second, alternating, 100 prompt tokens each; each routed one is admitted by its worker on
+/// its replica's deployment. After each round the oldest request in flight anywhere
+/// completes: the fleet finishes one request's prefill while two are offered, an overload
+/// of 2x. Each decision waits until each replica sees what it can: with `shared`, both
+/// replicas see every request (one deployment); without, each sees its own only. Returns
+/// the requests routed per class (premium, regular) after [`WARM_ROUNDS`].
 async fn offer(
     rounds: usize,
     replicas: [(&SchedulerHandle, &mut RawPublisher); 2],
-    watchers: &[&SchedulerHandle],
+    shared: bool,
 ) -> (u64, u64) {
     let [(premium_to, premium_pub), (regular_to, regular_pub)] = replicas;
+    let mut publishers = [premium_pub, regular_pub];
+    let schedulers = [premium_to, regular_to];
     let mut routed = [0u64; 2];
+    // (request, worker, which replica routed it), oldest first.
+    let mut live: std::collections::VecDeque<(String, u64, usize)> = Default::default();
+    let settled = |live: &std::collections::VecDeque<(String, u64, usize)>| {
+        let seen: Vec<u64> = (0..2)
+            .map(|k| live.iter().filter(|(_, _, by)| shared || *by == k).count() as u64)
+            .collect();
+        let schedulers = schedulers.map(Clone::clone);
+        async move {
+            for (k, scheduler) in schedulers.iter().enumerate() {
+                let total = || async {
+                    in_flight(scheduler).await.iter().map(|(_, r, _)| r).sum::<u64>() == seen[k]
+                };
+                assert!(eventually(BOUND, total).await, "replica {k} sees {}", seen[k]);
+            }
+        }
+    };
     for i in 0..rounds {
-        for (k, (scheduler, publisher, class)) in [
-            (premium_to, &mut *premium_pub, "premium"),
-            (regular_to, &mut *regular_pub, "regular"),
-        ]
-        .into_iter()
-        .enumerate()
-        {
+        for (k, class) in ["premium", "regular"].into_iter().enumerate() {
             let id = format!("{class}-{i}");
             let request = RouteRequest::new(id.as_str(), 100)
                 .with_expected_output_tokens(16)
                 .with_class(class);
-            match scheduler.route(request).await {
+            match schedulers[k].route(request).await {
                 Ok(decision) => {
-                    routed[k] += 1;
-                    let worker = decision.worker().worker_id.0;
-                    publisher.send(in_class(&id, worker, Some(class))).await;
-                    publisher.flush().await;
-                    let total = routed[0] + routed[1];
-                    let seen_by = |s: &SchedulerHandle| {
-                        let s = s.clone();
-                        async move {
-                            in_flight(&s).await.iter().map(|(_, r, _)| r).sum::<u64>() == total
-                        }
-                    };
-                    for watcher in watchers {
-                        assert!(eventually(BOUND, || seen_by(watcher)).await, "{id}");
+                    if i >= WARM_ROUNDS {
+                        routed[k] += 1;
                     }
+                    let worker = decision.worker().worker_id.0;
+                    publishers[k].send(in_class(&id, worker, Some(class))).await;
+                    publishers[k].flush().await;
+                    live.push_back((id, worker, k));
+                    settled(&live).await;
                 }
                 Err(RouteRequestError::Overloaded { .. }) => {}
                 Err(other) => panic!("{id}: {other}"),
             }
         }
+        if let Some((id, worker, k)) = live.pop_front() {
+            publishers[k].send(completed(&id, worker)).await;
+            publishers[k].flush().await;
+            settled(&live).await;
+        }
     }
     (routed[0], routed[1])
 }
 
-/// Premium (weight 4) through one replica only, regular (1) through the other: replicas
-/// sharing the bus admit them 4:1 fleet-wide while saturated; replicas that each count only
-/// their own decisions (each sees the admissions of its own requests only) admit 1:1, each
-/// class alone taking all of its replica's picture.
+/// Premium (weight 4) through one replica only, regular (1) through the other, offered
+/// twice what the fleet completes: replicas sharing the bus admit them 4:1 fleet-wide once
+/// saturated, and what waits for prefill stays at the threshold; replicas that each count
+/// only their own decisions (each sees the admissions of its own requests only) admit 1:1,
+/// each class alone taking all of its replica's room.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_sharing_the_bus_hold_the_shares_where_isolated_ones_do_not() {
     let server = server().await;
@@ -307,13 +325,14 @@ async fn replicas_sharing_the_bus_hold_the_shares_where_isolated_ones_do_not() {
         assert!(eventually(BOUND, || async { s.loads().await.unwrap().len() == 2 }).await);
     }
 
+    let rounds = WARM_ROUNDS + 20;
     let fleet = offer(
-        10,
+        rounds,
         [(&sa, &mut shared), (&sb, &mut shared_too)],
-        &[&sa, &sb],
+        true,
     )
     .await;
-    let isolated = offer(10, [(&sc, &mut alone_a), (&sd, &mut alone_b)], &[]).await;
+    let isolated = offer(rounds, [(&sc, &mut alone_a), (&sd, &mut alone_b)], false).await;
     let share = |(premium, regular): (u64, u64)| premium as f64 / (premium + regular) as f64;
     let error = |routed| (share(routed) - 0.8f64).abs() / 0.8;
     eprintln!(
@@ -322,15 +341,19 @@ async fn replicas_sharing_the_bus_hold_the_shares_where_isolated_ones_do_not() {
         error(fleet),
         error(isolated)
     );
-    assert_eq!(fleet, (4, 1), "the shares, fleet-wide");
+    assert_eq!(fleet, (16, 4), "the shares, fleet-wide");
     assert!(error(fleet) <= 0.05);
     assert_eq!(
         isolated,
-        (1, 1),
+        (10, 10),
         "each replica alone sees only its own class"
     );
     assert!(error(isolated) > 0.3);
     assert_eq!(in_flight(&sa).await, in_flight(&sb).await);
+    // Bounded: no more waits for prefill than the threshold (150 tokens on each of two
+    // workers) and the one request that crossed it.
+    let requests: u64 = in_flight(&sa).await.iter().map(|(_, r, _)| r).sum();
+    assert!(requests <= 4, "{requests} in flight, 100 prompt tokens each");
     // What each replica's admission did is its own: A was asked only premium requests, B
     // only regular ones (none waited: the queue holds none).
     let decided = |scheduler: &SchedulerHandle| {
@@ -349,11 +372,11 @@ async fn replicas_sharing_the_bus_hold_the_shares_where_isolated_ones_do_not() {
     let class = |name: &str, admitted, refused| (name.to_owned(), admitted, refused, 0);
     assert_eq!(
         decided(&sa).await,
-        [class("premium", 4, 6), class("regular", 0, 0)]
+        [class("premium", 25, 5), class("regular", 0, 0)]
     );
     assert_eq!(
         decided(&sb).await,
-        [class("premium", 0, 0), class("regular", 1, 9)]
+        [class("premium", 0, 0), class("regular", 8, 22)]
     );
 
     drop((sa, sb, sc, sd));

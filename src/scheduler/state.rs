@@ -53,7 +53,8 @@ pub(super) struct SchedulerState {
     classes: Arc<ClassTable>,
     /// Every admission class's sums over the live bookings of every worker.
     class_sums: ClassSums,
-    /// Route requests waiting for admission, highest band first, then in arrival order.
+    /// Route requests waiting for admission, highest band first, then in arrival order
+    /// (they leave in [`Self::next_to_go`]'s order).
     waiting: Vec<Waiting>,
     /// Arrival number of the next waiting request.
     arrivals: u64,
@@ -64,46 +65,98 @@ pub(super) struct SchedulerState {
 /// Where a route decision's answer goes.
 pub(super) type RouteReply = oneshot::Sender<Result<RouteDecision, RouteRequestError>>;
 
-/// What an admission decision reads ([`SchedulerState::picture`]).
+/// One saturation criterion as an admission decision reads it.
+struct Criterion {
+    /// What the members hold before the deployment saturates by it: members × its
+    /// threshold (prefill tokens waiting, or KV tokens held).
+    room: f64,
+    /// Each configured class's use of it across the fleet, in the config's order.
+    used: Vec<u64>,
+    /// Whether the deployment is past its threshold.
+    past: bool,
+}
+
+/// What an admission decision reads ([`SchedulerState::picture`]): the same figures in
+/// every replica but for `waits`, this replica's own queue.
 struct Picture {
     config: AdmissionConfig,
     saturated: bool,
-    /// Each configured class's tokens in flight across the fleet, in the config's order.
-    tokens: Vec<u64>,
+    /// Prefill tokens waiting; then, with a KV capacity configured, KV tokens held.
+    criteria: Vec<Criterion>,
     /// Whether a request of each configured class waits in this replica.
     waits: Vec<bool>,
 }
 
 impl Picture {
+    /// Where `class` is in the config: a class no longer configured counts as the default
+    /// class, as its leases do. `None` without classes.
+    fn index(&self, class: &AdmissionClass) -> Option<usize> {
+        let name = self.config.class_of(Some(class.name()))?.name();
+        self.config.classes().iter().position(|c| c.name() == name)
+    }
+
+    /// The class at `at`'s part of `criterion`'s room: its weight over the weights of its
+    /// band's classes that share, times the room less what higher bands use. The classes
+    /// that share are those using some of it, those waiting in this replica, and the class
+    /// itself: an idle class's part goes to the others.
+    fn part(&self, criterion: &Criterion, at: usize) -> f64 {
+        let classes = self.config.classes();
+        let band = classes[at].band();
+        let (mut weights, mut higher) = (0.0, 0u64);
+        for (i, other) in classes.iter().enumerate() {
+            let used = criterion.used.get(i).copied().unwrap_or(0);
+            if other.band() > band {
+                higher = higher.saturating_add(used);
+            } else if other.band() == band
+                && (i == at || used > 0 || self.waits.get(i).copied().unwrap_or(false))
+            {
+                weights += other.weight();
+            }
+        }
+        let room = (criterion.room - higher as f64).max(0.0);
+        classes[at].weight() / weights * room
+    }
+
+    /// What the class at `at` uses of its part: its use over its part, the most over the
+    /// criteria (0 when it uses nothing). The queue lets the least-filled class go first.
+    fn fill(&self, at: usize) -> f64 {
+        self.criteria
+            .iter()
+            .map(|criterion| {
+                let used = criterion.used.get(at).copied().unwrap_or(0);
+                if used == 0 {
+                    0.0
+                } else {
+                    used as f64 / self.part(criterion, at)
+                }
+            })
+            .fold(0.0, f64::max)
+    }
+
     /// Whether a request of `class` may be routed now (before the band of those waiting
     /// is considered): always while the deployment is not saturated; while it is, only
-    /// while the class is under its weighted fair share of its band's in-flight tokens
-    /// across the fleet. The band's classes that share are those with tokens in flight, or
-    /// waiting here, and the class itself.
+    /// while its class uses less than its part of each criterion the deployment is past.
+    /// The parts of a band add up to its room, so while saturated some class is over its
+    /// part: what is admitted stays near the threshold, split by the weights.
     fn admits(&self, class: &AdmissionClass) -> bool {
         if !self.saturated {
             return true;
         }
-        let classes = self.config.classes();
-        let (mut weights, mut tokens, mut own) = (0.0, 0u64, 0u64);
-        for (i, other) in classes.iter().enumerate() {
-            if other.band() != class.band() {
-                continue;
-            }
-            let in_flight = self.tokens.get(i).copied().unwrap_or(0);
-            let itself = other.name() == class.name();
-            if itself {
-                own = in_flight;
-            }
-            if itself || in_flight > 0 || self.waits.get(i).copied().unwrap_or(false) {
-                weights += other.weight();
-                tokens += in_flight;
-            }
-        }
-        if tokens == 0 || weights <= 0.0 {
+        let Some(at) = self.index(class) else {
             return true;
-        }
-        (own as f64) / (tokens as f64) < class.weight() / weights
+        };
+        self.criteria
+            .iter()
+            .filter(|criterion| criterion.past)
+            .all(|criterion| {
+                let used = criterion.used.get(at).copied().unwrap_or(0);
+                (used as f64) < self.part(criterion, at)
+            })
+    }
+
+    /// The queue's order among the classes of one band: the least-filled first.
+    fn fill_of(&self, class: &AdmissionClass) -> f64 {
+        self.index(class).map_or(0.0, |at| self.fill(at))
     }
 }
 
@@ -472,12 +525,12 @@ impl SchedulerState {
         if wait_ms == 0 || self.waiting.len() >= queue.max_queued() {
             let why = if wait_ms == 0 {
                 format!(
-                    "class {:?} is over its share and may not wait",
+                    "class {:?} is over its part and may not wait",
                     class.name()
                 )
             } else {
                 format!(
-                    "class {:?} is over its share and this replica's queue is full ({} waiting)",
+                    "class {:?} is over its part and this replica's queue is full ({} waiting)",
                     class.name(),
                     self.waiting.len()
                 )
@@ -510,16 +563,17 @@ impl SchedulerState {
         }));
     }
 
-    /// Routes the waiting requests that may go now, in order; refuses those past their
-    /// deadline; forgets those whose caller went away. What it decides with is read once,
-    /// and again after each request it routes (which moves the figures).
+    /// Routes the waiting requests that may go now, in [`Self::next_to_go`]'s order; refuses
+    /// those past their deadline; forgets those whose caller went away. What it decides with
+    /// is read once, and again after the queue changes (each request routed moves the
+    /// figures).
     pub(super) fn admit_waiting(&mut self) {
         if self.waiting.is_empty() {
             return;
         }
         let mut picture = self.picture();
         let now = tokio::time::Instant::now();
-        let mut i = 0;
+        let (mut i, mut left) = (0, false);
         while i < self.waiting.len() {
             let waiting = &self.waiting[i];
             if waiting.reply.is_closed() {
@@ -531,7 +585,7 @@ impl SchedulerState {
             } else if waiting.deadline <= now {
                 let waiting = self.waiting.remove(i);
                 let why = format!(
-                    "class {:?} stayed over its share for the whole wait",
+                    "class {:?} stayed over its part for the whole wait",
                     waiting.class.name()
                 );
                 self.admission_counts
@@ -540,27 +594,51 @@ impl SchedulerState {
                 self.refuse(waiting.reply, why, &waiting.class, &picture.config);
             } else {
                 i += 1;
+                continue;
+            }
+            left = true;
+        }
+        if left {
+            // Who waits here moved the parts.
+            picture = self.picture();
+        }
+        while let Some(i) = self.next_to_go(&picture) {
+            let waiting = self.waiting.remove(i);
+            self.admission_counts
+                .of(waiting.class.name())
+                .left_queue(now.saturating_duration_since(waiting.since));
+            let decided = self.route_admitted(waiting.request, &waiting.class);
+            let _ = waiting.reply.send(decided);
+            picture = self.picture();
+        }
+    }
+
+    /// The waiting request to route next, if one may go: in the highest band waiting (a
+    /// lower band stays behind a higher one left waiting), of the classes that may go, the
+    /// one furthest under its part ([`Picture::fill`]), then the earliest.
+    fn next_to_go(&self, picture: &Picture) -> Option<usize> {
+        let band = self.waiting.first()?.class.band();
+        let mut looked: Vec<&str> = Vec::new();
+        let mut best: Option<(f64, usize)> = None;
+        for (i, waiting) in self.waiting.iter().enumerate() {
+            if waiting.class.band() != band {
+                break;
+            }
+            // A class's earliest request stands for it.
+            let name = waiting.class.name();
+            if looked.contains(&name) {
+                continue;
+            }
+            looked.push(name);
+            if !picture.admits(&waiting.class) {
+                continue;
+            }
+            let fill = picture.fill_of(&waiting.class);
+            if best.is_none_or(|(least, _)| fill < least) {
+                best = Some((fill, i));
             }
         }
-        // The highest band of a request left waiting: lower bands stay behind it.
-        let mut blocked: Option<u8> = None;
-        let mut i = 0;
-        while i < self.waiting.len() {
-            let band = self.waiting[i].class.band();
-            let behind = blocked.is_some_and(|b| b > band);
-            if !behind && picture.admits(&self.waiting[i].class) {
-                let waiting = self.waiting.remove(i);
-                self.admission_counts
-                    .of(waiting.class.name())
-                    .left_queue(now.saturating_duration_since(waiting.since));
-                let decided = self.route_admitted(waiting.request, &waiting.class);
-                let _ = waiting.reply.send(decided);
-                picture = self.picture();
-            } else {
-                blocked = Some(blocked.map_or(band, |b| b.max(band)));
-                i += 1;
-            }
-        }
+        best.map(|(_, i)| i)
     }
 
     /// Routes a request its admission let through, counted under its class when routed.
@@ -593,26 +671,39 @@ impl SchedulerState {
         }));
     }
 
-    /// What an admission decision reads: the classes, whether the deployment is saturated
-    /// and, if it is, each class's tokens in flight across the fleet and whether one of its
-    /// requests waits here.
+    /// What an admission decision reads: the classes, whether the deployment is saturated,
+    /// each saturation criterion's room and each class's use of it across the fleet, and
+    /// which classes have a request waiting here.
     fn picture(&self) -> Picture {
         let members: Vec<WorkerLoad> = self.loads().map(|(_, load)| load).collect();
-        let (config, tokens) = self.classes.snapshot(&self.class_sums);
-        let saturated = config.saturation().assess(&members).saturated;
+        let (config, loads) = self.classes.snapshot(&self.class_sums);
+        let saturation = config.saturation();
+        let now = saturation.assess(&members);
+        let (prefill_past, kv_past) = saturation.past(&now);
+        let members = now.members as f64;
+        let mut criteria = vec![Criterion {
+            room: saturation.max_prefill_tokens_per_worker() as f64 * members,
+            used: loads.iter().map(|load| load.prefill_tokens).collect(),
+            past: prefill_past,
+        }];
+        if let Some(capacity) = saturation.kv_capacity_tokens() {
+            criteria.push(Criterion {
+                room: saturation.max_kv_share() * capacity as f64 * members,
+                used: loads.iter().map(|load| load.kv_tokens).collect(),
+                past: kv_past,
+            });
+        }
         let mut waits = vec![false; config.classes().len()];
-        if saturated {
-            for waiting in &self.waiting {
-                let name = waiting.class.name();
-                if let Some(i) = config.classes().iter().position(|c| c.name() == name) {
-                    waits[i] = true;
-                }
+        for waiting in &self.waiting {
+            let name = waiting.class.name();
+            if let Some(i) = config.classes().iter().position(|c| c.name() == name) {
+                waits[i] = true;
             }
         }
         Picture {
             config,
-            saturated,
-            tokens,
+            saturated: now.saturated,
+            criteria,
             waits,
         }
     }

@@ -909,7 +909,7 @@ mod admission {
         }
     }
 
-    /// While saturated, a class under its share of the fleet's in-flight tokens is routed
+    /// While saturated, a class under its part of the room (100 prefill tokens) is routed
     /// and one over it waits (bounded: a full queue or no wait refuses at once); once the
     /// deployment is not saturated, those waiting are routed. Without saturation nothing
     /// waits.
@@ -919,16 +919,17 @@ mod admission {
             .with_max_queued(2)
             .with_max_wait_ms(60_000);
         let (handle, premium) = saturable(0, queue);
-        // Not saturated: premium goes at once, whatever its share.
+        // Not saturated: premium goes at once, whatever its part.
         assert!(handle.route(request("p0", "premium")).await.is_ok());
         // Another replica's premium request, 1,000 prefill tokens: saturated, premium over
-        // its share (4/5 of the band's tokens).
+        // its part (4/5 of the room, 80 tokens).
         let heavy = weight(1000, None);
         submit(
             &handle.cleanup(),
             &[Op::Admitted(premium, worker(1), heavy)],
         );
-        // Regular is under its share (0 of 1,010 tokens): routed.
+        // Regular is under its part (0 of 20 tokens): routed, and unknown counts as regular
+        // (10 of 20).
         assert!(handle.route(request("r0", "regular")).await.is_ok());
         assert!(handle.route(request("r1", "no-such-class")).await.is_ok());
         // Premium may not wait, or waits; the queue holds two.
@@ -1009,6 +1010,85 @@ mod admission {
         );
     }
 
+    /// While saturated, each class is bounded by its part of the room (the threshold times
+    /// the members, split by weight), not by its share of what is in flight: with both
+    /// classes over their parts neither goes, though regular holds far under its share of
+    /// the band's tokens, so what the band admits stays near the threshold.
+    #[tokio::test(start_paused = true)]
+    async fn a_class_under_its_share_but_over_its_part_of_the_room_waits() {
+        let (handle, premium) = saturable(0, QueueConfig::default().with_max_queued(0));
+        let regular = handle.mailbox.classes.resolve(Some("regular"));
+        // Another replica's: premium 800 prefill tokens, regular 50. Room 100: premium's
+        // part 80, regular's 20; regular holds 50 / 850 of the band, under its 1/5.
+        let (heavy, light) = (weight(800, None), weight(50, None));
+        submit(
+            &handle.cleanup(),
+            &[
+                Op::Admitted(premium, worker(1), heavy),
+                Op::Admitted(regular, worker(1), light),
+            ],
+        );
+        let why = overloaded(handle.route(request("r1", "regular")).await);
+        assert!(why.contains("over its part"), "{why}");
+        overloaded(handle.route(request("p1", "premium")).await);
+        // Regular's 50 complete: it holds nothing, under any part: it goes, saturated.
+        submit(
+            &handle.cleanup(),
+            &[Op::Release(regular, worker(1), light, ReleaseReason::Completed)],
+        );
+        assert!(handle.route(request("r2", "regular")).await.is_ok());
+        // 10 of 20: once more; then 20 of 20, over.
+        assert!(handle.route(request("r3", "regular")).await.is_ok());
+        overloaded(handle.route(request("r4", "regular")).await);
+        overloaded(handle.route(request("p2", "premium")).await);
+    }
+
+    /// When room is made, the waiting class furthest under its part goes first, whatever
+    /// the order the requests came in.
+    #[tokio::test(start_paused = true)]
+    async fn the_queue_lets_the_class_furthest_under_its_part_go_first() {
+        let queue = QueueConfig::default().with_max_wait_ms(60_000);
+        let (handle, premium) = saturable(0, queue);
+        let regular = handle.mailbox.classes.resolve(Some("regular"));
+        // Premium 85 + 65, regular 30: 180 waiting against 100, both over their parts (80
+        // and 20).
+        let (first, second, light) = (weight(85, None), weight(65, None), weight(30, None));
+        submit(
+            &handle.cleanup(),
+            &[
+                Op::Admitted(premium, worker(1), first),
+                Op::Admitted(premium, worker(1), second),
+                Op::Admitted(regular, worker(1), light),
+            ],
+        );
+        let wait = |id: &'static str, class: &'static str| {
+            let handle = handle.clone();
+            tokio::spawn(async move { handle.route(request(id, class)).await })
+        };
+        let r1 = wait("r1", "regular");
+        while handle.stats().admission_waited < 1 {
+            tokio::task::yield_now().await;
+        }
+        let p1 = wait("p1", "premium");
+        while handle.stats().admission_waited < 2 {
+            tokio::task::yield_now().await;
+        }
+        // 85 complete: 95 waiting, room for one request. Premium holds 65 of its 80 (0.81),
+        // regular 30 of its 20 (1.5): premium goes, and its 10 saturate the deployment again.
+        submit(
+            &handle.cleanup(),
+            &[Op::Release(premium, worker(1), first, ReleaseReason::Completed)],
+        );
+        assert!(p1.await.unwrap().is_ok());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!r1.is_finished(), "regular, first in, still waits");
+        submit(
+            &handle.cleanup(),
+            &[Op::Release(premium, worker(1), second, ReleaseReason::Completed)],
+        );
+        assert!(r1.await.unwrap().is_ok());
+    }
+
     /// A waiting request is refused at its deadline (its own `max_wait_ms`, capped by the
     /// queue's), and one whose caller went away leaves the queue.
     #[tokio::test(start_paused = true)]
@@ -1082,11 +1162,11 @@ mod admission {
     }
 
     /// While saturated, a request of a lower band stays behind one of a higher band that
-    /// waits, even when its own class is under its share.
+    /// waits, even when its own class is under its part.
     #[tokio::test(start_paused = true)]
     async fn a_lower_band_waits_behind_a_higher_band_waiting() {
         let (handle, premium) = saturable(1, QueueConfig::default());
-        // Premium alone in band 1 with tokens in flight: over its share (all of its band's).
+        // Premium alone in band 1 with 1,000 tokens: over its part (all of the room).
         submit(
             &handle.cleanup(),
             &[Op::Admitted(premium, worker(1), weight(1000, None))],
@@ -1098,7 +1178,8 @@ mod admission {
         while handle.stats().admission_waited < 1 {
             tokio::task::yield_now().await;
         }
-        // Regular, band 0, has nothing in flight (under its share), but premium waits.
+        // Regular, band 0, has nothing in flight, but premium waits (and leaves band 0 no
+        // room).
         let low = handle
             .route(request("r1", "regular").with_max_wait_ms(20))
             .await;
