@@ -569,7 +569,10 @@ impl ClassTable {
     /// order, as [`Self::loads`] counts them), read together.
     pub(crate) fn snapshot(&self, sums: &ClassSums) -> (AdmissionConfig, Vec<WorkerLoad>) {
         let inner = self.inner.read();
-        let loads = Self::fold(&inner, sums).iter().map(LoadSums::load).collect();
+        let loads = Self::fold(&inner, sums)
+            .iter()
+            .map(LoadSums::load)
+            .collect();
         (inner.config.clone(), loads)
     }
 

@@ -230,7 +230,7 @@ async fn offer(
     shared: bool,
 ) -> (u64, u64) {
     let [(premium_to, premium_pub), (regular_to, regular_pub)] = replicas;
-    let mut publishers = [premium_pub, regular_pub];
+    let publishers = [premium_pub, regular_pub];
     let schedulers = [premium_to, regular_to];
     let mut routed = [0u64; 2];
     // (request, worker, which replica routed it), oldest first.
@@ -243,9 +243,18 @@ async fn offer(
         async move {
             for (k, scheduler) in schedulers.iter().enumerate() {
                 let total = || async {
-                    in_flight(scheduler).await.iter().map(|(_, r, _)| r).sum::<u64>() == seen[k]
+                    in_flight(scheduler)
+                        .await
+                        .iter()
+                        .map(|(_, r, _)| r)
+                        .sum::<u64>()
+                        == seen[k]
                 };
-                assert!(eventually(BOUND, total).await, "replica {k} sees {}", seen[k]);
+                assert!(
+                    eventually(BOUND, total).await,
+                    "replica {k} sees {}",
+                    seen[k]
+                );
             }
         }
     };
@@ -326,12 +335,7 @@ async fn replicas_sharing_the_bus_hold_the_shares_where_isolated_ones_do_not() {
     }
 
     let rounds = WARM_ROUNDS + 20;
-    let fleet = offer(
-        rounds,
-        [(&sa, &mut shared), (&sb, &mut shared_too)],
-        true,
-    )
-    .await;
+    let fleet = offer(rounds, [(&sa, &mut shared), (&sb, &mut shared_too)], true).await;
     let isolated = offer(rounds, [(&sc, &mut alone_a), (&sd, &mut alone_b)], false).await;
     let share = |(premium, regular): (u64, u64)| premium as f64 / (premium + regular) as f64;
     let error = |routed| (share(routed) - 0.8f64).abs() / 0.8;
@@ -353,7 +357,10 @@ async fn replicas_sharing_the_bus_hold_the_shares_where_isolated_ones_do_not() {
     // Bounded: no more waits for prefill than the threshold (150 tokens on each of two
     // workers) and the one request that crossed it.
     let requests: u64 = in_flight(&sa).await.iter().map(|(_, r, _)| r).sum();
-    assert!(requests <= 4, "{requests} in flight, 100 prompt tokens each");
+    assert!(
+        requests <= 4,
+        "{requests} in flight, 100 prompt tokens each"
+    );
     // What each replica's admission did is its own: A was asked only premium requests, B
     // only regular ones (none waited: the queue holds none).
     let decided = |scheduler: &SchedulerHandle| {

@@ -524,10 +524,7 @@ impl SchedulerState {
             .min(queue.max_wait_ms());
         if wait_ms == 0 || self.waiting.len() >= queue.max_queued() {
             let why = if wait_ms == 0 {
-                format!(
-                    "class {:?} is over its part and may not wait",
-                    class.name()
-                )
+                format!("class {:?} is over its part and may not wait", class.name())
             } else {
                 format!(
                     "class {:?} is over its part and this replica's queue is full ({} waiting)",

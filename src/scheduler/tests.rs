@@ -1034,7 +1034,12 @@ mod admission {
         // Regular's 50 complete: it holds nothing, under any part: it goes, saturated.
         submit(
             &handle.cleanup(),
-            &[Op::Release(regular, worker(1), light, ReleaseReason::Completed)],
+            &[Op::Release(
+                regular,
+                worker(1),
+                light,
+                ReleaseReason::Completed,
+            )],
         );
         assert!(handle.route(request("r2", "regular")).await.is_ok());
         // 10 of 20: once more; then 20 of 20, over.
@@ -1077,14 +1082,24 @@ mod admission {
         // regular 30 of its 20 (1.5): premium goes, and its 10 saturate the deployment again.
         submit(
             &handle.cleanup(),
-            &[Op::Release(premium, worker(1), first, ReleaseReason::Completed)],
+            &[Op::Release(
+                premium,
+                worker(1),
+                first,
+                ReleaseReason::Completed,
+            )],
         );
         assert!(p1.await.unwrap().is_ok());
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!r1.is_finished(), "regular, first in, still waits");
         submit(
             &handle.cleanup(),
-            &[Op::Release(premium, worker(1), second, ReleaseReason::Completed)],
+            &[Op::Release(
+                premium,
+                worker(1),
+                second,
+                ReleaseReason::Completed,
+            )],
         );
         assert!(r1.await.unwrap().is_ok());
     }
