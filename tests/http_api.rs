@@ -1424,9 +1424,10 @@ async fn admission_classes_over_http() {
     service.stop().await;
 }
 
-/// While saturated, a route request of a class over its share is answered 429 with a JSON
-/// error and `Retry-After`: at once when the queue is full, after its wait otherwise; one
-/// whose client goes away leaves the queue. A class under its share is routed meanwhile.
+/// While saturated, a route request of a class over its part of the room is answered 429
+/// with a JSON error and `Retry-After`: at once when the queue is full, after its wait
+/// otherwise; one whose client goes away leaves the queue. A class under its part is routed
+/// meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_saturated_deployment_answers_429_with_retry_after() {
     let service = Service::start(None).await;
@@ -1458,7 +1459,7 @@ async fn a_saturated_deployment_answers_429_with_retry_after() {
         "the wait, rounded up"
     );
     let reply = route(r#"{"request_id": "r1", "prompt_tokens": 10, "class": "regular"}"#).await;
-    assert_eq!(reply.status, 200, "under its share: {}", reply.body);
+    assert_eq!(reply.status, 200, "under its part: {}", reply.body);
 
     // A queue: the request waits its own max_wait_ms, then 429.
     assert_eq!(
