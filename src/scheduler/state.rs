@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 use crate::admission::{
     AdmissionClass, AdmissionConfig, AdmissionCounts, ClassLoad, ClassSums, ClassTable,
 };
-use crate::load::{LoadSums, RequestLoad, WorkerLoad};
+use crate::load::{BookingWeight, LoadSums, RequestLoad, WorkerLoad};
 use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
 use crate::prefix::PrefixState;
 use crate::routing::{
@@ -76,6 +76,16 @@ struct Criterion {
     past: bool,
 }
 
+/// What one request adds to each criterion, in [`Picture::criteria`]'s order, as its
+/// booking weighs at admission: its uncached prompt to prefill waiting, its prompt to KV
+/// held.
+type Need = [u64; 2];
+
+fn need(request: &RouteRequest) -> Need {
+    let weight = BookingWeight::from(request.load());
+    [weight.prefill_tokens, weight.kv_tokens].map(u64::from)
+}
+
 /// What an admission decision reads ([`SchedulerState::picture`]): the same figures in
 /// every replica but for `waits`, this replica's own queue.
 struct Picture {
@@ -133,12 +143,15 @@ impl Picture {
             .fold(0.0, f64::max)
     }
 
-    /// Whether a request of `class` may be routed now (before the band of those waiting
-    /// is considered): always while the deployment is not saturated; while it is, only
-    /// while its class uses less than its part of each criterion the deployment is past.
-    /// The parts of a band add up to its room, so while saturated some class is over its
-    /// part: what is admitted stays near the threshold, split by the weights.
-    fn admits(&self, class: &AdmissionClass) -> bool {
+    /// Whether a request of `class` that adds `need` may be routed now (before the queue is
+    /// considered): always while the deployment is not saturated; while it is, only while,
+    /// for each criterion the deployment is past, its class's use with `need` stays within
+    /// its part, or its class uses none of it (a request larger than its class's whole part
+    /// still goes, alone). The parts of a band add up to its room, so what is admitted stays
+    /// at the threshold, split by the weights. Checking the use *with* the request, not
+    /// before it, keeps a class from passing its part by a request in each replica that
+    /// admits at the same moment: those overshoots weigh most on the smallest parts.
+    fn admits(&self, class: &AdmissionClass, need: Need) -> bool {
         if !self.saturated {
             return true;
         }
@@ -147,10 +160,11 @@ impl Picture {
         };
         self.criteria
             .iter()
-            .filter(|criterion| criterion.past)
-            .all(|criterion| {
+            .zip(need)
+            .filter(|(criterion, _)| criterion.past)
+            .all(|(criterion, need)| {
                 let used = criterion.used.get(at).copied().unwrap_or(0);
-                (used as f64) < self.part(criterion, at)
+                used == 0 || (used.saturating_add(need) as f64) <= self.part(criterion, at)
             })
     }
 
@@ -512,8 +526,13 @@ impl SchedulerState {
             let _ = reply.send(self.route(request));
             return;
         };
-        let higher_waiting = self.waiting.iter().any(|w| w.class.band() > class.band());
-        if !higher_waiting && picture.admits(&class) {
+        // Behind a higher band waiting, and behind its own class's earlier requests (a
+        // smaller request does not overtake them).
+        let behind = self
+            .waiting
+            .iter()
+            .any(|w| w.class.band() > class.band() || w.class.name() == class.name());
+        if !behind && picture.admits(&class, need(&request)) {
             let _ = reply.send(self.route_admitted(request, &class));
             return;
         }
@@ -627,7 +646,7 @@ impl SchedulerState {
                 continue;
             }
             looked.push(name);
-            if !picture.admits(&waiting.class) {
+            if !picture.admits(&waiting.class, need(&waiting.request)) {
                 continue;
             }
             let fill = picture.fill_of(&waiting.class);

@@ -1042,10 +1042,58 @@ mod admission {
             )],
         );
         assert!(handle.route(request("r2", "regular")).await.is_ok());
-        // 10 of 20: once more; then 20 of 20, over.
-        assert!(handle.route(request("r3", "regular")).await.is_ok());
-        overloaded(handle.route(request("r4", "regular")).await);
+        // 10 of 20: 15 more would pass the part (though 10 is under it), 10 more fits; then
+        // 20 of 20, full.
+        let sized = |id: &str, prompt| RouteRequest::new(id, prompt).with_class("regular");
+        overloaded(handle.route(sized("r3", 15)).await);
+        assert!(handle.route(sized("r4", 10)).await.is_ok());
+        overloaded(handle.route(request("r5", "regular")).await);
         overloaded(handle.route(request("p2", "premium")).await);
+    }
+
+    /// A request larger than its class's whole part still goes while its class uses
+    /// nothing, and only then; a request does not overtake its own class's earlier ones
+    /// that wait, even one that would fit.
+    #[tokio::test(start_paused = true)]
+    async fn a_class_s_requests_go_in_order_and_a_large_one_alone() {
+        let sized = |id: &str, prompt| RouteRequest::new(id, prompt).with_class("regular");
+        let queue = QueueConfig::default().with_max_wait_ms(60_000);
+        let heavy = weight(800, None);
+        // Saturated by premium's 800; regular's part is 20 tokens and it uses none.
+        let (handle, premium) = saturable(0, queue);
+        submit(
+            &handle.cleanup(),
+            &[Op::Admitted(premium, worker(1), heavy)],
+        );
+        assert!(handle.route(sized("big", 500)).await.is_ok(), "alone");
+        overloaded(handle.route(sized("small", 1)).await);
+
+        let (handle, premium) = saturable(0, queue);
+        let regular = handle.mailbox.classes.resolve(Some("regular"));
+        let light = weight(15, None);
+        submit(
+            &handle.cleanup(),
+            &[
+                Op::Admitted(premium, worker(1), heavy),
+                Op::Admitted(regular, worker(1), light),
+            ],
+        );
+        // 15 of 20: 10 waits; 5 would fit but may not pass it.
+        let first = {
+            let handle = handle.clone();
+            tokio::spawn(async move { handle.route(sized("w1", 10)).await })
+        };
+        while handle.stats().admission_waited < 1 {
+            tokio::task::yield_now().await;
+        }
+        let why = overloaded(handle.route(sized("w2", 5).with_max_wait_ms(0)).await);
+        assert!(why.contains("may not wait"), "{why}");
+        assert!(!first.is_finished());
+        submit(
+            &handle.cleanup(),
+            &[Op::Release(regular, worker(1), light, ReleaseReason::Completed)],
+        );
+        assert!(first.await.unwrap().is_ok());
     }
 
     /// When room is made, the waiting class furthest under its part goes first, whatever
