@@ -43,7 +43,12 @@
 //! one (150% of capacity), at the default saturation and at one step's prefill (2,048 tokens
 //! per worker: `_tight`); next to `high` alone on its stream (50% of capacity, never
 //! saturated: the unloaded figure). `priority_ttft_p99_overload_vs_unloaded` is the high
-//! band's p99 time to first token under overload over its p99 alone (goal <= 1.2).
+//! band's p99 time to first token under overload over its p99 alone (goal <= 1.2). The
+//! engines are FIFO, vLLM's default, so a high-band request waits behind the prefill the
+//! threshold lets queue in its engine; `_engine_priority` is the same overload with engines
+//! that schedule by priority (vLLM's `--scheduling-policy priority`, each request's band
+//! passed as its priority, as a gateway would; no preemption), and `_engine_priority_kv` the
+//! same with the KV criterion on at the engines' KV capacity (400,000 tokens, 0.9).
 //!
 //! # What is measured
 //! - **Work served**: the tokens the engines served each class inside the measured window: a
@@ -74,7 +79,8 @@
 //! line (completions against capacity, prefill utilisation, the engines' backlog, how late
 //! the driver ran, the bus's lag); then `fair_share_error=` with `fair_share_error_isolated=`
 //! beside it, `fair_backlog_end_vs_threshold=` (and `_isolated=`),
-//! `priority_ttft_p99_overload_vs_unloaded=` and `_tight=`.
+//! `priority_ttft_p99_overload_vs_unloaded=`, `_tight=`, `_engine_priority=` and
+//! `_engine_priority_kv=`.
 //!
 //! Environment: `ADMISSION_SEED` (1), `ADMISSION_SECONDS` (measured, 40), `ADMISSION_WARMUP`
 //! (40), `ADMISSION_TAIL` (5), `ADMISSION_TRACE=1` (each case's state every 5 s: backlog,
@@ -193,6 +199,10 @@ struct Case {
     classes: Vec<Class>,
     /// When the deployment counts as saturated.
     saturation: SaturationConfig,
+    /// The engines schedule by priority, each request's band passed as its priority (as a
+    /// gateway would pass it to vLLM run with `--scheduling-policy priority`); FIFO
+    /// otherwise, vLLM's default.
+    engine_priority: bool,
 }
 
 impl Case {
@@ -573,7 +583,17 @@ async fn run(
     fleet.wait_members().await;
     let names: Vec<&'static str> = case.classes.iter().map(|c| c.name).collect();
 
-    let mut workers: Vec<Worker> = (0..WORKERS).map(|_| Worker::new(ENGINE)).collect();
+    let bands: Vec<u8> = case.classes.iter().map(|c| c.band).collect();
+    let mut workers: Vec<Worker> = (0..WORKERS)
+        .map(|_| {
+            let worker = Worker::new(ENGINE);
+            if case.engine_priority {
+                worker.with_priorities()
+            } else {
+                worker
+            }
+        })
+        .collect();
     let n = requests.len();
     let mut fates = vec![Fate::default(); n];
     let mut happened = Vec::new();
@@ -700,7 +720,7 @@ async fn run(
                     fleet
                         .feed
                         .admitted(index, &a.request, names[a.class], w, a.replica);
-                    workers[w].arrive(wall, index, a.request);
+                    workers[w].arrive_with_priority(wall, index, a.request, bands[a.class]);
                 }
                 Err(RouteRequestError::Overloaded { .. }) => {
                     now.refused[a.class] += 1;
@@ -998,6 +1018,7 @@ async fn bench() {
                 stream: LIGHT,
             },
         ],
+        engine_priority: false,
     };
     let high = Class {
         name: "high",
@@ -1016,17 +1037,30 @@ async fn bench() {
         setting: Setting::Shared,
         classes: vec![high.clone(), low],
         saturation,
+        engine_priority: false,
     };
     let overload_tight = Case {
         name: "priority_overload_tight",
         saturation: tight,
         ..overload.clone()
     };
+    let overload_engine = Case {
+        name: "priority_overload_engine_priority",
+        engine_priority: true,
+        ..overload.clone()
+    };
+    // The KV criterion on, at the engines' real KV capacity (its default share, 0.9).
+    let overload_engine_kv = Case {
+        name: "priority_overload_engine_priority_kv",
+        saturation: saturation.with_kv_capacity_tokens(ENGINE.kv_capacity),
+        ..overload_engine.clone()
+    };
     let unloaded = Case {
         name: "priority_unloaded",
         setting: Setting::Shared,
         classes: vec![high],
         saturation,
+        engine_priority: false,
     };
     let groups: Vec<Vec<Case>> = if quick {
         vec![vec![
@@ -1034,12 +1068,20 @@ async fn bench() {
             fair(Setting::Isolated),
             overload,
             overload_tight,
+            overload_engine,
+            overload_engine_kv,
             unloaded,
         ]]
     } else {
         vec![
             vec![fair(Setting::Shared), fair(Setting::Isolated)],
-            vec![overload, overload_tight, unloaded],
+            vec![
+                overload,
+                overload_tight,
+                overload_engine,
+                overload_engine_kv,
+                unloaded,
+            ],
         ]
     };
 
@@ -1118,6 +1160,14 @@ async fn bench() {
         (
             "priority_overload_tight",
             "priority_ttft_p99_overload_vs_unloaded_tight",
+        ),
+        (
+            "priority_overload_engine_priority",
+            "priority_ttft_p99_overload_vs_unloaded_engine_priority",
+        ),
+        (
+            "priority_overload_engine_priority_kv",
+            "priority_ttft_p99_overload_vs_unloaded_engine_priority_kv",
         ),
     ] {
         let (case, rows) = find(name, Setting::Shared);

@@ -192,26 +192,14 @@ impl SaturationConfig {
         let kv_share = self
             .kv_capacity_tokens
             .map(|capacity| kv as f64 / (capacity as f64 * members as f64));
-        let mut saturation = Saturation {
-            saturated: false,
+        let saturated = prefill_per_worker > self.max_prefill_tokens_per_worker as f64
+            || kv_share.is_some_and(|share| share > self.max_kv_share);
+        Saturation {
+            saturated,
             members,
             prefill_tokens_per_worker: prefill_per_worker,
             kv_share,
-        };
-        let (prefill, kv) = self.past(&saturation);
-        saturation.saturated = prefill || kv;
-        saturation
-    }
-
-    /// Which criteria `saturation` is past: (prefill, KV). Admission bounds each class by
-    /// its part of the criteria the deployment is past.
-    pub(crate) fn past(&self, saturation: &Saturation) -> (bool, bool) {
-        let prefill =
-            saturation.prefill_tokens_per_worker > self.max_prefill_tokens_per_worker as f64;
-        let kv = saturation
-            .kv_share
-            .is_some_and(|share| share > self.max_kv_share);
-        (prefill, kv)
+        }
     }
 }
 

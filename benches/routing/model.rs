@@ -316,6 +316,8 @@ struct Running {
     decoding: bool,
     /// Its blocks, with a prefix cache.
     blocks: Option<Blocks>,
+    /// Its priority, with [`Worker::with_priorities`] (higher first; 0 otherwise).
+    priority: u8,
 }
 
 /// One worker's engine: a FIFO queue, a running batch, and the step in progress.
@@ -337,6 +339,8 @@ pub struct Worker {
     /// With a prefix cache: `(index, cached tokens)` of each request as it joined the batch
     /// (for the driver to take).
     pub joined: Vec<(usize, u32)>,
+    /// With [`Worker::with_priorities`]: each queued or running request's priority.
+    priorities: Option<HashMap<usize, u8>>,
 }
 
 impl Worker {
@@ -351,6 +355,7 @@ impl Worker {
             prefill_busy: 0.0,
             cache: None,
             joined: Vec::new(),
+            priorities: None,
         }
     }
 
@@ -384,7 +389,16 @@ impl Worker {
                 prefill_left = r.prompt - cached;
                 self.joined.push((index, cached));
             }
-            self.running.push(Running {
+            let priority = self
+                .priorities
+                .as_mut()
+                .and_then(|p| p.remove(&index))
+                .unwrap_or(0);
+            // Higher priority first in the batch's prefill order, arrival order within one.
+            let at = self.running.partition_point(|s| s.priority >= priority);
+            self.running.insert(
+                at,
+                Running {
                 index,
                 prompt: r.prompt,
                 output: r.output,
@@ -393,7 +407,9 @@ impl Worker {
                 chunk: 0,
                 decoding: false,
                 blocks,
-            });
+                priority,
+            },
+            );
         }
         let mut decoders = 0u32;
         for s in &mut self.running {
@@ -512,9 +528,35 @@ impl Worker {
     }
 }
 
-/// What the engine has still to prefill (the `admission` bench; unused by the others).
+/// What the engine has still to prefill, and priority scheduling (the `admission` bench;
+/// unused by the others).
 #[allow(dead_code)]
 impl Worker {
+    /// An engine that schedules by priority, as vLLM's `--scheduling-policy priority`: its
+    /// queue and its batch's prefill chunks in order of priority (higher first here), then
+    /// of arrival. Running requests are not preempted.
+    pub fn with_priorities(mut self) -> Self {
+        self.priorities = Some(HashMap::new());
+        self
+    }
+
+    /// Request `index` of `priority` reaches this worker at `now` (see
+    /// [`arrive`](Self::arrive)); without [`with_priorities`](Self::with_priorities) the
+    /// priority is ignored.
+    pub fn arrive_with_priority(&mut self, now: f64, index: usize, request: Request, priority: u8) {
+        let Some(priorities) = self.priorities.as_mut() else {
+            return self.arrive(now, index, request);
+        };
+        priorities.insert(index, priority);
+        let at = self
+            .queue
+            .partition_point(|(i, _, _)| priorities.get(i).copied().unwrap_or(0) >= priority);
+        self.queue.insert(at, (index, request, None));
+        if self.step_end.is_none() {
+            self.start_step(now);
+        }
+    }
+
     /// Prompt tokens this engine has still to prefill: those of its queued requests (less
     /// what every worker holds cached) and the rest of its running prefills.
     pub fn prefill_waiting(&self) -> u64 {

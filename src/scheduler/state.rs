@@ -72,8 +72,8 @@ struct Criterion {
     room: f64,
     /// Each configured class's use of it across the fleet, in the config's order.
     used: Vec<u64>,
-    /// Whether the deployment is past its threshold.
-    past: bool,
+    /// The members' use of it, as saturation judges it.
+    total: u64,
 }
 
 /// What one request adds to each criterion, in [`Picture::criteria`]'s order, as its
@@ -90,7 +90,6 @@ fn need(request: &RouteRequest) -> Need {
 /// every replica but for `waits`, this replica's own queue.
 struct Picture {
     config: AdmissionConfig,
-    saturated: bool,
     /// Prefill tokens waiting; then, with a KV capacity configured, KV tokens held.
     criteria: Vec<Criterion>,
     /// Whether a request of each configured class waits in this replica.
@@ -144,28 +143,26 @@ impl Picture {
     }
 
     /// Whether a request of `class` that adds `need` may be routed now (before the queue is
-    /// considered): always while the deployment is not saturated; while it is, only while,
-    /// for each criterion the deployment is past, its class's use with `need` stays within
-    /// its part, or its class uses none of it (a request larger than its class's whole part
-    /// still goes, alone). The parts of a band add up to its room, so what is admitted stays
-    /// at the threshold, split by the weights. Checking the use *with* the request, not
-    /// before it, keeps a class from passing its part by a request in each replica that
-    /// admits at the same moment: those overshoots weigh most on the smallest parts.
+    /// considered): for each criterion, while the members' use with `need` stays within the
+    /// room (the deployment stays unsaturated by it); past that, only while its class's use
+    /// with `need` stays within its part, or its class uses none of it (a request larger
+    /// than its class's whole part still goes, alone). The parts of a band add up to its
+    /// room, so what is admitted stays at the threshold, split by the weights. Checking use
+    /// *with* the request keeps a class from passing its part, or the fleet its room, by a
+    /// request in each replica that admits at the same moment: such overshoots weigh most
+    /// on the smallest parts.
     fn admits(&self, class: &AdmissionClass, need: Need) -> bool {
-        if !self.saturated {
-            return true;
-        }
-        let Some(at) = self.index(class) else {
-            return true;
-        };
-        self.criteria
-            .iter()
-            .zip(need)
-            .filter(|(criterion, _)| criterion.past)
-            .all(|(criterion, need)| {
-                let used = criterion.used.get(at).copied().unwrap_or(0);
-                used == 0 || (used.saturating_add(need) as f64) <= self.part(criterion, at)
-            })
+        let at = self.index(class);
+        self.criteria.iter().zip(need).all(|(criterion, need)| {
+            if criterion.total.saturating_add(need) as f64 <= criterion.room {
+                return true;
+            }
+            let Some(at) = at else {
+                return true;
+            };
+            let used = criterion.used.get(at).copied().unwrap_or(0);
+            used == 0 || (used.saturating_add(need) as f64) <= self.part(criterion, at)
+        })
     }
 
     /// The queue's order among the classes of one band: the least-filled first.
@@ -694,19 +691,17 @@ impl SchedulerState {
         let members: Vec<WorkerLoad> = self.loads().map(|(_, load)| load).collect();
         let (config, loads) = self.classes.snapshot(&self.class_sums);
         let saturation = config.saturation();
-        let now = saturation.assess(&members);
-        let (prefill_past, kv_past) = saturation.past(&now);
-        let members = now.members as f64;
+        let count = members.len() as f64;
         let mut criteria = vec![Criterion {
-            room: saturation.max_prefill_tokens_per_worker() as f64 * members,
+            room: saturation.max_prefill_tokens_per_worker() as f64 * count,
             used: loads.iter().map(|load| load.prefill_tokens).collect(),
-            past: prefill_past,
+            total: members.iter().map(|load| load.prefill_tokens).sum(),
         }];
         if let Some(capacity) = saturation.kv_capacity_tokens() {
             criteria.push(Criterion {
-                room: saturation.max_kv_share() * capacity as f64 * members,
+                room: saturation.max_kv_share() * capacity as f64 * count,
                 used: loads.iter().map(|load| load.kv_tokens).collect(),
-                past: kv_past,
+                total: members.iter().map(|load| load.kv_tokens).sum(),
             });
         }
         let mut waits = vec![false; config.classes().len()];
@@ -718,7 +713,6 @@ impl SchedulerState {
         }
         Picture {
             config,
-            saturated: now.saturated,
             criteria,
             waits,
         }
