@@ -72,7 +72,7 @@ struct Criterion {
     room: f64,
     /// Each configured class's use of it across the fleet, in the config's order.
     used: Vec<u64>,
-    /// The members' use of it, as saturation judges it.
+    /// The members' use of it: the deployment is saturated by it past the room.
     total: u64,
 }
 
@@ -143,18 +143,21 @@ impl Picture {
     }
 
     /// Whether a request of `class` that adds `need` may be routed now (before the queue is
-    /// considered): for each criterion, while the members' use with `need` stays within the
-    /// room (the deployment stays unsaturated by it); past that, only while its class's use
-    /// with `need` stays within its part, or its class uses none of it (a request larger
-    /// than its class's whole part still goes, alone). The parts of a band add up to its
-    /// room, so what is admitted stays at the threshold, split by the weights. Checking use
-    /// *with* the request keeps a class from passing its part, or the fleet its room, by a
-    /// request in each replica that admits at the same moment: such overshoots weigh most
-    /// on the smallest parts.
+    /// considered): always while the deployment is not saturated; while it is, only while,
+    /// for each criterion it is past, its class's use with `need` stays within its part, or
+    /// its class uses none of it (a request larger than its class's whole part still goes,
+    /// alone). The parts of a band add up to its room, so what is admitted stays at the
+    /// threshold, split by the weights. Checking use *with* the request keeps a class from
+    /// passing its part by a request in each replica that admits at the same moment: such
+    /// overshoots weigh most on the smallest parts. (Holding a request that would only take
+    /// the deployment past the room to its part too was tried: the gap under the threshold
+    /// then goes to the smallest requests of the replicas that see it first, which skewed
+    /// both the shares and the mix; BENCHMARKS.md.)
     fn admits(&self, class: &AdmissionClass, need: Need) -> bool {
         let at = self.index(class);
         self.criteria.iter().zip(need).all(|(criterion, need)| {
-            if criterion.total.saturating_add(need) as f64 <= criterion.room {
+            if criterion.total as f64 <= criterion.room {
+                // Not past this criterion.
                 return true;
             }
             let Some(at) = at else {

@@ -1051,32 +1051,6 @@ mod admission {
         overloaded(handle.route(request("p2", "premium")).await);
     }
 
-    /// Within the room every request goes, whatever its class's part; a request that would
-    /// take the deployment past the room is held to its class's part, before the
-    /// deployment is saturated.
-    #[tokio::test(start_paused = true)]
-    async fn a_request_that_would_pass_the_room_is_held_to_its_class_s_part() {
-        let (handle, premium) = saturable(0, QueueConfig::default().with_max_queued(0));
-        let regular = handle.mailbox.classes.resolve(Some("regular"));
-        submit(
-            &handle.cleanup(),
-            &[Op::Admitted(regular, worker(1), weight(15, None))],
-        );
-        // 15 + 10 of a room of 100: regular goes past its part of 20.
-        assert!(handle.route(request("r1", "regular")).await.is_ok());
-        submit(
-            &handle.cleanup(),
-            &[Op::Admitted(premium, worker(1), weight(70, None))],
-        );
-        // 95 waiting, not saturated; 10 more would pass the room: regular (25 of 20) waits,
-        // premium (70 + 10 of 80) goes.
-        let loads: Vec<_> = handle.loads().await.unwrap();
-        let now = handle.admission().saturation().assess(loads.iter().map(|(_, l)| l));
-        assert!(!now.saturated, "{now:?}");
-        overloaded(handle.route(request("r2", "regular")).await);
-        assert!(handle.route(request("p1", "premium")).await.is_ok());
-    }
-
     /// A request larger than its class's whole part still goes while its class uses
     /// nothing, and only then; a request does not overtake its own class's earlier ones
     /// that wait, even one that would fit.
