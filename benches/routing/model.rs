@@ -399,16 +399,16 @@ impl Worker {
             self.running.insert(
                 at,
                 Running {
-                index,
-                prompt: r.prompt,
-                output: r.output,
-                prefill_left,
-                produced: 0,
-                chunk: 0,
-                decoding: false,
-                blocks,
-                priority,
-            },
+                    index,
+                    prompt: r.prompt,
+                    output: r.output,
+                    prefill_left,
+                    produced: 0,
+                    chunk: 0,
+                    decoding: false,
+                    blocks,
+                    priority,
+                },
             );
         }
         let mut decoders = 0u32;

@@ -1091,7 +1091,12 @@ mod admission {
         assert!(!first.is_finished());
         submit(
             &handle.cleanup(),
-            &[Op::Release(regular, worker(1), light, ReleaseReason::Completed)],
+            &[Op::Release(
+                regular,
+                worker(1),
+                light,
+                ReleaseReason::Completed,
+            )],
         );
         assert!(first.await.unwrap().is_ok());
     }
