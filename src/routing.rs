@@ -898,6 +898,48 @@ mod tests {
         };
         assert!(request(10, 10).validate().is_ok(), "all cached is fine");
         assert!(request(10, 11).validate().is_err());
+        // Token ids and block hashes up to their limits, not one more.
+        let ids = |n: usize| RouteRequest::new("r", 0).with_token_ids(vec![7; n]);
+        assert!(ids(MAX_ROUTE_TOKEN_IDS).validate().is_ok());
+        let err = ids(MAX_ROUTE_TOKEN_IDS + 1).validate().unwrap_err();
+        assert!(err.to_string().contains("at most 1048576"), "{err}");
+        let hashes = |n: usize| RouteRequest::new("r", 16 << 16).with_block_hashes(vec![7; n]);
+        assert!(hashes(MAX_ROUTE_BLOCK_HASHES).validate().is_ok());
+        let err = hashes(MAX_ROUTE_BLOCK_HASHES + 1).validate().unwrap_err();
+        assert!(err.to_string().contains("at most 65536"), "{err}");
+        // Prompt text with ids or hashes is ambiguous; alone it needs the tokenizer.
+        let text = |r: RouteRequest| RouteRequest {
+            prompt: Some("hi".into()),
+            ..r
+        };
+        for with in [ids(2), hashes(1)] {
+            let err = text(with).validate().unwrap_err().to_string();
+            assert!(err.contains("give one of"), "{err}");
+        }
+        let err = text(RouteRequest::new("r", 2)).validate().unwrap_err();
+        assert!(err.to_string().contains("tokenizer"), "{err}");
+        // Token ids give the prompt's length when prompt_tokens is 0, and must agree with it
+        // otherwise.
+        let mut told = ids(3);
+        told.prompt_tokens = 0;
+        assert_eq!(told.prompt_len(), 3);
+        assert!(told.validate().is_ok());
+        told.prompt_tokens = 4;
+        let err = told.validate().unwrap_err().to_string();
+        assert!(err.contains("prompt_tokens is 4"), "{err}");
+    }
+
+    /// A request's hashes are at most its prompt's full blocks.
+    #[test]
+    fn block_hashes_are_at_most_the_prompt_s_full_blocks() {
+        let request = |prompt, n| RouteRequest::new("r", prompt).with_block_hashes(vec![7; n]);
+        assert_eq!(request(33, 2).blocks(16).unwrap().len(), 2);
+        let err = request(31, 2).blocks(16).unwrap_err().to_string();
+        assert!(err.contains("1 full blocks"), "{err}");
+        assert_eq!(
+            RouteRequest::new("r", 33).blocks(16).unwrap(),
+            Vec::<u64>::new()
+        );
     }
 
     #[test]

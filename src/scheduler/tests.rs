@@ -1051,6 +1051,201 @@ mod admission {
         overloaded(handle.route(request("p2", "premium")).await);
     }
 
+    /// A band's room is what the bands above it leave: premium alone in band 1 has the whole
+    /// room as its part, regular in band 0 only what premium does not use.
+    #[tokio::test(start_paused = true)]
+    async fn a_lower_band_has_the_room_a_higher_band_leaves() {
+        let (handle, premium) = saturable(1, QueueConfig::default().with_max_queued(0));
+        let regular = handle.mailbox.classes.resolve(Some("regular"));
+        // 80 + 30 waiting against a room of 100: saturated. Regular's room is 20, its use 30.
+        submit(
+            &handle.cleanup(),
+            &[
+                Op::Admitted(premium, worker(1), weight(80, None)),
+                Op::Admitted(regular, worker(1), weight(30, None)),
+            ],
+        );
+        overloaded(handle.route(request("r1", "regular")).await);
+        // Premium, alone in its band, counts none of regular's: 80 + 10 of 100.
+        assert!(handle.route(request("p1", "premium")).await.is_ok());
+        assert!(handle.route(request("p2", "premium")).await.is_ok());
+        overloaded(handle.route(request("p3", "premium")).await);
+    }
+
+    /// The classes that share a band's room are those using some of it, those waiting in
+    /// this replica, and the class itself: an idle class's part goes to the others until
+    /// it uses some.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_class_s_part_goes_to_the_others_until_it_uses_some() {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
+        handle
+            .set_admission(
+                AdmissionConfig::default()
+                    .with_class(AdmissionClass::new("a", 0, 4.0))
+                    .with_class(AdmissionClass::new("b", 0, 1.0))
+                    .with_class(AdmissionClass::new("c", 0, 5.0))
+                    .with_default_class("b")
+                    .with_saturation(
+                        SaturationConfig::default().with_max_prefill_tokens_per_worker(100),
+                    )
+                    .with_queue(QueueConfig::default().with_max_wait_ms(60_000)),
+            )
+            .unwrap();
+        submit(&handle.cleanup(), &[Op::Seen(worker(1))]);
+        let [a, b] = ["a", "b"].map(|name| handle.mailbox.classes.resolve(Some(name)));
+        // a 50, b 55: saturated; c idle, so a's part is 4/5 of 100.
+        submit(
+            &handle.cleanup(),
+            &[
+                Op::Admitted(a, worker(1), weight(50, None)),
+                Op::Admitted(b, worker(1), weight(55, None)),
+            ],
+        );
+        assert!(handle.route(request("a1", "a")).await.is_ok(), "60 of 80");
+        // A request of c goes at once: c uses none.
+        assert!(handle.route(request("c1", "c")).await.is_ok(), "uses none");
+        // Now c shares: a's part is 4/10 of 100, and a uses 60.
+        overloaded(handle.route(request("a2", "a").with_max_wait_ms(0)).await);
+    }
+
+    /// A class under its part goes at once although another class of its band waits.
+    #[tokio::test(start_paused = true)]
+    async fn a_class_under_its_part_passes_another_class_waiting_in_its_band() {
+        let queue = QueueConfig::default().with_max_wait_ms(60_000);
+        let (handle, premium) = saturable(0, queue);
+        let regular = handle.mailbox.classes.resolve(Some("regular"));
+        submit(
+            &handle.cleanup(),
+            &[
+                Op::Admitted(premium, worker(1), weight(50, None)),
+                Op::Admitted(regular, worker(1), weight(60, None)),
+            ],
+        );
+        let waiting = {
+            let handle = handle.clone();
+            tokio::spawn(async move { handle.route(request("r1", "regular")).await })
+        };
+        while handle.stats().admission_waited < 1 {
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            handle.route(request("p1", "premium")).await.is_ok(),
+            "60 of 80"
+        );
+        assert_eq!(handle.stats().admission_waited, 1, "p1 did not wait");
+        assert!(!waiting.is_finished());
+    }
+
+    /// With the KV criterion on, a class over its part of the KV room waits though it
+    /// prefills nothing; waiting, it shares the prefill room too, so another class of its
+    /// band gets only its weighted part of that.
+    #[tokio::test(start_paused = true)]
+    async fn the_kv_criterion_holds_a_class_and_a_waiting_class_shares_every_room() {
+        let kv = SaturationConfig::default()
+            .with_kv_capacity_tokens(1000)
+            .with_max_kv_share(0.5);
+        let (handle, ids) = classes(&[("premium", 4.0), ("regular", 1.0), ("c", 1.0)], kv);
+        let cached =
+            |tokens| BookingWeight::from(RequestLoad::new(tokens, None).with_cached_tokens(tokens));
+        // Prefill: premium 65, c 40: 105 of a room of 100. KV: premium 65 + 235, regular 200
+        // (all cached: no prefill), c 40: 540 of a room of 500.
+        submit(
+            &handle.cleanup(),
+            &[
+                Op::Admitted(ids[0], worker(1), weight(65, None)),
+                Op::Admitted(ids[0], worker(1), cached(235)),
+                Op::Admitted(ids[1], worker(1), cached(200)),
+                Op::Admitted(ids[2], worker(1), weight(40, None)),
+            ],
+        );
+        // Regular holds 200 of its KV part of 83: it waits, though it prefills nothing.
+        let r1 = waits(&handle, request("r1", "regular"), 1).await;
+        // Premium: 310 of its KV part of 333; but regular waits, so premium's prefill part
+        // is 4/6 of 100, not 4/5: 75 is over it.
+        let why = overloaded(
+            handle
+                .route(request("p1", "premium").with_max_wait_ms(0))
+                .await,
+        );
+        assert!(why.contains("may not wait"), "{why}");
+        assert!(!r1.is_finished());
+    }
+
+    /// A scheduler with one member worker and `classes` (name, weight) in band 0, the
+    /// first the default, saturated past 100 prefill tokens waiting and `saturation`'s KV
+    /// criterion; each class's id.
+    fn classes(
+        classes: &[(&str, f64)],
+        saturation: SaturationConfig,
+    ) -> (SchedulerHandle, Vec<ClassId>) {
+        let tracker = TaskTracker::new();
+        let (handle, actor) = Scheduler::new("t");
+        actor.spawn(None, &tracker);
+        let mut config = AdmissionConfig::default()
+            .with_default_class(classes[0].0)
+            .with_saturation(saturation.with_max_prefill_tokens_per_worker(100))
+            .with_queue(QueueConfig::default().with_max_wait_ms(60_000));
+        for (name, weight) in classes {
+            config = config.with_class(AdmissionClass::new(*name, 0, *weight));
+        }
+        handle.set_admission(config).unwrap();
+        submit(&handle.cleanup(), &[Op::Seen(worker(1))]);
+        let ids = classes
+            .iter()
+            .map(|(name, _)| handle.mailbox.classes.resolve(Some(name)))
+            .collect();
+        (handle, ids)
+    }
+
+    /// Starts routing `request` and returns once it waits (the `n`th to wait).
+    async fn waits(handle: &SchedulerHandle, request: RouteRequest, n: u64) -> WaitingRoute {
+        let routing = {
+            let handle = handle.clone();
+            tokio::spawn(async move { handle.route(request).await })
+        };
+        while handle.stats().admission_waited < n {
+            tokio::task::yield_now().await;
+        }
+        routing
+    }
+
+    type WaitingRoute = tokio::task::JoinHandle<Result<RouteDecision, RouteRequestError>>;
+
+    /// Classes waiting equally far over their parts go in arrival order.
+    #[tokio::test(start_paused = true)]
+    async fn classes_equally_full_go_in_arrival_order() {
+        let config = SaturationConfig::default();
+        let (handle, ids) = classes(&[("a", 4.0), ("b", 1.0), ("c", 5.0)], config);
+        let last = weight(10, None);
+        // a 40 of its 40, b 10 of its 10, c 50 + 10: 110 of 100.
+        submit(
+            &handle.cleanup(),
+            &[
+                Op::Admitted(ids[0], worker(1), weight(40, None)),
+                Op::Admitted(ids[1], worker(1), weight(10, None)),
+                Op::Admitted(ids[2], worker(1), weight(50, None)),
+                Op::Admitted(ids[2], worker(1), last),
+            ],
+        );
+        let b1 = waits(&handle, request("b1", "b"), 1).await;
+        let a1 = waits(&handle, request("a1", "a"), 2).await;
+        // 100 of 100: room for one; a and b equally full, b came first; its 10 saturate.
+        submit(
+            &handle.cleanup(),
+            &[Op::Release(
+                ids[2],
+                worker(1),
+                last,
+                ReleaseReason::Completed,
+            )],
+        );
+        assert!(b1.await.unwrap().is_ok());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!a1.is_finished(), "a, later, still waits");
+    }
+
     /// A request larger than its class's whole part still goes while its class uses
     /// nothing, and only then; a request does not overtake its own class's earlier ones
     /// that wait, even one that would fit.
