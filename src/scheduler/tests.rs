@@ -1213,6 +1213,36 @@ mod admission {
 
     type WaitingRoute = tokio::task::JoinHandle<Result<RouteDecision, RouteRequestError>>;
 
+    /// The KV room is the share of every member's capacity: two members of 1,000 at 0.5
+    /// hold 1,000; premium's part is 800 of it, regular's 200.
+    #[tokio::test(start_paused = true)]
+    async fn the_kv_room_counts_every_member() {
+        let kv = SaturationConfig::default()
+            .with_kv_capacity_tokens(1000)
+            .with_max_kv_share(0.5);
+        let (handle, ids) = classes(&[("premium", 4.0), ("regular", 1.0)], kv);
+        submit(&handle.cleanup(), &[Op::Seen(worker(2))]);
+        let cached =
+            |tokens| BookingWeight::from(RequestLoad::new(tokens, None).with_cached_tokens(tokens));
+        // KV held 700 + 320 of 1,000; no prefill waiting.
+        submit(
+            &handle.cleanup(),
+            &[
+                Op::Admitted(ids[0], worker(1), cached(700)),
+                Op::Admitted(ids[1], worker(2), cached(320)),
+            ],
+        );
+        assert!(
+            handle.route(request("p1", "premium")).await.is_ok(),
+            "710 of 800"
+        );
+        overloaded(
+            handle
+                .route(request("r1", "regular").with_max_wait_ms(0))
+                .await,
+        );
+    }
+
     /// Classes waiting equally far over their parts go in arrival order.
     #[tokio::test(start_paused = true)]
     async fn classes_equally_full_go_in_arrival_order() {
