@@ -1077,24 +1077,9 @@ mod admission {
     /// it uses some.
     #[tokio::test(start_paused = true)]
     async fn an_idle_class_s_part_goes_to_the_others_until_it_uses_some() {
-        let tracker = TaskTracker::new();
-        let (handle, actor) = Scheduler::new("t");
-        actor.spawn(None, &tracker);
-        handle
-            .set_admission(
-                AdmissionConfig::default()
-                    .with_class(AdmissionClass::new("a", 0, 4.0))
-                    .with_class(AdmissionClass::new("b", 0, 1.0))
-                    .with_class(AdmissionClass::new("c", 0, 5.0))
-                    .with_default_class("b")
-                    .with_saturation(
-                        SaturationConfig::default().with_max_prefill_tokens_per_worker(100),
-                    )
-                    .with_queue(QueueConfig::default().with_max_wait_ms(60_000)),
-            )
-            .unwrap();
-        submit(&handle.cleanup(), &[Op::Seen(worker(1))]);
-        let [a, b] = ["a", "b"].map(|name| handle.mailbox.classes.resolve(Some(name)));
+        let config = SaturationConfig::default();
+        let (handle, ids) = classes(&[("a", 4.0), ("b", 1.0), ("c", 5.0)], config);
+        let [a, b] = [ids[0], ids[1]];
         // a 50, b 55: saturated; c idle, so a's part is 4/5 of 100.
         submit(
             &handle.cleanup(),
@@ -1123,13 +1108,7 @@ mod admission {
                 Op::Admitted(regular, worker(1), weight(60, None)),
             ],
         );
-        let waiting = {
-            let handle = handle.clone();
-            tokio::spawn(async move { handle.route(request("r1", "regular")).await })
-        };
-        while handle.stats().admission_waited < 1 {
-            tokio::task::yield_now().await;
-        }
+        let waiting = waits(&handle, request("r1", "regular"), 1).await;
         assert!(
             handle.route(request("p1", "premium")).await.is_ok(),
             "60 of 80"
@@ -1304,13 +1283,7 @@ mod admission {
             ],
         );
         // 15 of 20: 10 waits; 5 would fit but may not pass it.
-        let first = {
-            let handle = handle.clone();
-            tokio::spawn(async move { handle.route(sized("w1", 10)).await })
-        };
-        while handle.stats().admission_waited < 1 {
-            tokio::task::yield_now().await;
-        }
+        let first = waits(&handle, sized("w1", 10), 1).await;
         let why = overloaded(handle.route(sized("w2", 5).with_max_wait_ms(0)).await);
         assert!(why.contains("may not wait"), "{why}");
         assert!(!first.is_finished());
@@ -1344,18 +1317,8 @@ mod admission {
                 Op::Admitted(regular, worker(1), light),
             ],
         );
-        let wait = |id: &'static str, class: &'static str| {
-            let handle = handle.clone();
-            tokio::spawn(async move { handle.route(request(id, class)).await })
-        };
-        let r1 = wait("r1", "regular");
-        while handle.stats().admission_waited < 1 {
-            tokio::task::yield_now().await;
-        }
-        let p1 = wait("p1", "premium");
-        while handle.stats().admission_waited < 2 {
-            tokio::task::yield_now().await;
-        }
+        let r1 = waits(&handle, request("r1", "regular"), 1).await;
+        let p1 = waits(&handle, request("p1", "premium"), 2).await;
         // 85 complete: 95 waiting, room for one request. Premium holds 65 of its 80 (0.81),
         // regular 30 of its 20 (1.5): premium goes, and its 10 saturate the deployment again.
         submit(
@@ -1412,13 +1375,7 @@ mod admission {
         );
         assert!(started.elapsed() < Duration::from_millis(1_100), "capped");
 
-        let gone = {
-            let handle = handle.clone();
-            tokio::spawn(async move { handle.route(request("p3", "premium")).await })
-        };
-        while handle.stats().admission_waited < 3 {
-            tokio::task::yield_now().await;
-        }
+        let gone = waits(&handle, request("p3", "premium"), 3).await;
         gone.abort();
         while handle.stats().admission_abandoned < 1 {
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -1464,13 +1421,7 @@ mod admission {
             &handle.cleanup(),
             &[Op::Admitted(premium, worker(1), weight(1000, None))],
         );
-        let high = {
-            let handle = handle.clone();
-            tokio::spawn(async move { handle.route(request("p1", "premium")).await })
-        };
-        while handle.stats().admission_waited < 1 {
-            tokio::task::yield_now().await;
-        }
+        let high = waits(&handle, request("p1", "premium"), 1).await;
         // Regular, band 0, has nothing in flight, but premium waits (and leaves band 0 no
         // room).
         let low = handle
