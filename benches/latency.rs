@@ -36,7 +36,7 @@ use lease_router::wire::{self, Envelope, Message, MessageLimits};
 use lease_router::Subjects;
 use lease_router::{ApplyConfig, NatsIngress};
 use lease_router::{Batching, LeasePublisher, PublisherConfig};
-use lease_router::{IngressStats, LagFigures, LeaseConfig};
+use lease_router::{HistogramFigures, IngressStats, LeaseConfig};
 use lease_router::{RequestId, RequestLoad, SchedulerBookingDescriptor, WorkerWithDpRank};
 use lease_router::{RequestLeaseManager, StepTime};
 use lease_router::{Router, RouterConfig};
@@ -156,33 +156,15 @@ async fn paced_publisher(
 struct Phase {
     /// `(send µs, latency µs)` of every matched event.
     samples: Vec<(u64, u64)>,
-    lag: LagFigures,
-}
-
-/// The lag histogram of the events applied between two snapshots.
-fn lag_delta(before: &LagFigures, after: &LagFigures) -> LagFigures {
-    LagFigures {
-        sum_seconds: after.sum_seconds - before.sum_seconds,
-        count: after.count - before.count,
-        buckets: after
-            .buckets
-            .iter()
-            .zip(&before.buckets)
-            .map(|((bound, a), (_, b))| (*bound, a - b))
-            .collect(),
-    }
+    lag: HistogramFigures,
 }
 
 /// The smallest bucket bound (µs) under which at least a fraction `q` of the events fall.
-fn bucket_quantile(lag: &LagFigures, q: f64) -> String {
-    let want = (q * lag.count as f64).ceil() as u64;
-    lag.buckets
-        .iter()
-        .find(|(_, cumulative)| *cumulative >= want)
-        .map_or_else(
-            || "> 30 s".to_string(),
-            |(bound, _)| format!("<= {:.0} us", bound * 1e6),
-        )
+fn bucket_quantile(lag: &HistogramFigures, q: f64) -> String {
+    lag.bound_of_quantile(q).map_or_else(
+        || "> 30 s".to_string(),
+        |bound| format!("<= {:.0} us", bound * 1e6),
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -232,7 +214,7 @@ async fn phase(
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
     let applied = log.take();
-    let lag = lag_delta(&lag_before, &stats.snapshot().lag);
+    let lag = stats.snapshot().lag.since(&lag_before);
 
     let mut by_request: HashMap<&str, Vec<u64>> = HashMap::new();
     for (rid, t) in &applied {
@@ -266,7 +248,7 @@ fn report(
     name: &str,
     samples: &[(u64, u64)],
     keep: impl Fn(u64, u64) -> bool,
-    lag: Option<&LagFigures>,
+    lag: Option<&HistogramFigures>,
 ) {
     let mut l: Vec<u64> = samples
         .iter()

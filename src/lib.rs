@@ -34,6 +34,8 @@
 //! - `durable`: durable mode on JetStream: the lease stream, [`JetStreamIngress`], its
 //!   catch-up ([`CatchUpState`]) and snapshots.
 //! - `stats`: the counters of one deployment's ingress ([`IngressStats`]).
+//! - `histogram`: the latency histograms ([`HistogramFigures`]) of ingest's lag and of
+//!   route decisions.
 //! - `publisher`: [`LeasePublisher`], what workers publish their events with, core or
 //!   durable.
 //! - `prefix`: where each prompt's prefix is cached: the [`block_hashes`] that name a
@@ -57,6 +59,7 @@
 mod admission;
 mod connection;
 mod durable;
+mod histogram;
 mod ingress;
 #[doc(hidden)]
 pub mod internals;
@@ -94,6 +97,7 @@ pub use durable::{
     MIN_STREAM_MAX_AGE,
 };
 pub use durable::{snapshot_bucket, snapshot_lock_bucket};
+pub use histogram::HistogramFigures;
 pub use ingress::{
     Applied, AppliedHook, ApplyConfig, BatchOutcome, EventApplier, NatsIngress, StartIngressError,
     PROBE_SUBJECTS,
@@ -130,7 +134,7 @@ pub use routing::{
 pub use scheduler::{
     QuerySchedulerError, ReleaseReason, SchedulerFigures, SchedulerHandle, WorkerStatus,
 };
-pub use stats::{DropReason, IngressFigures, IngressStats, LagFigures};
+pub use stats::{DropReason, IngressFigures, IngressStats};
 pub use subject::{
     DeploymentName, InvalidSubjectError, SubjectPrefix, Subjects, DEFAULT_SUBJECT_PREFIX,
     MAX_TOKEN_LEN,

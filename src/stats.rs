@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
+use crate::histogram::{bucket, Histogram, HistogramFigures, LAG_BOUNDS_US};
 use crate::wire::EventKind;
 
 /// Why an event was not applied. What each reason means for a worker is stated once, in
@@ -96,65 +97,13 @@ fn kind_index(kind: EventKind) -> usize {
     kind as usize
 }
 
-/// Upper bounds, in seconds, of the publish-to-apply lag histogram buckets.
-pub(crate) const LAG_BUCKETS: [f64; 14] = [
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0,
-];
-const LAG_BUCKETS_US: [u64; 14] = [
-    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
-    5_000_000, 30_000_000,
-];
+/// The publish-to-apply lag histogram, a field of [`IngressStats`] (which derives `Default`).
+#[derive(Debug)]
+pub(crate) struct LagHistogram(Histogram);
 
-/// A lock-free histogram of publish-to-apply lag.
-#[derive(Debug, Default)]
-pub(crate) struct LagHistogram {
-    /// Per bucket (not cumulative); the last one is +Inf.
-    buckets: [AtomicU64; LAG_BUCKETS_US.len() + 1],
-    sum_us: AtomicU64,
-    count: AtomicU64,
-}
-
-/// A copy of the lag histogram, buckets cumulative as Prometheus wants them.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct LagFigures {
-    /// Sum of the lags observed, in seconds.
-    pub sum_seconds: f64,
-    /// Lags observed.
-    pub count: u64,
-    /// `(upper bound in seconds, cumulative count)`, without +Inf (that is `count`).
-    pub buckets: Vec<(f64, u64)>,
-}
-
-fn lag_bucket(lag_us: u64) -> usize {
-    LAG_BUCKETS_US
-        .iter()
-        .position(|&bound| lag_us <= bound)
-        .unwrap_or(LAG_BUCKETS_US.len())
-}
-
-impl LagHistogram {
-    #[cfg(test)]
-    pub(crate) fn observe_us(&self, lag_us: u64) {
-        self.buckets[lag_bucket(lag_us)].fetch_add(1, Ordering::Relaxed);
-        self.sum_us.fetch_add(lag_us, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub(crate) fn snapshot(&self) -> LagFigures {
-        let mut cumulative = 0;
-        let buckets = LAG_BUCKETS
-            .iter()
-            .zip(&self.buckets)
-            .map(|(bound, count)| {
-                cumulative += count.load(Ordering::Relaxed);
-                (*bound, cumulative)
-            })
-            .collect();
-        LagFigures {
-            sum_seconds: self.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
-            count: self.count.load(Ordering::Relaxed),
-            buckets,
-        }
+impl Default for LagHistogram {
+    fn default() -> Self {
+        Self(Histogram::new(&LAG_BOUNDS_US))
     }
 }
 
@@ -172,7 +121,7 @@ pub(crate) struct PendingCounts {
     /// gauge moves by the difference, so appliers that share the stats add up.
     held: u64,
     held_shown: u64,
-    lag_buckets: [u64; LAG_BUCKETS_US.len() + 1],
+    lag_buckets: [u64; LAG_BOUNDS_US.len() + 1],
     lag_sum_us: u64,
     lag_count: u64,
 }
@@ -212,7 +161,7 @@ impl PendingCounts {
     }
 
     pub(crate) fn lag_us(&mut self, lag_us: u64) {
-        self.lag_buckets[lag_bucket(lag_us)] += 1;
+        self.lag_buckets[bucket(&LAG_BOUNDS_US, lag_us)] += 1;
         self.lag_sum_us += lag_us;
         self.lag_count += 1;
     }
@@ -243,12 +192,11 @@ impl PendingCounts {
                 .fetch_sub(self.held_shown - self.held, Ordering::Relaxed);
         }
         self.held_shown = self.held;
-        let lag = &stats.lag;
-        for (counter, n) in lag.buckets.iter().zip(&mut self.lag_buckets) {
-            add(counter, n);
-        }
-        add(&lag.sum_us, &mut self.lag_sum_us);
-        add(&lag.count, &mut self.lag_count);
+        stats.lag.0.add(
+            &mut self.lag_buckets,
+            &mut self.lag_sum_us,
+            &mut self.lag_count,
+        );
     }
 }
 
@@ -297,7 +245,7 @@ pub struct IngressFigures {
     /// tracked: their duplicates are no longer recognised.
     pub publishers_evicted: u64,
     /// Publish-to-apply lag of live events (not recorded while replaying).
-    pub lag: LagFigures,
+    pub lag: HistogramFigures,
 }
 
 impl IngressFigures {
@@ -361,8 +309,8 @@ impl IngressStats {
     }
 
     #[cfg(test)]
-    pub(crate) fn lag(&self) -> &LagHistogram {
-        &self.lag
+    pub(crate) fn lag(&self) -> &Histogram {
+        &self.lag.0
     }
 
     /// A point-in-time copy of the counters.
@@ -387,7 +335,7 @@ impl IngressStats {
             reorders_held: get(&self.reorders_held),
             publisher_restarts: get(&self.publisher_restarts),
             publishers_evicted: get(&self.publishers_evicted),
-            lag: self.lag.snapshot(),
+            lag: self.lag.0.snapshot(),
         }
     }
 }
@@ -395,20 +343,6 @@ impl IngressStats {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lag_buckets_are_cumulative() {
-        let h = LagHistogram::default();
-        h.observe_us(50);
-        h.observe_us(700);
-        h.observe_us(60_000_000);
-        let s = h.snapshot();
-        assert_eq!(s.count, 3);
-        assert_eq!(s.buckets[0], (0.0001, 1));
-        assert_eq!(s.buckets[3], (0.001, 2));
-        assert_eq!(s.buckets.last().unwrap().1, 2, "+Inf holds the 60 s one");
-        assert!((s.sum_seconds - 60.00075).abs() < 1e-9);
-    }
 
     #[test]
     fn counters_by_label() {

@@ -916,6 +916,15 @@ async fn route_over_http() {
     assert_eq!(decisions("routed"), Some(2.0), "{text}");
     assert_eq!(decisions("no_workers"), Some(1.0));
     assert_eq!(decisions("invalid"), Some(6.0));
+    // Timed: the decisions the scheduler made (routed and no workers), not the invalid ones.
+    assert_eq!(
+        metric(
+            &text,
+            "lease_router_route_decision_seconds_count{deployment=\"r\"}"
+        ),
+        Some(3.0),
+        "{text}"
+    );
     let worker_series = |name: &str, worker: u64| worker_series_in(&text, name, worker);
     assert_eq!(worker_series("worker_kv_tokens", 7), Some(150.0));
     assert_eq!(worker_series("worker_prefill_tokens", 8), Some(140.0));

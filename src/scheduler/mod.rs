@@ -33,6 +33,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, Instrument};
 
 use crate::admission::{AdmissionConfig, ClassId, ClassLoad, ClassTable, ConfigureAdmissionError};
+use crate::histogram::HistogramFigures;
 use crate::load::{BookingWeight, WorkerLoad};
 use crate::observer::ReplicaRequestLeaseObserver;
 use crate::prefix::{PrefixFigures, PrefixIndexConfig, PrefixState};
@@ -223,6 +224,13 @@ impl SchedulerHandle {
     /// A point-in-time copy of the scheduler's counters.
     pub fn stats(&self) -> SchedulerFigures {
         self.mailbox.stats.snapshot()
+    }
+
+    /// How long this scheduler took over its route decisions: each from its actor taking the
+    /// request to the answer (or to the request's place in the admission queue), not the
+    /// trip to and from the actor. A request let out of the queue later is not timed again.
+    pub fn decision_times(&self) -> HistogramFigures {
+        self.mailbox.stats.decision_times()
     }
 
     /// A point-in-time copy of the prefix index's counters.
@@ -473,6 +481,7 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
             }
             continue;
         };
+        let taken = Instant::now();
         // Every command first applies what is queued, so answers reflect it.
         state.drain();
         state.forget_idle();
@@ -499,6 +508,7 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
             }
             Command::Route(request, reply) => {
                 state.route_or_wait(request, reply);
+                state.stats().decision_took(taken.elapsed());
                 // What the decision booked is learned after its answer, and after the task
                 // that waits for the answer had its turn: woken from this worker thread, it
                 // runs next here (tokio's LIFO slot), not behind the learning.

@@ -456,6 +456,11 @@ impl SchedulerState {
         })
     }
 
+    /// The counters the actor shares with its handles.
+    pub(super) fn stats(&self) -> &SchedulerStats {
+        &self.stats
+    }
+
     /// Whether the last decision left blocks for [`learn_booked`](Self::learn_booked).
     pub(super) fn has_booked_blocks(&self) -> bool {
         self.booked_blocks.is_some()

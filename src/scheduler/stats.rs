@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde::Serialize;
 
 use super::ReleaseReason;
+use crate::histogram::{Histogram, HistogramFigures, DECISION_BOUNDS_US};
 use crate::routing::{RouteOutcome, RoutePolicy};
 
 /// Counters of the scheduler, for dashboards and tests.
@@ -23,6 +24,17 @@ pub(crate) struct SchedulerStats {
     admission_abandoned: AtomicU64,
     /// Route decisions by policy and outcome.
     decisions: [[AtomicU64; RouteOutcome::ALL.len()]; RoutePolicy::ALL.len()],
+    decision_time: DecisionTimes,
+}
+
+/// The time the actor takes per route decision (a `Default` for [`SchedulerStats`]).
+#[derive(Debug)]
+struct DecisionTimes(Histogram);
+
+impl Default for DecisionTimes {
+    fn default() -> Self {
+        Self(Histogram::new(&DECISION_BOUNDS_US))
+    }
 }
 
 /// A point-in-time copy of the scheduler's counters.
@@ -83,6 +95,18 @@ impl SchedulerStats {
     /// Counts one route decision.
     pub(crate) fn count_decision(&self, policy: RoutePolicy, outcome: RouteOutcome) {
         self.decisions[policy as usize][outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One route decision took `took`, from the actor taking the request to its answer (or
+    /// to its place in the admission queue).
+    pub(super) fn decision_took(&self, took: std::time::Duration) {
+        self.decision_time
+            .0
+            .observe_us(u64::try_from(took.as_micros()).unwrap_or(u64::MAX));
+    }
+
+    pub(super) fn decision_times(&self) -> HistogramFigures {
+        self.decision_time.0.snapshot()
     }
 
     pub(super) fn count_abandoned(&self) {

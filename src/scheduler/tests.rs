@@ -402,6 +402,38 @@ async fn weighted_cost_takes_the_cheapest_and_sees_its_own_bookings_at_once() {
 }
 
 #[tokio::test]
+async fn every_decision_the_actor_makes_is_timed_and_no_other() {
+    let handle = routed(RoutePolicy::WeightedCost, &[worker(1)]).await;
+    let before = handle.decision_times();
+    assert_eq!(before.count, 0);
+    handle.route(request("a", 100)).await.unwrap();
+    handle.route(request("b", 100)).await.unwrap();
+    // Refused before the actor (no request id): counted as invalid, not timed.
+    assert!(handle.route(request("", 100)).await.is_err());
+    handle.loads().await.unwrap();
+    let times = handle.decision_times();
+    assert_eq!(
+        times.count, 2,
+        "two decisions, not the invalid one nor the query"
+    );
+    assert_eq!(
+        times.buckets.last().map(|(_, n)| *n),
+        Some(2),
+        "both under 100 ms"
+    );
+    // A scheduler with no member decides too (no workers), and is timed.
+    let empty = routed(RoutePolicy::WeightedCost, &[]).await;
+    assert!(empty.route(request("d", 100)).await.is_err());
+    assert_eq!(empty.decision_times().count, 1);
+    assert_eq!(
+        empty
+            .stats()
+            .decisions(RoutePolicy::WeightedCost, RouteOutcome::NoWorkers),
+        1
+    );
+}
+
+#[tokio::test]
 async fn weighted_cost_reports_the_cheapest_few_in_order() {
     let members: Vec<_> = (0..30).map(worker).collect();
     let handle = routed(RoutePolicy::WeightedCost, &members).await;

@@ -23,6 +23,7 @@ use prometheus_client::registry::{Registry, Unit};
 
 use super::host::{DeploymentHost, HostFigures};
 use crate::admission::ClassLoad;
+use crate::histogram::HistogramFigures;
 use crate::load::WorkerLoad;
 use crate::routing::{RouteOutcome, RoutePolicy};
 use crate::scheduler::SchedulerFigures;
@@ -239,14 +240,14 @@ impl Collector for ClassLoads {
 
 /// The scheduler counters of the running deployments, at one scrape.
 #[derive(Debug, Default)]
-struct SchedulerCounters(Vec<(String, SchedulerFigures)>);
+struct SchedulerCounters(Vec<(String, SchedulerFigures, HistogramFigures)>);
 
 impl Collector for SchedulerCounters {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
         let decisions: Vec<_> = self
             .0
             .iter()
-            .flat_map(|(name, stats)| {
+            .flat_map(|(name, stats, _)| {
                 RoutePolicy::ALL.into_iter().flat_map(move |policy| {
                     RouteOutcome::ALL.into_iter().map(move |outcome| {
                         (
@@ -294,9 +295,26 @@ impl Collector for SchedulerCounters {
             let series: Vec<_> = self
                 .0
                 .iter()
-                .map(|(deployment, stats)| ([("deployment", deployment.as_str())], pick(stats)))
+                .map(|(deployment, stats, _)| ([("deployment", deployment.as_str())], pick(stats)))
                 .collect();
             counter_family(&mut encoder, name, help, &series)?;
+        }
+        let mut metric = encoder.encode_descriptor(
+            "route_decision",
+            "Time the scheduler took over each route decision, from taking the request to its \
+             answer or its place in the admission queue.",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+        )?;
+        for (deployment, _, times) in &self.0 {
+            metric
+                .encode_family(&[("deployment", deployment.as_str())])?
+                .encode_histogram::<NoLabelSet>(
+                    times.sum_seconds,
+                    times.count,
+                    &histogram_buckets(&times.buckets, times.count),
+                    None,
+                )?;
         }
         Ok(())
     }
@@ -408,9 +426,11 @@ impl Metrics {
         let mut classes = ClassLoads::default();
         if let Some(host) = &self.host {
             for view in host.views() {
-                counters
-                    .0
-                    .push((view.name().to_string(), view.scheduler().stats()));
+                counters.0.push((
+                    view.name().to_string(),
+                    view.scheduler().stats(),
+                    view.scheduler().decision_times(),
+                ));
                 let answer =
                     tokio::time::timeout(WORKER_LOAD_TIMEOUT, view.scheduler().loads()).await;
                 if let Ok(Ok(workers)) = answer {
