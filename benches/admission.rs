@@ -90,21 +90,24 @@
 //!
 //! [`LeasePublisher`]: lease_router::LeasePublisher
 mod common;
+#[path = "routing/fleet.rs"]
+mod fleet;
 #[path = "routing/model.rs"]
 mod model;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{percentile, Rng};
-use lease_router::wire::{Admitted, Completed, Outcome, ProgressStage, Progressed};
-use lease_router::{
-    AdmissionClass, AdmissionConfig, ApplyConfig, IngressStats, LeaseConfig, LeasePublisher,
-    NatsIngress, NoIngress, PublisherConfig, RequestLeaseManager, RequestLoad, RoutePolicy,
-    RouteRequest, RouteRequestError, Router, RouterConfig, RoutingConfig, SaturationConfig,
-    WorkerWithDpRank,
+use common::Rng;
+use fleet::{
+    at_once, env, ms_percentile, request_id, worker_index, Admission, BusStats, Fleet, Plan,
+    MAX_DRAIN,
 };
-use model::{Happened, Request, Worker, ENGINE, MIX};
+use lease_router::{
+    AdmissionClass, AdmissionConfig, LeaseConfig, RoutePolicy, RouteRequest, RouteRequestError,
+    RouterConfig, RoutingConfig, SaturationConfig,
+};
+use model::{next_event, Happened, Request, Worker, ENGINE, MIX};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -113,17 +116,6 @@ const REPLICAS: usize = 4;
 /// The heavy class's share of its stream through replica 0 (the rest spread over the
 /// others).
 const SKEW: f64 = 0.85;
-/// How far past the end the model may run for the measured requests to complete.
-const MAX_DRAIN: f64 = 600.0;
-
-fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(v) => v
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={v:?} is not a valid value")),
-        Err(_) => default,
-    }
-}
 
 /// How a class's requests reach the replicas.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -234,21 +226,6 @@ impl Case {
     }
 }
 
-/// The model's time line, in model seconds (= wall seconds: the bench runs in real time).
-#[derive(Clone, Copy, Debug)]
-struct Plan {
-    warmup: f64,
-    measure_end: f64,
-    /// Arrivals stop here.
-    end: f64,
-}
-
-impl Plan {
-    fn in_window(&self, t: f64) -> bool {
-        t >= self.warmup && t < self.measure_end
-    }
-}
-
 /// One request of a case: its class (index in the case's classes), its replica, its sizes.
 #[derive(Clone, Copy, Debug)]
 struct Arrival {
@@ -291,90 +268,6 @@ fn arrivals(seed: u64, capacity: f64, until: f64, classes: &[Class]) -> Vec<Arri
     out
 }
 
-fn worker(w: usize) -> WorkerWithDpRank {
-    WorkerWithDpRank::new(w as u64 + 1, 0)
-}
-
-fn request_id(index: usize) -> String {
-    format!("q{index:07}")
-}
-
-/// Where the workers' lease events go.
-enum Feed {
-    /// One publisher per worker, on the bench's nats-server.
-    Bus(Vec<LeasePublisher>),
-    /// Straight into the manager of the replica that routed the request.
-    Direct(Vec<RequestLeaseManager>),
-}
-
-impl Feed {
-    fn admitted(&self, index: usize, r: &Request, class: &str, w: usize, replica: usize) {
-        let id = request_id(index);
-        match self {
-            Self::Bus(publishers) => {
-                let _ = publishers[w].publish(Admitted {
-                    block_hashes: Vec::new(),
-                    block_capacity: None,
-                    class: Some(class.to_owned()),
-                    request_id: id,
-                    worker_id: worker(w).worker_id.0,
-                    dp_rank: 0,
-                    prompt_tokens: r.prompt,
-                    expected_output_tokens: None,
-                    cached_tokens: Some(r.cached),
-                });
-            }
-            Self::Direct(managers) => {
-                let load = RequestLoad::new(r.prompt, None).with_cached_tokens(r.cached);
-                managers[replica].admit_current_in_class(&id, worker(w), load, Some(class));
-            }
-        }
-    }
-
-    fn happened(&self, h: Happened, w: usize, replica: usize) {
-        let (index, stage, output) = match h {
-            Happened::FirstToken(i) => (i, Some(ProgressStage::PrefillDone), 1),
-            Happened::Progress(i, n) => (i, Some(ProgressStage::Decoding), n),
-            Happened::Completed(i) => (i, None, 0),
-        };
-        let id = request_id(index);
-        match (self, stage) {
-            (Self::Bus(publishers), Some(stage)) => {
-                let _ = publishers[w].publish(Progressed {
-                    request_id: id,
-                    worker_id: worker(w).worker_id.0,
-                    dp_rank: 0,
-                    stage,
-                    output_tokens: output,
-                });
-            }
-            (Self::Bus(publishers), None) => {
-                let _ = publishers[w].publish(Completed {
-                    request_id: id,
-                    worker_id: worker(w).worker_id.0,
-                    dp_rank: 0,
-                    outcome: Outcome::Finished,
-                });
-            }
-            (Self::Direct(managers), Some(_)) => {
-                managers[replica].progress_current(&id, worker(w), output);
-            }
-            (Self::Direct(managers), None) => {
-                managers[replica].complete_current(&id, worker(w));
-            }
-        }
-    }
-}
-
-/// The routers of one case and what feeds them.
-struct Fleet {
-    routers: Vec<Router>,
-    /// Kept for the case's length, like a process's.
-    connections: Vec<lease_router::NatsConnection>,
-    stats: Vec<Arc<IngressStats>>,
-    feed: Feed,
-}
-
 fn router_config(deployment: &str, case: &Case) -> RouterConfig {
     // Nothing expires and no member is forgotten within a run (as in the routing bench).
     RouterConfig::new(deployment)
@@ -388,120 +281,6 @@ fn router_config(deployment: &str, case: &Case) -> RouterConfig {
                 .with_worker_idle(Duration::from_secs(3600)),
         )
         .with_admission(case.admission())
-}
-
-impl Fleet {
-    async fn start(case: &Case, deployment: &str, url: &str) -> Self {
-        match case.setting {
-            Setting::Shared => {
-                let subjects = common::subjects(deployment);
-                let (mut routers, mut stats, mut connections) =
-                    (Vec::new(), Vec::new(), Vec::new());
-                for _ in 0..REPLICAS {
-                    let connection = common::nats(url, None).await;
-                    let s = Arc::new(IngressStats::new());
-                    let ingress = NatsIngress::new(
-                        connection.client().clone(),
-                        subjects.clone(),
-                        ApplyConfig::default(),
-                        s.clone(),
-                    );
-                    let router = Router::start(router_config(deployment, case), ingress)
-                        .await
-                        .expect("router starts");
-                    routers.push(router);
-                    stats.push(s);
-                    connections.push(connection);
-                }
-                let connection = common::nats(url, None).await;
-                let publishers: Vec<_> = (0..WORKERS)
-                    .map(|_| {
-                        LeasePublisher::start(
-                            connection.client().clone(),
-                            subjects.clone(),
-                            PublisherConfig::default(),
-                        )
-                    })
-                    .collect();
-                for (w, publisher) in publishers.iter().enumerate() {
-                    publisher
-                        .worker_reset(worker(w).worker_id.0, None)
-                        .expect("queued");
-                    publisher.flush().await.expect("flushed");
-                }
-                connections.push(connection);
-                Self {
-                    routers,
-                    connections,
-                    stats,
-                    feed: Feed::Bus(publishers),
-                }
-            }
-            Setting::Isolated => {
-                let mut routers = Vec::new();
-                for _ in 0..REPLICAS {
-                    let router = Router::start(router_config(deployment, case), NoIngress)
-                        .await
-                        .expect("router starts");
-                    for w in 0..WORKERS {
-                        router.manager().reset_worker(worker(w).worker_id, None);
-                    }
-                    routers.push(router);
-                }
-                let managers = routers.iter().map(|r| r.manager().clone()).collect();
-                Self {
-                    routers,
-                    connections: Vec::new(),
-                    stats: Vec::new(),
-                    feed: Feed::Direct(managers),
-                }
-            }
-        }
-    }
-
-    async fn wait_members(&self) {
-        for router in &self.routers {
-            let deadline = std::time::Instant::now() + Duration::from_secs(10);
-            while router.scheduler().loads().await.expect("scheduler").len() < WORKERS {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "a replica did not learn every worker within 10 s"
-                );
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        }
-    }
-
-    async fn shutdown(self, measured: &mut Measured) {
-        let Fleet {
-            routers,
-            connections,
-            stats,
-            feed,
-        } = self;
-        measured.waited = routers
-            .iter()
-            .map(|r| r.scheduler().stats().admission_waited)
-            .sum();
-        match feed {
-            Feed::Bus(publishers) => {
-                for p in publishers {
-                    let _ = p.close().await;
-                }
-            }
-            Feed::Direct(managers) => drop(managers),
-        }
-        for s in &stats {
-            let snap = s.snapshot();
-            measured.bus_lag_sum += snap.lag.sum_seconds;
-            measured.bus_lag_count += snap.lag.count;
-            measured.bus_dropped += snap.dropped_total();
-        }
-        for router in routers {
-            router.shutdown().await.expect("router shuts down cleanly");
-        }
-        drop(connections);
-    }
 }
 
 /// What became of one request.
@@ -546,9 +325,7 @@ struct Measured {
     driver_lag: Vec<f64>,
     /// Route requests that waited in a replica's queue (the routers' count).
     waited: u64,
-    bus_lag_sum: f64,
-    bus_lag_count: u64,
-    bus_dropped: u64,
+    bus: BusStats,
 }
 
 /// How often the run is sampled for the trace (`ADMISSION_TRACE=1`).
@@ -579,14 +356,23 @@ async fn run(
     deployment: String,
     url: String,
 ) -> Measured {
-    let fleet = Fleet::start(&case, &deployment, &url).await;
-    fleet.wait_members().await;
+    let bus = match case.setting {
+        Setting::Shared => Some(url.as_str()),
+        Setting::Isolated => None,
+    };
+    let fleet = Fleet::start(
+        router_config(&deployment, &case),
+        REPLICAS,
+        plan.workers,
+        bus,
+    )
+    .await;
     let names: Vec<&'static str> = case.classes.iter().map(|c| c.name).collect();
 
     let bands: Vec<u8> = case.classes.iter().map(|c| c.band).collect();
-    let mut workers: Vec<Worker> = (0..WORKERS)
+    let mut workers: Vec<Worker> = (0..plan.workers)
         .map(|_| {
-            let worker = Worker::new(ENGINE);
+            let worker = Worker::new(plan.engine);
             if case.engine_priority {
                 worker.with_priorities()
             } else {
@@ -622,17 +408,9 @@ async fn run(
     loop {
         let wall = start.elapsed().as_secs_f64();
         loop {
-            let step = workers
-                .iter()
-                .enumerate()
-                .filter_map(|(w, k)| k.step_end.map(|t| (t, w)))
-                .min_by(|a, b| a.0.total_cmp(&b.0));
             let arrival = requests.get(next).map(|a| a.request.arrival);
-            let (t, is_arrival) = match (arrival, step) {
-                (Some(a), Some((s, _))) if a <= s => (a, true),
-                (Some(a), None) => (a, true),
-                (_, Some((s, _))) => (s, false),
-                (None, None) => break,
+            let Some((t, step)) = next_event(&workers, arrival) else {
+                break;
             };
             if t > wall {
                 break;
@@ -640,7 +418,7 @@ async fn run(
             driver_lag.push(wall - t);
             while next_trace <= t {
                 let per_worker = |f: &dyn Fn(&Worker) -> f64| {
-                    workers.iter().map(f).sum::<f64>() / WORKERS as f64
+                    workers.iter().map(f).sum::<f64>() / plan.workers as f64
                 };
                 now.t = next_trace;
                 now.backlog = per_worker(&|w| w.prefill_waiting() as f64);
@@ -651,55 +429,57 @@ async fn run(
             }
             while next_sample <= t && next_sample < plan.measure_end {
                 let waiting: u64 = workers.iter().map(Worker::prefill_waiting).sum();
-                backlog.push(waiting as f64 / WORKERS as f64);
+                backlog.push(waiting as f64 / plan.workers as f64);
                 next_sample += 1.0;
             }
-            if is_arrival {
-                let index = next;
-                next += 1;
-                let a = requests[index];
-                let scheduler = fleet.routers[a.replica].scheduler().clone();
-                let request = RouteRequest::new(request_id(index), a.request.prompt)
-                    .with_cached_tokens(a.request.cached)
-                    .with_class(names[a.class]);
-                let tx = tx.clone();
-                pending += 1;
-                tokio::spawn(async move {
-                    let answer = scheduler
-                        .route(request)
-                        .await
-                        .map(|d| (d.booking.worker.worker_id.0 - 1) as usize);
-                    let _ = tx.send((index, answer));
-                });
-            } else {
-                let w = step.expect("a step").1;
-                workers[w].end_step(plan.in_window(t), &mut happened);
-                for h in happened.drain(..) {
-                    let (index, tokens) = match h {
-                        Happened::FirstToken(i) => {
-                            fates[i].first_token = t;
-                            reported[i] = 1;
-                            (i, requests[i].request.prompt + 1)
+            match step {
+                None => {
+                    let index = next;
+                    next += 1;
+                    let a = requests[index];
+                    let scheduler = fleet.routers[a.replica].scheduler().clone();
+                    let request = RouteRequest::new(request_id(index), a.request.prompt)
+                        .with_cached_tokens(a.request.cached)
+                        .with_class(names[a.class]);
+                    let tx = tx.clone();
+                    pending += 1;
+                    tokio::spawn(async move {
+                        let answer = scheduler
+                            .route(request)
+                            .await
+                            .map(|d| worker_index(d.booking.worker));
+                        let _ = tx.send((index, answer));
+                    });
+                }
+                Some(w) => {
+                    workers[w].end_step(plan.in_window(t), &mut happened);
+                    for h in happened.drain(..) {
+                        let (index, tokens) = match h {
+                            Happened::FirstToken(i) => {
+                                fates[i].first_token = t;
+                                reported[i] = 1;
+                                (i, requests[i].request.prompt + 1)
+                            }
+                            Happened::Completed(i) => {
+                                fates[i].completed = t;
+                                let output = requests[i].request.output;
+                                let more = output.saturating_sub(reported[i]);
+                                reported[i] = output;
+                                (i, more)
+                            }
+                            Happened::Progress(i, produced) => {
+                                let more = produced - reported[i];
+                                reported[i] = produced;
+                                (i, more)
+                            }
+                        };
+                        let class = requests[index].class;
+                        now.served[class] += u64::from(tokens);
+                        if plan.in_window(t) {
+                            served[class] += u64::from(tokens);
                         }
-                        Happened::Completed(i) => {
-                            fates[i].completed = t;
-                            let output = requests[i].request.output;
-                            let more = output.saturating_sub(reported[i]);
-                            reported[i] = output;
-                            (i, more)
-                        }
-                        Happened::Progress(i, produced) => {
-                            let more = produced - reported[i];
-                            reported[i] = produced;
-                            (i, more)
-                        }
-                    };
-                    let class = requests[index].class;
-                    now.served[class] += u64::from(tokens);
-                    if plan.in_window(t) {
-                        served[class] += u64::from(tokens);
+                        fleet.feed.happened(h, w, requests[index].replica);
                     }
-                    fleet.feed.happened(h, w, requests[index].replica);
                 }
             }
         }
@@ -716,10 +496,13 @@ async fn run(
                 Ok(w) => {
                     now.routed[a.class] += 1;
                     fate.worker = w;
-                    // The worker accepts it into its queue at once and says so.
-                    fleet
-                        .feed
-                        .admitted(index, &a.request, names[a.class], w, a.replica);
+                    let admission = Admission {
+                        prompt: a.request.prompt,
+                        cached: a.request.cached,
+                        class: Some(names[a.class]),
+                        ..Admission::default()
+                    };
+                    fleet.feed.admitted(index, admission, w, a.replica);
                     workers[w].arrive_with_priority(wall, index, a.request, bands[a.class]);
                 }
                 Err(RouteRequestError::Overloaded { .. }) => {
@@ -729,16 +512,13 @@ async fn run(
                 Err(other) => panic!("{}: request {index}: {other}", case.label()),
             }
         }
-        let next_event = workers
-            .iter()
-            .filter_map(|k| k.step_end)
-            .chain(requests.get(next).map(|a| a.request.arrival))
-            .min_by(f64::total_cmp);
+        let arrival = requests.get(next).map(|a| a.request.arrival);
+        let coming = next_event(&workers, arrival);
         if next == n && pending == 0 {
             break;
         }
-        match next_event {
-            Some(t) => {
+        match coming {
+            Some((t, _)) => {
                 let due = start + Duration::from_secs_f64(t);
                 tokio::select! {
                     answer = rx.recv() => answers.extend(answer),
@@ -762,12 +542,7 @@ async fn run(
     };
     let mut open = measured_open(&fates);
     while open > 0 {
-        let Some((t, w)) = workers
-            .iter()
-            .enumerate()
-            .filter_map(|(w, k)| k.step_end.map(|t| (t, w)))
-            .min_by(|a, b| a.0.total_cmp(&b.0))
-        else {
+        let Some((t, Some(w))) = next_event(&workers, None) else {
             break;
         };
         if t > plan.end + MAX_DRAIN {
@@ -800,7 +575,12 @@ async fn run(
     };
     driver_lag.sort_by(f64::total_cmp);
     measured.driver_lag = driver_lag;
-    fleet.shutdown(&mut measured).await;
+    measured.waited = fleet
+        .routers
+        .iter()
+        .map(|r| r.scheduler().stats().admission_waited)
+        .sum();
+    measured.bus = fleet.shutdown().await;
     measured
 }
 
@@ -823,12 +603,6 @@ struct ClassRow {
     /// Routed requests without a first token when the run ended (counted with the time so
     /// far).
     cut: usize,
-}
-
-fn ms_percentile(values: &[f64], q: f64) -> f64 {
-    let mut us: Vec<u64> = values.iter().map(|s| (s * 1e6) as u64).collect();
-    us.sort_unstable();
-    percentile(&us, q) as f64 / 1000.0
 }
 
 fn class_rows(m: &Measured, requests: &[Arrival], plan: Plan, classes: usize) -> Vec<ClassRow> {
@@ -945,7 +719,6 @@ fn report(
     let util_min = m.utilisation.iter().copied().fold(f64::MAX, f64::min);
     let util_max = m.utilisation.iter().copied().fold(0.0, f64::max);
     let backlog_mean = m.backlog.iter().sum::<f64>() / m.backlog.len().max(1) as f64;
-    let lag_ms: Vec<u64> = m.driver_lag.iter().map(|s| (s * 1e6) as u64).collect();
     println!(
         "admission_case {} completed_per_s={:.1} completed_vs_capacity={:.2} util_min={:.2} \
          util_max={:.2} engine_prefill_backlog_per_worker_mean={:.0} first={:.0} last={:.0} \
@@ -959,10 +732,10 @@ fn report(
         m.backlog.first().copied().unwrap_or(0.0),
         m.backlog.last().copied().unwrap_or(0.0),
         m.waited,
-        percentile(&lag_ms, 0.99) as f64 / 1000.0,
-        m.bus_lag_count,
-        m.bus_lag_sum / m.bus_lag_count.max(1) as f64 * 1000.0,
-        m.bus_dropped,
+        ms_percentile(&m.driver_lag, 0.99),
+        m.bus.lag_count,
+        m.bus.lag_sum / m.bus.lag_count.max(1) as f64 * 1000.0,
+        m.bus.dropped,
     );
     rows
 }
@@ -977,10 +750,10 @@ async fn bench() {
     let measure: f64 = env("ADMISSION_SECONDS", if quick { 15.0 } else { 40.0 });
     let warmup: f64 = env("ADMISSION_WARMUP", if quick { 15.0 } else { 40.0 });
     let tail: f64 = env("ADMISSION_TAIL", if quick { 3.0 } else { 5.0 });
+    // Real time: model second = wall second.
     let plan = Plan {
-        warmup,
-        measure_end: warmup + measure,
-        end: warmup + measure + tail,
+        speedup: Some(1.0),
+        ..Plan::new(WORKERS, ENGINE, warmup, measure, tail)
     };
     let began = std::time::Instant::now();
     println!("{}", common::machine());
@@ -1091,22 +864,24 @@ async fn bench() {
     let mut measured: Vec<(Case, Measured)> = Vec::new();
     let mut i = 0;
     for group in groups {
-        let mut tasks = Vec::new();
-        for case in group {
-            let requests = Arc::new(arrivals(seed, capacity, plan.end, &case.classes));
+        let requests: Vec<_> = group
+            .iter()
+            .map(|case| Arc::new(arrivals(seed, capacity, plan.end, &case.classes)))
+            .collect();
+        let runs = at_once(group.iter().zip(&requests).map(|(case, requests)| {
             i += 1;
-            let task = tokio::spawn(run(
+            let deployment = format!("adm-{i}");
+            run(
                 case.clone(),
                 plan,
                 requests.clone(),
-                format!("adm-{i}"),
+                deployment,
                 url.clone(),
-            ));
-            tasks.push((case, requests, task));
-        }
-        for (case, requests, task) in tasks {
-            let m = task.await.expect("a case panicked");
-            let rows = report(&case, &m, &requests, plan, capacity);
+            )
+        }))
+        .await;
+        for ((case, requests), m) in group.into_iter().zip(&requests).zip(runs) {
+            let rows = report(&case, &m, requests, plan, capacity);
             results.push((case.clone(), rows));
             measured.push((case, m));
         }

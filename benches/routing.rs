@@ -72,6 +72,8 @@
 //!
 //! [`LeasePublisher`]: lease_router::LeasePublisher
 mod common;
+#[path = "routing/fleet.rs"]
+mod fleet;
 #[path = "routing/model.rs"]
 mod model;
 #[path = "routing/plot.rs"]
@@ -84,10 +86,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use common::percentile;
+use fleet::{at_once, env, ms_percentile, BusStats, Plan, MAX_DRAIN};
 use lease_router::DEFAULT_PROVISIONAL_DEADLINE;
 use model::{Request, ENGINE, MIX};
-use sim::{Case, Measured, Plan, Policy, Setting};
+use sim::{Case, Measured, Policy, Setting};
 
 const WORKERS: usize = 8;
 const LOADS: [f64; 3] = [0.5, 0.8, 0.95];
@@ -95,15 +97,6 @@ const REPLICAS: [usize; 3] = [1, 2, 4];
 /// Where the pinned figures are taken.
 const PIN_REPLICAS: usize = 4;
 const PIN_LOAD: f64 = 0.8;
-
-fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(v) => v
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={v:?} is not a valid value")),
-        Err(_) => default,
-    }
-}
 
 /// The figures of one case.
 #[derive(Clone, Copy, Debug)]
@@ -118,12 +111,6 @@ struct Row {
     /// Measured requests with no first token / not finished when the run ended (their
     /// time so far is counted: the percentiles are then lower bounds).
     cut: (usize, usize),
-}
-
-fn ms_percentile(values: &[f64], q: f64) -> f64 {
-    let mut us: Vec<u64> = values.iter().map(|s| (s * 1e6) as u64).collect();
-    us.sort_unstable();
-    percentile(&us, q) as f64 / 1000.0
 }
 
 impl Row {
@@ -194,14 +181,7 @@ async fn run() {
             "/benches/results/routing_ttft_p99.svg"
         )),
     );
-    let plan = Plan {
-        workers: WORKERS,
-        engine: ENGINE,
-        warmup,
-        measure_end: warmup + measure,
-        end: warmup + measure + tail,
-        speedup: None,
-    };
+    let plan = Plan::new(WORKERS, ENGINE, warmup, measure, tail);
     let began = Instant::now();
     println!("{}", common::machine());
     let per_worker = model::saturated_throughput(ENGINE, seed, MIX);
@@ -234,7 +214,7 @@ async fn run() {
     };
     let mut requests: BTreeMap<u32, Arc<Vec<Request>>> = BTreeMap::new();
     for &load in &loads {
-        let r = model::arrivals(seed, load * capacity, plan.end + sim::MAX_DRAIN, MIX);
+        let r = model::arrivals(seed, load * capacity, plan.end + MAX_DRAIN, MIX);
         requests.insert((load * 100.0).round() as u32, Arc::new(r));
     }
     let mut cases = Vec::new();
@@ -299,7 +279,7 @@ async fn run() {
     let nats_cpu_before = common::cpu_time(server.server.pid());
     let wall = Instant::now();
     let mut lag = Vec::new();
-    let (mut bus_sum, mut bus_n, mut bus_1ms, mut bus_5ms, mut dropped) = (0.0, 0, 0, 0, 0);
+    let mut bus = BusStats::default();
     // One load at a time: all of a load's cases at once would load the bus (and these two
     // cores) more than one deployment's routers ever would.
     for &load in &loads {
@@ -309,43 +289,38 @@ async fn run() {
             .enumerate()
             .filter(|(_, c)| c.load == load)
             .collect();
-        let tasks: Vec<_> = group
-            .iter()
-            .map(|(i, case)| {
-                tokio::spawn(sim::run(
-                    *case,
-                    shared_plan,
-                    arrivals(case),
-                    format!("shared-{i}"),
-                    Some(url.clone()),
-                ))
-            })
-            .collect();
-        for ((_, case), task) in group.iter().zip(tasks) {
-            let m = task.await.expect("a shared case panicked");
+        let measured = at_once(group.iter().map(|(i, case)| {
+            sim::run(
+                *case,
+                shared_plan,
+                arrivals(case),
+                format!("shared-{i}"),
+                Some(url.clone()),
+            )
+        }))
+        .await;
+        for ((_, case), m) in group.iter().zip(measured) {
             let row = Row::of(&m);
             print_row(case, &row);
             rows.insert(key(case), row);
             lag.extend_from_slice(&m.driver_lag);
-            bus_sum += m.bus_lag_sum;
-            bus_n += m.bus_lag_count;
-            bus_1ms += m.bus_lag_1ms;
-            bus_5ms += m.bus_lag_5ms;
-            dropped += m.bus_dropped;
+            bus += m.bus;
         }
     }
     let wall = wall.elapsed().as_secs_f64();
     lag.sort_by(f64::total_cmp);
-    let lag_ms: Vec<u64> = lag.iter().map(|s| (s * 1e6) as u64).collect();
+    let applied = bus.lag_count.max(1) as f64;
     println!(
-        "routing_bus events_applied={bus_n} mean_publish_to_apply_ms={:.3} within_1ms={:.3} \
-         within_5ms={:.3} dropped={dropped} driver_lag_p50_ms={:.2} driver_lag_p99_ms={:.2} \
+        "routing_bus events_applied={} mean_publish_to_apply_ms={:.3} within_1ms={:.3} \
+         within_5ms={:.3} dropped={} driver_lag_p50_ms={:.2} driver_lag_p99_ms={:.2} \
          driver_lag_max_ms={:.1} cases={} wall_s={wall:.1} bench_cpu_s={:.1} nats_cpu_s={:.1}",
-        bus_sum / bus_n.max(1) as f64 * 1000.0,
-        bus_1ms as f64 / bus_n.max(1) as f64,
-        bus_5ms as f64 / bus_n.max(1) as f64,
-        percentile(&lag_ms, 0.5) as f64 / 1000.0,
-        percentile(&lag_ms, 0.99) as f64 / 1000.0,
+        bus.lag_count,
+        bus.lag_sum / applied * 1000.0,
+        bus.lag_1ms as f64 / applied,
+        bus.lag_5ms as f64 / applied,
+        bus.dropped,
+        ms_percentile(&lag, 0.5),
+        ms_percentile(&lag, 0.99),
         lag.last().copied().unwrap_or(0.0) * 1000.0,
         shared.len(),
         (common::cpu_time(None) - cpu_before).as_secs_f64(),
@@ -397,39 +372,25 @@ fn report(rows: &BTreeMap<Key, Row>, loads: &[f64], policies: &[Policy], plot_pa
     println!("routing_ttft_p99_bus_vs_isolated={:.3}", s / i);
     println!("routing_ttft_p99_bus_vs_single={:.3}", s / o);
 
-    let line = |setting: Setting, replicas: usize, policy: Policy| plot::Line {
-        label: format!(
+    let line = |setting: Setting, replicas: usize, policy: Policy| {
+        let label = format!(
             "{} ({}), {}",
             setting.name(),
-            if replicas == 1 {
-                "1 replica".to_string()
-            } else {
-                format!("{replicas} replicas")
-            },
+            plot::replicas(replicas),
             policy.name()
-        ),
-        points: loads
-            .iter()
-            .map(|&l| {
-                let load = (l * 100.0).round() as u32;
-                (
-                    f64::from(load),
-                    rows[&(setting, replicas, load, policy)].ttft_p99,
-                )
-            })
-            .collect(),
+        );
+        plot::Line::over_loads(label, loads, |load| {
+            rows[&(setting, replicas, load, policy)].ttft_p99
+        })
     };
     let lines = [
         line(Setting::Shared, PIN_REPLICAS, shared),
         line(Setting::Isolated, PIN_REPLICAS, isolated),
         line(Setting::Single, 1, single),
     ];
-    if let Some(dir) = plot_path.parent() {
-        std::fs::create_dir_all(dir).expect("creates the plot's directory");
-    }
     let title =
         format!("{WORKERS} workers: p99 TTFT against load, best policy of each setting at {pin}%");
-    match plot::p99_ttft(plot_path, &title, &lines) {
+    match plot::p99_ttft(plot_path, &title, &lines, plot::Scale::Linear) {
         Ok(()) => println!("routing_plot={}", plot_path.display()),
         Err(e) => println!("routing_plot_error={e}"),
     }
@@ -450,7 +411,7 @@ async fn lost_requests(share: f64, plan: Plan, speedup: f64, seed: u64, capacity
     let arrivals = Arc::new(model::arrivals(
         seed,
         PIN_LOAD * capacity,
-        plan.end + sim::MAX_DRAIN,
+        plan.end + MAX_DRAIN,
         MIX,
     ));
     let mut p99 = Vec::new();

@@ -117,8 +117,9 @@
 //! [`MAX_BLOCK_HASHES`]: lease_router::wire::MAX_BLOCK_HASHES
 //! [`DEFAULT_AFFINITY_GAP`]: lease_router::DEFAULT_AFFINITY_GAP
 mod common;
+#[path = "routing/fleet.rs"]
+mod fleet;
 #[path = "routing/model.rs"]
-#[allow(dead_code)]
 mod model;
 #[path = "routing/plot.rs"]
 mod plot;
@@ -126,35 +127,22 @@ mod plot;
 mod prefix_sim;
 #[path = "routing/sessions.rs"]
 mod sessions;
-#[path = "routing/sim.rs"]
-#[allow(dead_code)]
-mod sim;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use common::percentile;
+use fleet::{at_once, env, ms_percentile, BusStats, Plan, MAX_DRAIN};
 use model::{ENGINE, MIX};
 use prefix_sim::{Case, Measured, Setting, BLOCK_SIZE, CACHE_BLOCKS};
 use sessions::{Arrival, WORKLOAD};
-use sim::Plan;
 
 const WORKERS: usize = 8;
 const LOADS: [f64; 3] = [0.5, 0.8, 0.95];
 const REPLICAS: [usize; 3] = [1, 2, 4];
 const PIN_REPLICAS: usize = 4;
 const PIN_LOAD: f64 = 0.8;
-
-fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Ok(v) => v
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={v:?} is not a valid value")),
-        Err(_) => default,
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 struct Row {
@@ -169,12 +157,6 @@ struct Row {
     util_min: f64,
     util_max: f64,
     cut: usize,
-}
-
-fn ms_percentile(values: &[f64], q: f64) -> f64 {
-    let mut us: Vec<u64> = values.iter().map(|s| (s * 1e6) as u64).collect();
-    us.sort_unstable();
-    percentile(&us, q) as f64 / 1000.0
 }
 
 impl Row {
@@ -259,14 +241,7 @@ async fn run() {
             "/benches/results/routing_prefix_ttft_p99.svg"
         )),
     );
-    let plan = Plan {
-        workers: WORKERS,
-        engine: ENGINE,
-        warmup,
-        measure_end: warmup + measure,
-        end: warmup + measure + tail,
-        speedup: None,
-    };
+    let plan = Plan::new(WORKERS, ENGINE, warmup, measure, tail);
     let began = Instant::now();
     println!("{}", common::machine());
 
@@ -310,7 +285,7 @@ async fn run() {
         let a = sessions::arrivals(
             seed,
             load * capacity,
-            plan.end + sim::MAX_DRAIN,
+            plan.end + MAX_DRAIN,
             &WORKLOAD,
             BLOCK_SIZE,
         );
@@ -389,7 +364,7 @@ async fn run() {
         ..plan
     };
     let mut lag = Vec::new();
-    let (mut bus_sum, mut bus_n, mut dropped) = (0.0, 0, 0);
+    let mut bus = BusStats::default();
     for &load in &loads {
         let group: Vec<(usize, Case)> = cases
             .iter()
@@ -397,38 +372,33 @@ async fn run() {
             .enumerate()
             .filter(|(_, c)| c.setting.bus() && c.load == load)
             .collect();
-        let tasks: Vec<_> = group
-            .iter()
-            .map(|(i, case)| {
-                tokio::spawn(prefix_sim::run(
-                    *case,
-                    bus_plan,
-                    arrivals_of(case),
-                    format!("prefix-{i}"),
-                    Some(url.clone()),
-                ))
-            })
-            .collect();
-        for ((_, case), task) in group.iter().zip(tasks) {
-            let m = task.await.expect("a bus case panicked");
+        let measured = at_once(group.iter().map(|(i, case)| {
+            prefix_sim::run(
+                *case,
+                bus_plan,
+                arrivals_of(case),
+                format!("prefix-{i}"),
+                Some(url.clone()),
+            )
+        }))
+        .await;
+        for ((_, case), m) in group.iter().zip(measured) {
             let row = Row::of(&m);
             print_row(case, &row, &m);
             rows.insert(key(case), row);
             lag.extend_from_slice(&m.driver_lag);
-            bus_sum += m.bus_lag_sum;
-            bus_n += m.bus_lag_count;
-            dropped += m.bus_dropped;
+            bus += m.bus;
         }
     }
     lag.sort_by(f64::total_cmp);
-    let lag_ms: Vec<u64> = lag.iter().map(|s| (s * 1e6) as u64).collect();
     println!(
-        "routing_prefix_bus events_applied={bus_n} mean_publish_to_apply_ms={:.3} \
-         dropped={dropped} driver_lag_p50_ms={:.2} driver_lag_p99_ms={:.2} \
-         driver_lag_max_ms={:.1}",
-        bus_sum / bus_n.max(1) as f64 * 1000.0,
-        percentile(&lag_ms, 0.5) as f64 / 1000.0,
-        percentile(&lag_ms, 0.99) as f64 / 1000.0,
+        "routing_prefix_bus events_applied={} mean_publish_to_apply_ms={:.3} dropped={} \
+         driver_lag_p50_ms={:.2} driver_lag_p99_ms={:.2} driver_lag_max_ms={:.1}",
+        bus.lag_count,
+        bus.lag_sum / bus.lag_count.max(1) as f64 * 1000.0,
+        bus.dropped,
+        ms_percentile(&lag, 0.5),
+        ms_percentile(&lag, 0.99),
         lag.last().copied().unwrap_or(0.0) * 1000.0,
     );
 
@@ -461,26 +431,11 @@ fn report(rows: &BTreeMap<Key, Row>, loads: &[f64], plot_path: &std::path::Path)
         aware.history_hit / isolated.history_hit,
     );
 
-    let line = |setting: Setting, replicas: usize| plot::Line {
-        label: format!(
-            "{} ({})",
-            setting.name(),
-            if replicas == 1 {
-                "1 replica".to_string()
-            } else {
-                format!("{replicas} replicas")
-            },
-        ),
-        points: loads
-            .iter()
-            .map(|&l| {
-                let load = (l * 100.0).round() as u32;
-                (
-                    f64::from(load),
-                    rows[&(setting, replicas, load, false)].ttft_p99,
-                )
-            })
-            .collect(),
+    let line = |setting: Setting, replicas: usize| {
+        let label = format!("{} ({})", setting.name(), plot::replicas(replicas));
+        plot::Line::over_loads(label, loads, |load| {
+            rows[&(setting, replicas, load, false)].ttft_p99
+        })
     };
     let lines = [
         line(Setting::Blind, PIN_REPLICAS),
@@ -489,11 +444,8 @@ fn report(rows: &BTreeMap<Key, Row>, loads: &[f64], plot_path: &std::path::Path)
         line(Setting::Isolated, PIN_REPLICAS),
         line(Setting::Single, 1),
     ];
-    if let Some(dir) = plot_path.parent() {
-        std::fs::create_dir_all(dir).expect("creates the plot's directory");
-    }
     let title = format!("{WORKERS} workers with prefix caches: p99 TTFT against load");
-    match plot::p99_ttft_log(plot_path, &title, &lines) {
+    match plot::p99_ttft(plot_path, &title, &lines, plot::Scale::Log) {
         Ok(()) => println!("routing_prefix_plot={}", plot_path.display()),
         Err(e) => println!("routing_prefix_plot_error={e}"),
     }

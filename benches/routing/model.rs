@@ -128,6 +128,7 @@ pub fn sizes(seed: u64, n: usize, mix: Mix) -> Vec<(u32, u32, u32)> {
 }
 
 /// Requests arriving as a Poisson stream of `rate` per second until `until`.
+#[allow(dead_code)] // `routing_prefix` draws sessions instead (`sessions.rs`)
 pub fn arrivals(seed: u64, rate: f64, until: f64, mix: Mix) -> Vec<Request> {
     // Enough sizes for the stream with a wide margin; the gaps draw from their own stream.
     let sizes = sizes(seed, (rate * until * 1.5) as usize + 1000, mix);
@@ -580,6 +581,23 @@ impl Worker {
 fn cached_tokens(cache: &PrefixCache, block_size: u32, request: &Request, blocks: &Blocks) -> u32 {
     let hit = cache.hit(blocks.prompt_hashes()) as u64 * u64::from(block_size);
     (hit.min(u64::from(request.prompt.saturating_sub(1))) as u32).max(request.cached)
+}
+
+/// The model's next event, the earlier of the next arrival (at `arrival`) and the first
+/// step to end: `(time, None)` for the arrival (first on a tie), `(time, Some(w))` for
+/// worker `w`'s step; `None` when neither is left.
+pub fn next_event(workers: &[Worker], arrival: Option<f64>) -> Option<(f64, Option<usize>)> {
+    let step = workers
+        .iter()
+        .enumerate()
+        .filter_map(|(w, k)| k.step_end.map(|t| (t, w)))
+        .min_by(|a, b| a.0.total_cmp(&b.0));
+    match (arrival, step) {
+        (Some(a), Some((s, _))) if a <= s => Some((a, None)),
+        (Some(a), None) => Some((a, None)),
+        (_, Some((s, w))) => Some((s, Some(w))),
+        (None, None) => None,
+    }
 }
 
 /// Completed requests per second of one worker kept saturated (an endless queue of the
