@@ -183,6 +183,7 @@ mod tests {
         h.observe_us(90);
         h.observe_us(300);
         let s = h.snapshot().since(&before);
+        assert!((s.sum_seconds - 0.00235).abs() < 1e-12, "{}", s.sum_seconds);
         assert_eq!(s.bound_of_quantile(0.98), Some(0.000025));
         assert_eq!(s.bound_of_quantile(0.99), Some(0.0001));
         assert_eq!(s.bound_of_quantile(1.0), Some(0.0005));
@@ -192,7 +193,14 @@ mod tests {
             "the bound under it"
         );
         assert_eq!(s.share_within(0.000001), 0.0);
+        let mid = h.snapshot();
         h.observe_us(200_000);
+        let last = h.snapshot().since(&mid);
+        assert_eq!(last.count, 1);
+        assert!(
+            (last.sum_seconds - 0.2).abs() < 1e-12,
+            "only what came after"
+        );
         let later = h.snapshot().since(&before);
         assert_eq!(later.bound_of_quantile(1.0), None, "past the last bound");
         assert_eq!((later.count, later.buckets[0].1), (101, 0));

@@ -353,6 +353,8 @@ mod tests {
         pending.received();
         pending.applied(EventKind::Completed);
         pending.lag_us(700);
+        // Past the last bound: the pending counts have the +Inf bucket too.
+        pending.lag_us(60_000_000);
         assert_eq!(
             stats.snapshot().received,
             0,
@@ -362,7 +364,12 @@ mod tests {
         pending.flush(&stats);
         let s = stats.snapshot();
         assert_eq!(s.received, 1);
-        assert_eq!((s.lag.count, s.lag.buckets[3]), (1, (0.001, 1)));
+        assert_eq!((s.lag.count, s.lag.buckets[3]), (2, (0.001, 1)));
+        assert_eq!(
+            s.lag.buckets.last().map(|(_, n)| *n),
+            Some(1),
+            "+Inf holds the 60 s one"
+        );
         assert_eq!(s.dropped(DropReason::Late), 2);
         assert_eq!(s.dropped_total(), 2);
         assert_eq!(s.applied(EventKind::Completed), 1);
