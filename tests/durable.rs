@@ -1083,6 +1083,28 @@ fn snapshotting() -> LeaseStreamConfig {
     stream_config(1).with_snapshots(Duration::from_millis(200), 3_000)
 }
 
+/// Waits until `writer` has stored a snapshot of the stream's first `count` events.
+async fn snapshot_covers(writer: &DurableHarness, count: u64, what: &str) {
+    let catch_up = writer.catch_up.clone();
+    assert!(
+        eventually(BOUND, || async {
+            catch_up.snapshot_figures().last_sequence == count
+        })
+        .await,
+        "{what}: {:?}",
+        catch_up.snapshot_figures()
+    );
+}
+
+/// A replica of `deployment` that starts now (snapshotting) and has caught up.
+async fn late_replica(conn: &NatsConnection, deployment: &str) -> DurableHarness {
+    let late = durable_router_with(conn, deployment, snapshotting(), NO_EXPIRY).await;
+    tokio::time::timeout(BOUND, late.catch_up.wait())
+        .await
+        .expect("catches up");
+    late
+}
+
 /// Events that leave leases with progress (output counts) and completions, for `workers`.
 fn lifecycle_with_progress(prefix: &str, n: usize) -> (Vec<LeaseEvent>, HashSet<String>) {
     let mut events = Vec::new();
@@ -1134,24 +1156,13 @@ async fn a_late_replica_loads_the_newest_snapshot_and_replays_only_what_follows(
     let ended_admission = events[ended_seq as usize - 1].clone();
     let mut publisher = JsPublisher::new(conn.client().clone(), "snap", 7);
     publisher.publish_all(events).await;
-    let catch_up = writer.catch_up.clone();
-    assert!(
-        eventually(BOUND, || async {
-            catch_up.snapshot_figures().last_sequence == before
-        })
-        .await,
-        "a snapshot of everything published: {:?}",
-        catch_up.snapshot_figures()
-    );
+    snapshot_covers(&writer, before, "a snapshot of everything published").await;
     let (after, live_after) = lifecycle_with_progress("after", 500);
     let after_count = after.len() as u64;
     publisher.publish_all(after).await;
     live.extend(live_after);
 
-    let late = durable_router_with(&conn, "snap", snapshotting(), NO_EXPIRY).await;
-    tokio::time::timeout(BOUND, late.catch_up.wait())
-        .await
-        .expect("catches up");
+    let late = late_replica(&conn, "snap").await;
     let figures = late.catch_up.snapshot_figures();
     assert!(
         figures.loaded_sequence >= before,
@@ -1225,19 +1236,8 @@ async fn a_late_replica_keeps_the_writers_tombstones_and_held_progress() {
     let count = before.len() as u64;
     let mut publisher = JsPublisher::new(conn.client().clone(), "held", 3);
     publisher.publish_all(before).await;
-    let catch_up = writer.catch_up.clone();
-    assert!(
-        eventually(BOUND, || async {
-            catch_up.snapshot_figures().last_sequence == count
-        })
-        .await,
-        "a snapshot with both held: {:?}",
-        catch_up.snapshot_figures()
-    );
-    let late = durable_router_with(&conn, "held", snapshotting(), NO_EXPIRY).await;
-    tokio::time::timeout(BOUND, late.catch_up.wait())
-        .await
-        .expect("catches up");
+    snapshot_covers(&writer, count, "a snapshot with both held").await;
+    let late = late_replica(&conn, "held").await;
     assert_eq!(late.catch_up.snapshot_figures().loaded_sequence, count);
     assert_eq!(
         late.catch_up.replayed(),
@@ -1307,19 +1307,8 @@ async fn a_late_replica_starts_with_the_writers_prefix_index() {
     let count = events.len() as u64;
     let mut publisher = JsPublisher::new(conn.client().clone(), "prefix", 3);
     publisher.publish_all(events).await;
-    let catch_up = writer.catch_up.clone();
-    assert!(
-        eventually(BOUND, || async {
-            catch_up.snapshot_figures().last_sequence == count
-        })
-        .await,
-        "{:?}",
-        catch_up.snapshot_figures()
-    );
-    let late = durable_router_with(&conn, "prefix", snapshotting(), NO_EXPIRY).await;
-    tokio::time::timeout(BOUND, late.catch_up.wait())
-        .await
-        .expect("catches up");
+    snapshot_covers(&writer, count, "a snapshot of every admission").await;
+    let late = late_replica(&conn, "prefix").await;
     assert_eq!(
         late.catch_up.replayed(),
         0,
