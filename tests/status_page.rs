@@ -551,6 +551,27 @@ async fn the_page_shows_every_worker_and_its_figures_change() {
     .await;
     assert_eq!(llama_prefix, 16.0);
     admission_is_shown(&served, &mut llama, &page).await;
+    // Its five route requests (two routed, two refused, one queued) were decisions the
+    // scheduler made and timed; mixtral's scheduler made none.
+    let p99 = until(&page, "the route decisions", |shown| {
+        let figures = &deployment(shown, "llama-70b")?["figures"];
+        (number(&figures["route_decisions"]) == Some(5.0))
+            .then(|| figures["decision_p99"].as_str().unwrap_or("").to_owned())
+    })
+    .await;
+    assert!(p99.starts_with("≤ ") && p99.ends_with('s'), "{p99}");
+    let mixtral_figures = until(&page, "mixtral's figures", |shown| {
+        deployment(shown, "mixtral").map(|d| d["figures"].clone())
+    })
+    .await;
+    assert_eq!(
+        (
+            &mixtral_figures["route_decisions"],
+            &mixtral_figures["decision_p99"]
+        ),
+        (&Value::from("0"), &Value::from("–")),
+        "{mixtral_figures:#}"
+    );
     assert_eq!(first["nats"], "connected", "{first:#}");
     assert_eq!(first["errors"], serde_json::json!([]), "{first:#}");
     assert_eq!(first["empty"], false);

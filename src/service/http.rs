@@ -540,13 +540,16 @@ async fn get_deployment(
         .into_iter()
         .find(|d| d.name == name.as_str());
     let prefix = figures.as_ref().and_then(|d| d.prefix);
-    let admission = match state.host.get(&name) {
+    let (admission, decisions) = match state.host.get(&name) {
         Some(view) => {
             let scheduler = view.scheduler().clone();
             drop(view);
-            admission_figures(&scheduler).await
+            (
+                admission_figures(&scheduler).await,
+                Some(scheduler.decision_times()),
+            )
         }
-        None => serde_json::Value::Null,
+        None => (serde_json::Value::Null, None),
     };
     let catch_up = figures
         .and_then(|d| d.catch_up)
@@ -557,6 +560,7 @@ async fn get_deployment(
         "catch_up": catch_up,
         "prefix": prefix,
         "admission": admission,
+        "decisions": decisions,
     }))
     .into_response())
 }
@@ -785,7 +789,6 @@ async fn leases(
         .min(MAX_LEASE_LIMIT);
     let view = running_view(&state, &name)?;
     let manager = view.manager();
-    let active = manager.active_leases();
     let leases: Vec<LeaseJson> = manager
         .leases(limit)
         .into_iter()
@@ -797,6 +800,10 @@ async fn leases(
             age_seconds: record.age.as_secs(),
         })
         .collect();
+    // Counted after the listing, which events may change meanwhile: never fewer than it
+    // shows (a lease admitted between a count and the listing once made `active_leases` 0
+    // beside a listed lease).
+    let active = manager.active_leases().max(leases.len());
     let body = json!({
         "deployment": view.name(),
         "active_leases": active,
