@@ -36,35 +36,17 @@ mod common {
     }
 }
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod support;
+
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, ExitStatus};
 use std::thread;
 use std::time::{Duration, Instant};
+use support::{command, http, http_with, Proc};
 
-const BIN: &str = env!("CARGO_BIN_EXE_lease-router");
 /// The bound of every wait for something that should happen quickly.
 const BOUND: Duration = Duration::from_secs(20);
-
-/// The binary, with none of the caller's settings leaking in.
-fn command(args: &[&str]) -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.args(args)
-        .env_remove("NATS_URL")
-        .env_remove("LEASE_ROUTER_CONFIG")
-        .env_remove("LEASE_ROUTER_DEPLOYMENTS")
-        .env_remove("LEASE_ROUTER_HTTP_ADDR")
-        .env_remove("LEASE_ROUTER_SUBJECT_PREFIX")
-        .env_remove("LEASE_ROUTER_LEASE_SCAN_INTERVAL")
-        .env_remove("LEASE_ROUTER_LOG_FORMAT")
-        .env_remove("LEASE_ROUTER_HTTP_TOKEN")
-        .env_remove("LEASE_ROUTER_HTTP_TOKEN_FILE")
-        .env_remove("LEASE_ROUTER_HTTP_PROTECT_READS")
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null());
-    cmd
-}
 
 /// The output of a command that ran to its end (bounded).
 struct Finished {
@@ -97,119 +79,6 @@ fn run(mut cmd: Command, bound: Duration) -> Finished {
     }
 }
 
-/// A running child whose output is collected by threads; killed on drop.
-struct Proc {
-    child: Child,
-    stdout: Arc<Mutex<String>>,
-    stderr: Arc<Mutex<String>>,
-    status: Option<ExitStatus>,
-}
-
-impl Proc {
-    fn spawn(cmd: &mut Command) -> Proc {
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("the binary starts");
-        let stdout = Arc::new(Mutex::new(String::new()));
-        let stderr = Arc::new(Mutex::new(String::new()));
-        collect(child.stdout.take().unwrap(), stdout.clone());
-        collect(child.stderr.take().unwrap(), stderr.clone());
-        Proc {
-            child,
-            stdout,
-            stderr,
-            status: None,
-        }
-    }
-
-    fn stdout(&self) -> String {
-        self.stdout.lock().unwrap().clone()
-    }
-
-    fn stderr(&self) -> String {
-        self.stderr.lock().unwrap().clone()
-    }
-
-    /// The exit status, waiting at most `bound`; also collects the rest of the output.
-    fn wait(&mut self, bound: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + bound;
-        loop {
-            if let Some(status) = self.status {
-                return Some(status);
-            }
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                self.status = Some(status);
-                // Let the reader threads take the last output.
-                thread::sleep(Duration::from_millis(100));
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            thread::sleep(Duration::from_millis(25));
-        }
-    }
-
-    fn signal(&self, name: &str) {
-        let status = Command::new("kill")
-            .arg(format!("-{name}"))
-            .arg(self.child.id().to_string())
-            .status()
-            .expect("kill runs");
-        assert!(status.success(), "kill -{name} failed");
-    }
-
-    /// Waits for a stdout line starting with `prefix` and returns the rest of it.
-    fn wait_for_line(&mut self, prefix: &str, bound: Duration) -> String {
-        let deadline = Instant::now() + bound;
-        loop {
-            if let Some(rest) = self
-                .stdout()
-                .lines()
-                .find_map(|line| line.strip_prefix(prefix).map(str::to_owned))
-            {
-                return rest;
-            }
-            if let Some(status) = self.wait(Duration::ZERO) {
-                panic!(
-                    "exited ({status}) before printing {prefix:?}\nstdout:\n{}\nstderr:\n{}",
-                    self.stdout(),
-                    self.stderr()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no line {prefix:?} within {bound:?}\nstdout:\n{}\nstderr:\n{}",
-                self.stdout(),
-                self.stderr()
-            );
-            thread::sleep(Duration::from_millis(25));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if self.status.is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
-    thread::spawn(move || {
-        let mut reader = BufReader::new(stream);
-        let mut line = String::new();
-        while matches!(reader.read_line(&mut line), Ok(n) if n > 0) {
-            into.lock().unwrap().push_str(&line);
-            line.clear();
-        }
-    });
-}
-
 /// `serve` on a free port; returns the process and its HTTP address.
 fn serve(nats_url: &str, extra: &[&str]) -> (Proc, SocketAddr) {
     let mut args = vec![
@@ -224,59 +93,6 @@ fn serve(nats_url: &str, extra: &[&str]) -> (Proc, SocketAddr) {
     let addr = proc.wait_for_line("listening on http://", BOUND);
     let addr = addr.trim().parse().expect("a socket address");
     (proc, addr)
-}
-
-/// A minimal HTTP/1.1 client: one request per connection. Returns the status and the body.
-fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
-    http_with(addr, method, path, "")
-}
-
-/// [`http`] with more header lines (each ending in `\r\n`).
-fn http_with(addr: SocketAddr, method: &str, path: &str, headers: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n\
-         {headers}\r\n"
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).expect("read the answer");
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("a status code");
-    let chunked = head.lines().any(|l| {
-        l.to_ascii_lowercase()
-            .starts_with("transfer-encoding: chunked")
-    });
-    let body = if chunked {
-        dechunk(body)
-    } else {
-        body.to_owned()
-    };
-    (status, body)
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
-            break;
-        };
-        if size == 0 || rest.len() < size {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        body = rest[size..].trim_start_matches("\r\n");
-    }
-    out
 }
 
 fn json(addr: SocketAddr, path: &str) -> serde_json::Value {
@@ -1051,7 +867,7 @@ async fn sigkill_mid_snapshot_leaves_nothing_a_later_replica_trusts() {
         }
         assert!(Instant::now() < deadline, "no snapshot write began");
     }
-    serve1.child.kill().expect("SIGKILL");
+    serve1.signal("KILL");
     serve1.wait(BOUND).expect("killed");
     // Killed after the first chunks (a snapshot here is ~16 of them): the metadata still
     // names the previous one, and the new chunks are orphans no reader follows.

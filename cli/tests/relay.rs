@@ -9,21 +9,22 @@
 //! The Python comes from `.tools/venv` (`scripts/tools`, PYTHON_PACKAGES: pyzmq, msgpack),
 //! else `python3` on PATH. Every wait is bounded and polls; children are killed on drop.
 
+mod support;
+
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::process::{ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver};
-use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
+use support::{command, http, Proc};
 
 use lease_router::block_hashes;
 use lease_router_testkit::{pick_free_ports, NatsServer, NatsServerBuilder};
 use serde_json::{json, Value};
 
-const BIN: &str = env!("CARGO_BIN_EXE_lease-router");
 const BOUND: Duration = Duration::from_secs(30);
 const BLOCK: usize = 16;
 const WORKER: u64 = 7;
@@ -64,146 +65,9 @@ async fn nats(jetstream: bool) -> NatsServer {
         .unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// The binary, with none of the caller's settings leaking in.
-fn command(args: &[&str]) -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.args(args).env("RUST_LOG", "info").stdin(Stdio::null());
-    for (key, _) in std::env::vars() {
-        if key.starts_with("LEASE_ROUTER_") || key.starts_with("NATS_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd
-}
-
-/// A running child whose output is collected by threads; killed on drop.
-struct Proc {
-    child: Child,
-    stdout: Arc<Mutex<String>>,
-    stderr: Arc<Mutex<String>>,
-}
-
-impl Proc {
-    fn spawn(cmd: &mut Command) -> Proc {
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("the binary starts");
-        let stdout = Arc::new(Mutex::new(String::new()));
-        let stderr = Arc::new(Mutex::new(String::new()));
-        collect(child.stdout.take().unwrap(), stdout.clone());
-        collect(child.stderr.take().unwrap(), stderr.clone());
-        Proc {
-            child,
-            stdout,
-            stderr,
-        }
-    }
-
-    fn stderr(&self) -> String {
-        self.stderr.lock().unwrap().clone()
-    }
-
-    fn wait_for_line(&mut self, prefix: &str) -> String {
-        let deadline = Instant::now() + BOUND;
-        loop {
-            let out = self.stdout.lock().unwrap().clone();
-            if let Some(rest) = out.lines().find_map(|l| l.strip_prefix(prefix)) {
-                return rest.to_owned();
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "exited ({status}) before {prefix:?}\n{out}\n{}",
-                    self.stderr()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no {prefix:?}\n{}",
-                self.stderr()
-            );
-            thread::sleep(Duration::from_millis(25));
-        }
-    }
-
-    /// SIGTERM, then exit code 0 within the bound.
-    fn terminate(mut self) -> String {
-        let pid = self.child.id().to_string();
-        let killed = Command::new("kill").args(["-TERM", &pid]).status();
-        assert!(killed.expect("kill runs").success());
-        let deadline = Instant::now() + BOUND;
-        let status: ExitStatus = loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                break status;
-            }
-            assert!(Instant::now() < deadline, "no exit\n{}", self.stderr());
-            thread::sleep(Duration::from_millis(25));
-        };
-        thread::sleep(Duration::from_millis(100));
-        assert_eq!(status.code(), Some(0), "{}", self.stderr());
-        self.stderr()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn collect(stream: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
-    thread::spawn(move || {
-        let mut reader = BufReader::new(stream);
-        let mut line = String::new();
-        while matches!(reader.read_line(&mut line), Ok(n) if n > 0) {
-            into.lock().unwrap().push_str(&line);
-            line.clear();
-        }
-    });
-}
-
-/// One request per connection; the status and the body.
-fn http(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).expect("read the answer");
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    (status, if chunked { dechunk(body) } else { body.into() })
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
-            break;
-        };
-        if size == 0 || rest.len() < size {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        body = rest[size..].trim_start_matches("\r\n");
-    }
-    out
-}
-
 /// The value of one metric series of the relay (the whole series name must match).
 fn metric(addr: SocketAddr, series: &str) -> f64 {
-    let (status, body) = http(addr, "/metrics");
+    let (status, body) = http(addr, "GET", "/metrics");
     assert_eq!(status, 200, "{body}");
     body.lines()
         .find_map(|line| {
@@ -258,8 +122,6 @@ impl Engine {
             .expect("python starts");
         let stdin = child.stdin.take().unwrap();
         let stdout = child.stdout.take().unwrap();
-        let stderr = Arc::new(Mutex::new(String::new()));
-        collect(child.stderr.take().unwrap(), stderr.clone());
         let (tx, answers) = mpsc::channel();
         thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
@@ -269,11 +131,7 @@ impl Engine {
                 }
             }
         });
-        let proc = Proc {
-            child,
-            stdout: Arc::default(),
-            stderr,
-        };
+        let proc = Proc::adopt(child);
         let mut engine = Engine {
             proc,
             stdin,
@@ -355,7 +213,7 @@ impl Setup {
             args.push("--durable");
         }
         let mut proc = Proc::spawn(&mut command(&args));
-        let addr = proc.wait_for_line("listening on http://");
+        let addr = proc.wait_for_line("listening on http://", BOUND);
         (proc, addr.trim().parse().expect("an address"))
     }
 }
@@ -387,7 +245,7 @@ fn sync(engine: &mut Engine, relay: SocketAddr) {
 fn view_is(router: SocketAddr, deployment: &str, rank: u32, want: &BTreeSet<u64>, step: &str) {
     let path = format!("/v1/deployments/{deployment}/prefix/{WORKER}");
     eventually(step, || {
-        let (status, body) = http(router, &path);
+        let (status, body) = http(router, "GET", &path);
         if status != 200 {
             return Err(format!("{status} {body}"));
         }
@@ -443,7 +301,7 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool, 
     }
     let mut serve = Proc::spawn(&mut command(&serve_args));
     let router: SocketAddr = serve
-        .wait_for_line("listening on http://")
+        .wait_for_line("listening on http://", BOUND)
         .trim()
         .parse()
         .unwrap();
@@ -458,7 +316,7 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool, 
     };
     let (mut engine, (relay, addr)) = if relay_first {
         let (relay, addr) = setup.relay();
-        let (status, body) = http(addr, "/healthz");
+        let (status, body) = http(addr, "GET", "/healthz");
         assert_eq!(status, 503, "no engine yet: {body}");
         assert!(body.contains("\"engine_connected\":false"), "{body}");
         thread::sleep(Duration::from_millis(300));
@@ -469,7 +327,7 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool, 
         (engine, setup.relay())
     };
     eventually("/healthz turns 200", || {
-        let (status, body) = http(addr, "/healthz");
+        let (status, body) = http(addr, "GET", "/healthz");
         (status == 200).then_some(()).ok_or(body)
     });
     let d = deployment.as_str();
@@ -535,7 +393,7 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool, 
 
     // The relay restarts: kv_cleared when it stops, the engine's history when it starts
     // (through the hole, as the running relay saw it).
-    relay.terminate();
+    relay.terminate(BOUND);
     view_is(router, d, rank, &BTreeSet::new(), "the relay stopped");
     let (relay, addr) = setup.relay();
     sync(&mut engine, addr);
@@ -585,7 +443,7 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool, 
     want.extend(ours(&m));
     sync(&mut engine, addr);
     view_is(router, d, rank, &want, "after the malformed payload");
-    let (status, body) = http(addr, "/healthz");
+    let (status, body) = http(addr, "GET", "/healthz");
     assert_eq!(status, 200, "{body}");
     let other_ranks = metric(addr, "lease_router_relay_dp_rank_mismatches_total");
     assert_eq!(
@@ -593,7 +451,7 @@ async fn scenario(layout: &str, hashes: &str, durable: bool, relay_first: bool, 
         "the batches carry the engine's rank, --dp-rank"
     );
 
-    let log = relay.terminate();
+    let log = relay.terminate(BOUND);
     assert!(!log.contains("panicked"), "{log}");
     view_is(
         router,
@@ -688,5 +546,5 @@ async fn relay_throughput() {
         series("lease_router_relay_publish_dropped_total"),
         series("lease_router_relay_blocks_stored_total"),
     );
-    relay.terminate();
+    relay.terminate(BOUND);
 }
