@@ -1010,15 +1010,7 @@ mod admission {
             "regular: r0, r1 (unknown)"
         );
         // The heavy request completes: not saturated any more, both go.
-        submit(
-            &handle.cleanup(),
-            &[Op::Release(
-                premium,
-                worker(1),
-                heavy,
-                ReleaseReason::Completed,
-            )],
-        );
+        completes(&handle, premium, heavy);
         for w in waiting {
             let decision = w.await.unwrap().unwrap();
             assert_eq!(decision.worker(), worker(1));
@@ -1064,15 +1056,7 @@ mod admission {
         assert!(why.contains("over its part"), "{why}");
         overloaded(handle.route(request("p1", "premium")).await);
         // Regular's 50 complete: it holds nothing, under any part: it goes, saturated.
-        submit(
-            &handle.cleanup(),
-            &[Op::Release(
-                regular,
-                worker(1),
-                light,
-                ReleaseReason::Completed,
-            )],
-        );
+        completes(&handle, regular, light);
         assert!(handle.route(request("r2", "regular")).await.is_ok());
         // 10 of 20: 15 more would pass the part (though 10 is under it), 10 more fits; then
         // 20 of 20, full.
@@ -1210,6 +1194,19 @@ mod admission {
         (handle, ids)
     }
 
+    /// `class`'s request of `weight` on worker 1 completes (its booking released).
+    fn completes(handle: &SchedulerHandle, class: ClassId, weight: BookingWeight) {
+        submit(
+            &handle.cleanup(),
+            &[Op::Release(
+                class,
+                worker(1),
+                weight,
+                ReleaseReason::Completed,
+            )],
+        );
+    }
+
     /// Starts routing `request` and returns once it waits (the `n`th to wait).
     async fn waits(handle: &SchedulerHandle, request: RouteRequest, n: u64) -> WaitingRoute {
         let routing = {
@@ -1319,15 +1316,7 @@ mod admission {
         let why = overloaded(handle.route(sized("w2", 5).with_max_wait_ms(0)).await);
         assert!(why.contains("may not wait"), "{why}");
         assert!(!first.is_finished());
-        submit(
-            &handle.cleanup(),
-            &[Op::Release(
-                regular,
-                worker(1),
-                light,
-                ReleaseReason::Completed,
-            )],
-        );
+        completes(&handle, regular, light);
         assert!(first.await.unwrap().is_ok());
     }
 
@@ -1353,27 +1342,11 @@ mod admission {
         let p1 = waits(&handle, request("p1", "premium"), 2).await;
         // 85 complete: 95 waiting, room for one request. Premium holds 65 of its 80 (0.81),
         // regular 30 of its 20 (1.5): premium goes, and its 10 saturate the deployment again.
-        submit(
-            &handle.cleanup(),
-            &[Op::Release(
-                premium,
-                worker(1),
-                first,
-                ReleaseReason::Completed,
-            )],
-        );
+        completes(&handle, premium, first);
         assert!(p1.await.unwrap().is_ok());
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!r1.is_finished(), "regular, first in, still waits");
-        submit(
-            &handle.cleanup(),
-            &[Op::Release(
-                premium,
-                worker(1),
-                second,
-                ReleaseReason::Completed,
-            )],
-        );
+        completes(&handle, premium, second);
         assert!(r1.await.unwrap().is_ok());
     }
 
