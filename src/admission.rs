@@ -27,6 +27,7 @@ use hashbrown::HashMap;
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 
+use crate::histogram::{bucket, figures, micros, HistogramFigures, QUEUE_WAIT_BOUNDS_US};
 use crate::load::{BookingWeight, LoadSums, WorkerLoad};
 
 /// Classes a deployment may have.
@@ -634,12 +635,6 @@ impl ClassLoad {
     }
 }
 
-/// Upper bounds, in seconds, of the buckets of a class's queue wait ([`WaitFigures`]): from
-/// the queue's resolution (it is looked at every 5 ms) to past the default longest wait.
-pub(crate) const QUEUE_WAIT_BUCKETS: [f64; 11] = [
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-];
-
 /// What one replica's admission did with the route requests of one class, since the
 /// replica started: each replica counts the requests it was asked to route, so these add
 /// up over the replicas (unlike the in-flight figures, which every replica shares). Counted
@@ -659,21 +654,21 @@ pub struct ClassAdmission {
     /// Left the queue because their caller went away.
     pub abandoned: u64,
     /// The time spent in the queue by the requests that left it (routed, refused or
-    /// abandoned).
-    pub wait: WaitFigures,
+    /// abandoned): buckets from 5 ms to 10 s, left out of the JSON (`{"count",
+    /// "sum_seconds"}`).
+    #[serde(serialize_with = "count_and_sum")]
+    pub wait: HistogramFigures,
 }
 
-/// A histogram of queue waits.
-#[derive(Clone, PartialEq, Debug, Default, Serialize)]
-pub struct WaitFigures {
-    /// Waits observed.
-    pub count: u64,
-    /// Their sum, in seconds.
-    pub sum_seconds: f64,
-    /// `(upper bound in seconds, cumulative count)`, 5 ms to 10 s, without +Inf (that is
-    /// `count`). Left out of the JSON.
-    #[serde(skip)]
-    pub buckets: Vec<(f64, u64)>,
+fn count_and_sum<S: serde::Serializer>(
+    wait: &HistogramFigures,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeStruct;
+    let mut out = serializer.serialize_struct("HistogramFigures", 2)?;
+    out.serialize_field("count", &wait.count)?;
+    out.serialize_field("sum_seconds", &wait.sum_seconds)?;
+    out.end()
 }
 
 /// One class's admission counts, kept by the scheduler actor (plain fields: only it writes
@@ -687,44 +682,31 @@ pub(crate) struct ClassCounts {
     left: u64,
     waited: std::time::Duration,
     /// Per bucket (not cumulative); the last is +Inf.
-    wait_buckets: [u64; QUEUE_WAIT_BUCKETS.len() + 1],
+    wait_buckets: [u64; QUEUE_WAIT_BOUNDS_US.len() + 1],
 }
 
 impl ClassCounts {
     /// A request left the queue after `waited`.
     pub(crate) fn left_queue(&mut self, waited: std::time::Duration) {
-        let seconds = waited.as_secs_f64();
-        let bucket = QUEUE_WAIT_BUCKETS
-            .iter()
-            .position(|&bound| seconds <= bound)
-            .unwrap_or(QUEUE_WAIT_BUCKETS.len());
-        self.wait_buckets[bucket] += 1;
+        self.wait_buckets[bucket(&QUEUE_WAIT_BOUNDS_US, micros(waited))] += 1;
         self.waited += waited;
         self.left += 1;
     }
 
     /// The figures, with `waiting` requests of the class in the queue now.
     pub(crate) fn figures(&self, waiting: u64) -> ClassAdmission {
-        let mut cumulative = 0;
-        let buckets = QUEUE_WAIT_BUCKETS
-            .iter()
-            .zip(&self.wait_buckets)
-            .map(|(&bound, &n)| {
-                cumulative += n;
-                (bound, cumulative)
-            })
-            .collect();
         ClassAdmission {
             admitted: self.admitted,
             queued: self.queued,
             waiting,
             refused: self.refused,
             abandoned: self.abandoned,
-            wait: WaitFigures {
-                count: self.left,
-                sum_seconds: self.waited.as_secs_f64(),
-                buckets,
-            },
+            wait: figures(
+                &QUEUE_WAIT_BOUNDS_US,
+                self.wait_buckets,
+                self.waited.as_secs_f64(),
+                self.left,
+            ),
         }
     }
 }
@@ -814,6 +796,30 @@ mod tests {
     }
 
     /// Each criterion at its threshold (not above it: not saturated) and just past it.
+    #[test]
+    fn a_class_s_waits_are_bucketed_and_its_json_keeps_count_and_sum() {
+        let mut counts = ClassCounts::default();
+        counts.left_queue(std::time::Duration::from_millis(5));
+        counts.left_queue(std::time::Duration::from_micros(5_001));
+        counts.left_queue(std::time::Duration::from_secs(60));
+        let figures = counts.figures(2);
+        assert_eq!(figures.wait.count, 3);
+        assert_eq!(figures.wait.buckets[0], (0.005, 1), "5 ms at the bound");
+        assert_eq!(figures.wait.buckets[1], (0.01, 2));
+        assert_eq!(
+            figures.wait.buckets.last(),
+            Some(&(10.0, 2)),
+            "60 s past 10 s"
+        );
+        let json = serde_json::to_value(&figures).unwrap();
+        assert_eq!(
+            json["wait"],
+            serde_json::json!({"count": 3, "sum_seconds": 60.010001}),
+            "no buckets in the JSON"
+        );
+        assert_eq!(json["waiting"], 2);
+    }
+
     #[test]
     fn saturation_is_prefill_per_worker_or_kv_share_past_its_threshold() {
         let config = SaturationConfig::default().with_max_prefill_tokens_per_worker(1000);

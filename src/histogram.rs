@@ -1,7 +1,10 @@
-//! Lock-free latency histograms over fixed bucket bounds, read as Prometheus wants them:
-//! the publish-to-apply lag of ingest and the time a scheduler takes per route decision.
+//! Latency histograms over fixed bucket bounds, read as Prometheus wants them: the
+//! publish-to-apply lag of ingest, the time a scheduler takes per route decision (lock-free,
+//! [`Histogram`]) and a class's wait in the admission queue (plain counts the scheduler
+//! keeps, read with [`figures`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -16,6 +19,42 @@ pub(crate) const LAG_BOUNDS_US: [u64; 14] = [
 pub(crate) const DECISION_BOUNDS_US: [u64; 12] = [
     10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 100_000,
 ];
+
+/// Upper bounds, in microseconds, of a class's queue wait buckets: from the queue's
+/// resolution (it is looked at every 5 ms) to past the default longest wait.
+pub(crate) const QUEUE_WAIT_BOUNDS_US: [u64; 11] = [
+    5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 5_000_000,
+    10_000_000,
+];
+
+/// `d` in whole microseconds, rounded up: a time just over a bound is counted past it.
+pub(crate) fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos().div_ceil(1_000)).unwrap_or(u64::MAX)
+}
+
+/// The figures of observations counted `per_bucket` (not cumulative, in the order of
+/// `bounds_us`; a further +Inf count is ignored: it is `count` less the others).
+pub(crate) fn figures(
+    bounds_us: &[u64],
+    per_bucket: impl IntoIterator<Item = u64>,
+    sum_seconds: f64,
+    count: u64,
+) -> HistogramFigures {
+    let mut cumulative = 0;
+    let buckets = bounds_us
+        .iter()
+        .zip(per_bucket)
+        .map(|(&bound, n)| {
+            cumulative += n;
+            (bound as f64 / 1e6, cumulative)
+        })
+        .collect();
+    HistogramFigures {
+        sum_seconds,
+        count,
+        buckets,
+    }
+}
 
 /// The bucket of `us` among `bounds` (sorted): the first bound at or above it, or
 /// `bounds.len()` (+Inf).
@@ -43,6 +82,11 @@ impl Histogram {
         }
     }
 
+    /// One observation of `took`.
+    pub(crate) fn observe(&self, took: Duration) {
+        self.observe_us(micros(took));
+    }
+
     /// One observation of `us` microseconds.
     pub(crate) fn observe_us(&self, us: u64) {
         self.buckets[bucket(self.bounds_us, us)].fetch_add(1, Ordering::Relaxed);
@@ -66,21 +110,12 @@ impl Histogram {
     }
 
     pub(crate) fn snapshot(&self) -> HistogramFigures {
-        let mut cumulative = 0;
-        let buckets = self
-            .bounds_us
-            .iter()
-            .zip(&*self.buckets)
-            .map(|(&bound, n)| {
-                cumulative += n.load(Ordering::Relaxed);
-                (bound as f64 / 1e6, cumulative)
-            })
-            .collect();
-        HistogramFigures {
-            sum_seconds: self.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
-            count: self.count.load(Ordering::Relaxed),
-            buckets,
-        }
+        figures(
+            self.bounds_us,
+            self.buckets.iter().map(|n| n.load(Ordering::Relaxed)),
+            self.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
+            self.count.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -156,6 +191,21 @@ mod tests {
         assert_eq!(s.buckets[3], (0.001, 3));
         assert_eq!(s.buckets.last().unwrap().1, 3, "+Inf holds the 60 s one");
         assert!((s.sum_seconds - 60.00085).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_time_just_over_a_bound_counts_past_it() {
+        let h = Histogram::new(&DECISION_BOUNDS_US);
+        h.observe(Duration::from_micros(100));
+        h.observe(Duration::from_nanos(100_001));
+        let s = h.snapshot();
+        assert_eq!(
+            s.buckets[3],
+            (0.0001, 1),
+            "100 µs at the bound, 100.001 µs past it"
+        );
+        assert_eq!(s.buckets[4], (0.00025, 2));
+        assert_eq!(micros(Duration::MAX), u64::MAX);
     }
 
     #[test]

@@ -34,8 +34,8 @@
 //! - `durable`: durable mode on JetStream: the lease stream, [`JetStreamIngress`], its
 //!   catch-up ([`CatchUpState`]) and snapshots.
 //! - `stats`: the counters of one deployment's ingress ([`IngressStats`]).
-//! - `histogram`: the latency histograms ([`HistogramFigures`]) of ingest's lag and of
-//!   route decisions.
+//! - `histogram`: the latency histograms ([`HistogramFigures`]) of ingest's lag, route
+//!   decisions and admission queue waits.
 //! - `publisher`: [`LeasePublisher`], what workers publish their events with, core or
 //!   durable.
 //! - `prefix`: where each prompt's prefix is cached: the [`block_hashes`] that name a
@@ -81,7 +81,7 @@ pub mod wire;
 
 pub use admission::{
     AdmissionClass, AdmissionConfig, ClassAdmission, ClassLoad, ConfigureAdmissionError,
-    QueueConfig, Saturation, SaturationConfig, WaitFigures, DEFAULT_MAX_KV_SHARE,
+    QueueConfig, Saturation, SaturationConfig, DEFAULT_MAX_KV_SHARE,
     DEFAULT_MAX_PREFILL_TOKENS_PER_WORKER, DEFAULT_MAX_QUEUED, DEFAULT_MAX_WAIT_MS, MAX_CLASSES,
     MAX_CLASS_NAME_LEN, MAX_CLASS_WEIGHT,
 };

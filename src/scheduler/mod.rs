@@ -481,6 +481,7 @@ async fn run(mut state: SchedulerState, mut rx: mpsc::UnboundedReceiver<Command>
             }
             continue;
         };
+        // A route decision is timed from here: the queued work it applies first is part of it.
         let taken = Instant::now();
         // Every command first applies what is queued, so answers reflect it.
         state.drain();

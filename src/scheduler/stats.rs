@@ -100,9 +100,7 @@ impl SchedulerStats {
     /// One route decision took `took`, from the actor taking the request to its answer (or
     /// to its place in the admission queue).
     pub(super) fn decision_took(&self, took: std::time::Duration) {
-        self.decision_time
-            .0
-            .observe_us(u64::try_from(took.as_micros()).unwrap_or(u64::MAX));
+        self.decision_time.0.observe(took);
     }
 
     pub(super) fn decision_times(&self) -> HistogramFigures {

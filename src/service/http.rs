@@ -544,12 +544,16 @@ async fn get_deployment(
         Some(view) => {
             let scheduler = view.scheduler().clone();
             drop(view);
-            (
-                admission_figures(&scheduler).await,
-                Some(scheduler.decision_times()),
-            )
+            let times = scheduler.decision_times();
+            let decisions = json!({
+                "count": times.count,
+                "sum_seconds": times.sum_seconds,
+                "buckets": times.buckets,
+                "p99_at_most_seconds": times.bound_of_quantile(0.99),
+            });
+            (admission_figures(&scheduler).await, decisions)
         }
-        None => (serde_json::Value::Null, None),
+        None => (serde_json::Value::Null, serde_json::Value::Null),
     };
     let catch_up = figures
         .and_then(|d| d.catch_up)

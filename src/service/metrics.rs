@@ -210,31 +210,28 @@ impl Collector for ClassLoads {
             "Route requests of each admission class waiting in this replica's admission queue.",
             &series(|c| c.admission.waiting),
         )?;
-        let mut metric = encoder.encode_descriptor(
+        let waits: Vec<_> = self
+            .classes
+            .iter()
+            .flat_map(|(deployment, classes)| {
+                classes.iter().map(move |class| {
+                    (
+                        [
+                            ("deployment", deployment.as_str()),
+                            ("class", class.class.as_str()),
+                        ],
+                        &class.admission.wait,
+                    )
+                })
+            })
+            .collect();
+        histogram_family(
+            &mut encoder,
             "class_queue_wait",
             "Time route requests of each admission class spent in this replica's admission \
              queue, observed as they left it (routed, refused or abandoned).",
-            Some(&Unit::Seconds),
-            MetricType::Histogram,
-        )?;
-        for (deployment, classes) in &self.classes {
-            for class in classes {
-                let wait = &class.admission.wait;
-                let labels = [
-                    ("deployment", deployment.as_str()),
-                    ("class", class.class.as_str()),
-                ];
-                metric
-                    .encode_family(&labels)?
-                    .encode_histogram::<NoLabelSet>(
-                        wait.sum_seconds,
-                        wait.count,
-                        &histogram_buckets(&wait.buckets, wait.count),
-                        None,
-                    )?;
-            }
-        }
-        Ok(())
+            &waits,
+        )
     }
 }
 
@@ -299,24 +296,18 @@ impl Collector for SchedulerCounters {
                 .collect();
             counter_family(&mut encoder, name, help, &series)?;
         }
-        let mut metric = encoder.encode_descriptor(
+        let times: Vec<_> = self
+            .0
+            .iter()
+            .map(|(deployment, _, times)| ([("deployment", deployment.as_str())], times))
+            .collect();
+        histogram_family(
+            &mut encoder,
             "route_decision",
             "Time the scheduler took over each route decision, from taking the request to its \
              answer or its place in the admission queue.",
-            Some(&Unit::Seconds),
-            MetricType::Histogram,
-        )?;
-        for (deployment, _, times) in &self.0 {
-            metric
-                .encode_family(&[("deployment", deployment.as_str())])?
-                .encode_histogram::<NoLabelSet>(
-                    times.sum_seconds,
-                    times.count,
-                    &histogram_buckets(&times.buckets, times.count),
-                    None,
-                )?;
-        }
-        Ok(())
+            &times,
+        )
     }
 }
 
@@ -504,6 +495,28 @@ fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) ->
     encoder
         .encode_descriptor(name, help, None, MetricType::Gauge)?
         .encode_gauge(&value)
+}
+
+/// A histogram in seconds per label set.
+fn histogram_family<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[(L, &HistogramFigures)],
+) -> fmt::Result {
+    let mut metric =
+        encoder.encode_descriptor(name, help, Some(&Unit::Seconds), MetricType::Histogram)?;
+    for (labels, h) in series {
+        metric
+            .encode_family(labels)?
+            .encode_histogram::<NoLabelSet>(
+                h.sum_seconds,
+                h.count,
+                &histogram_buckets(&h.buckets, h.count),
+                None,
+            )?;
+    }
+    Ok(())
 }
 
 /// Per-bucket counts as the encoder wants them (it accumulates), from cumulative `buckets`
@@ -884,25 +897,16 @@ pub(super) fn encode_snapshot(
          longer recognised).",
         &by_deployment(|d| d.ingress.publishers_evicted),
     )?;
-    {
-        let mut metric = encoder.encode_descriptor(
-            "publish_to_apply_lag",
-            "Time from an event's publication (its timestamp) to its application.",
-            Some(&Unit::Seconds),
-            MetricType::Histogram,
-        )?;
-        for d in deps {
-            let labels = [("deployment", d.name.as_str())];
-            metric
-                .encode_family(&labels)?
-                .encode_histogram::<NoLabelSet>(
-                    d.ingress.lag.sum_seconds,
-                    d.ingress.lag.count,
-                    &histogram_buckets(&d.ingress.lag.buckets, d.ingress.lag.count),
-                    None,
-                )?;
-        }
-    }
+    let lags: Vec<_> = deps
+        .iter()
+        .map(|d| ([("deployment", d.name.as_str())], &d.ingress.lag))
+        .collect();
+    histogram_family(
+        encoder,
+        "publish_to_apply_lag",
+        "Time from an event's publication (its timestamp) to its application.",
+        &lags,
+    )?;
     gauge(
         encoder,
         "nats_connected",
