@@ -159,16 +159,22 @@ impl HistogramFigures {
             .map(|(bound, _)| *bound)
     }
 
-    /// The fraction of the observations at or under `seconds` (a bucket bound; otherwise the
-    /// largest bound under it), 0 with none.
-    pub fn share_within(&self, seconds: f64) -> f64 {
-        let within = self
-            .buckets
+    /// The observations at or under `seconds` (a bucket bound; otherwise the largest bound
+    /// under it).
+    pub fn count_within(&self, seconds: f64) -> u64 {
+        self.buckets
             .iter()
             .take_while(|(bound, _)| *bound <= seconds)
             .last()
-            .map_or(0, |(_, n)| *n);
-        within as f64 / self.count.max(1) as f64
+            .map_or(0, |(_, n)| *n)
+    }
+
+    /// The fraction of the observations at or under `seconds` (as [`count_within`]), 0 with
+    /// none.
+    ///
+    /// [`count_within`]: Self::count_within
+    pub fn share_within(&self, seconds: f64) -> f64 {
+        self.count_within(seconds) as f64 / self.count.max(1) as f64
     }
 }
 
@@ -243,6 +249,7 @@ mod tests {
             "the bound under it"
         );
         assert_eq!(s.share_within(0.000001), 0.0);
+        assert_eq!((s.count_within(0.0001), s.count_within(0.000001)), (99, 0));
         let mid = h.snapshot();
         h.observe_us(200_000);
         let last = h.snapshot().since(&mid);

@@ -316,17 +316,11 @@ impl Fleet {
         for s in &stats {
             let snap = s.snapshot();
             let lag = &snap.lag;
-            let upto = |bound: f64| {
-                lag.buckets
-                    .iter()
-                    .find(|(b, _)| (*b - bound).abs() < 1e-9)
-                    .map_or(0, |(_, c)| *c)
-            };
             bus += BusStats {
                 lag_sum: lag.sum_seconds,
                 lag_count: lag.count,
-                lag_1ms: upto(0.001),
-                lag_5ms: upto(0.005),
+                lag_1ms: lag.count_within(0.001),
+                lag_5ms: lag.count_within(0.005),
                 dropped: snap.dropped_total(),
             };
         }
