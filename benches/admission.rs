@@ -575,11 +575,7 @@ async fn run(
     };
     driver_lag.sort_by(f64::total_cmp);
     measured.driver_lag = driver_lag;
-    measured.waited = fleet
-        .routers
-        .iter()
-        .map(|r| r.scheduler().stats().admission_waited)
-        .sum();
+    measured.waited = fleet.sum(|r| r.scheduler().stats().admission_waited);
     measured.bus = fleet.shutdown().await;
     measured
 }

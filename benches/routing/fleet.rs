@@ -294,6 +294,12 @@ impl Fleet {
         fleet
     }
 
+    /// A figure of every replica, summed.
+    #[allow(dead_code)] // `routing_prefix` reads one replica's index instead
+    pub fn sum(&self, figure: impl Fn(&Router) -> u64) -> u64 {
+        self.routers.iter().map(figure).sum()
+    }
+
     /// Closes the feed, shuts the routers down and returns what their ingresses saw of the
     /// bus (nothing without one).
     pub async fn shutdown(self) -> BusStats {

@@ -266,11 +266,7 @@ pub async fn run(
                 .is_some()
         })
         .count();
-    measured.provisional_expired = fleet
-        .routers
-        .iter()
-        .map(|r| r.manager().stats().provisional_expired)
-        .sum();
+    measured.provisional_expired = fleet.sum(|r| r.manager().stats().provisional_expired);
     measured.bus = fleet.shutdown().await;
     measured
 }
