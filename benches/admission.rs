@@ -48,7 +48,10 @@
 //! threshold lets queue in its engine; `_engine_priority` is the same overload with engines
 //! that schedule by priority (vLLM's `--scheduling-policy priority`, each request's band
 //! passed as its priority, as a gateway would; no preemption), and `_engine_priority_kv` the
-//! same with the KV criterion on at the engines' KV capacity (400,000 tokens, 0.9).
+//! same with the KV criterion on at the engines' KV capacity (400,000 tokens, 0.9); the
+//! last run again at lower `max_kv_share`s (0.8, 0.7, 0.6, 0.5: `_engine_priority_kv80`
+//! and so on), since the KV the low band may hold is what each step the high band's prefill
+//! joins must read, and the throughput each share leaves is printed beside it.
 //!
 //! # What is measured
 //! - **Work served**: the tokens the engines served each class inside the measured window: a
@@ -71,22 +74,25 @@
 //! classes' in-flight figures still carry the unsaturated start. Then 40 s measured, 5 s
 //! more of arrivals; every answer is awaited, and the model runs on alone (as fast as it
 //! computes, no events) until every measured routed request has completed. The fair cases
-//! run at once on one nats-server (each its own deployment), then the priority cases: about
-//! 3 minutes.
+//! run at once on one nats-server (each its own deployment), then the priority cases, then
+//! the KV shares: about 4.5 minutes.
 //!
 //! Output: per case, one `admission_class` line per class (offered, routed, refused, served
 //! share, TTFT p50/p99 in ms, the p99 wait in the replicas' queues) and an `admission_case`
 //! line (completions against capacity, prefill utilisation, the engines' backlog, how late
 //! the driver ran, the bus's lag); then `fair_share_error=` with `fair_share_error_isolated=`
 //! beside it, `fair_backlog_end_vs_threshold=` (and `_isolated=`),
-//! `priority_ttft_p99_overload_vs_unloaded=`, `_tight=`, `_engine_priority=` and
-//! `_engine_priority_kv=`.
+//! `priority_ttft_p99_overload_vs_unloaded=`, `_tight=`, `_engine_priority=`,
+//! `_engine_priority_kv=` and one `_engine_priority_kv<share in %>=` per lower share, each
+//! with the completions against capacity and the low band's refused share beside it.
 //!
 //! Environment: `ADMISSION_SEED` (1), `ADMISSION_SECONDS` (measured, 40), `ADMISSION_WARMUP`
 //! (40), `ADMISSION_TAIL` (5), `ADMISSION_TRACE=1` (each case's state every 5 s: backlog,
 //! engine queue and batch, routed, refused and served per class), `ADMISSION_QUICK=1` (15 s
-//! warm-up, 15 s measured, every case at once: ~40 s; its figures are from the start-up
-//! transient, a smoke check only).
+//! warm-up, 15 s measured, every case but the lower KV shares at once: ~40 s; its figures
+//! are from the start-up transient, a smoke check only), `ADMISSION_KV_SHARES` (the lower
+//! shares, comma-separated: `0.8,0.7,0.6,0.5`), `ADMISSION_ONLY=kv_shares` (only those, the
+//! 0.9 one and the unloaded case, at once: ~2 minutes).
 //!
 //! [`LeasePublisher`]: lease_router::LeasePublisher
 mod common;
@@ -186,7 +192,7 @@ impl Setting {
 
 #[derive(Clone, Debug)]
 struct Case {
-    name: &'static str,
+    name: String,
     setting: Setting,
     classes: Vec<Class>,
     /// When the deployment counts as saturated.
@@ -217,8 +223,15 @@ impl Case {
     }
 
     fn label(&self) -> String {
+        let kv = match self.saturation.kv_capacity_tokens() {
+            Some(tokens) => format!(
+                " kv_capacity_tokens={tokens} max_kv_share={}",
+                self.saturation.max_kv_share()
+            ),
+            None => String::new(),
+        };
         format!(
-            "case={} setting={} max_prefill_tokens_per_worker={}",
+            "case={} setting={} max_prefill_tokens_per_worker={}{kv}",
             self.name,
             self.setting.name(),
             self.saturation.max_prefill_tokens_per_worker()
@@ -770,7 +783,7 @@ async fn bench() {
     // waiting (the priority case's second setting).
     let tight = saturation.with_max_prefill_tokens_per_worker(u64::from(ENGINE.chunk_tokens));
     let fair = |setting| Case {
-        name: "fair",
+        name: "fair".into(),
         setting,
         saturation,
         classes: vec![
@@ -802,36 +815,63 @@ async fn bench() {
         stream: HEAVY,
     };
     let overload = Case {
-        name: "priority_overload",
+        name: "priority_overload".into(),
         setting: Setting::Shared,
         classes: vec![high.clone(), low],
         saturation,
         engine_priority: false,
     };
     let overload_tight = Case {
-        name: "priority_overload_tight",
+        name: "priority_overload_tight".into(),
         saturation: tight,
         ..overload.clone()
     };
     let overload_engine = Case {
-        name: "priority_overload_engine_priority",
+        name: "priority_overload_engine_priority".into(),
         engine_priority: true,
         ..overload.clone()
     };
-    // The KV criterion on, at the engines' real KV capacity (its default share, 0.9).
-    let overload_engine_kv = Case {
-        name: "priority_overload_engine_priority_kv",
-        saturation: saturation.with_kv_capacity_tokens(ENGINE.kv_capacity),
+    // The KV criterion on, at the engines' real KV capacity and its default share (0.9)...
+    let with_kv_share = |share: f64, name: String| Case {
+        name,
+        saturation: saturation
+            .with_kv_capacity_tokens(ENGINE.kv_capacity)
+            .with_max_kv_share(share),
         ..overload_engine.clone()
     };
+    let overload_engine_kv = with_kv_share(
+        SaturationConfig::default().max_kv_share(),
+        "priority_overload_engine_priority_kv".into(),
+    );
+    // ... and at lower shares: the KV the low band may hold is what each of the high band's
+    // steps reads, and the batch its prefill joins.
+    let shares: Vec<f64> = std::env::var("ADMISSION_KV_SHARES")
+        .unwrap_or_else(|_| "0.8,0.7,0.6,0.5".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let sweep: Vec<Case> = shares
+        .iter()
+        .map(|&share| {
+            with_kv_share(
+                share,
+                format!("priority_overload_engine_priority_kv{:.0}", share * 100.0),
+            )
+        })
+        .collect();
     let unloaded = Case {
-        name: "priority_unloaded",
+        name: "priority_unloaded".into(),
         setting: Setting::Shared,
         classes: vec![high],
         saturation,
         engine_priority: false,
     };
-    let groups: Vec<Vec<Case>> = if quick {
+    let only = std::env::var("ADMISSION_ONLY").unwrap_or_default();
+    let groups: Vec<Vec<Case>> = if only == "kv_shares" {
+        let mut group = sweep.clone();
+        group.extend([overload_engine_kv.clone(), unloaded.clone()]);
+        vec![group]
+    } else if quick {
         vec![vec![
             fair(Setting::Shared),
             fair(Setting::Isolated),
@@ -851,6 +891,7 @@ async fn bench() {
                 overload_engine_kv,
                 unloaded,
             ],
+            sweep.clone(),
         ]
     };
 
@@ -888,7 +929,6 @@ async fn bench() {
             .iter()
             .find(|(c, _)| c.name == name && c.setting == setting)
             .map(|(c, rows)| (c, rows))
-            .expect("the case ran")
     };
     let error = |(case, rows): (&Case, &Vec<ClassRow>), k: usize| {
         let total: u64 = rows.iter().map(|r| r.served).sum();
@@ -897,33 +937,46 @@ async fn bench() {
         let configured = case.classes[k].weight / weights;
         (share - configured).abs() / configured
     };
-    let shared = find("fair", Setting::Shared);
-    let isolated = find("fair", Setting::Isolated);
-    println!(
-        "fair_share_error={:.3} fair_share_error_isolated={:.3} (heavy class; light class: \
+    if let (Some(shared), Some(isolated)) = (
+        find("fair", Setting::Shared),
+        find("fair", Setting::Isolated),
+    ) {
+        println!(
+            "fair_share_error={:.3} fair_share_error_isolated={:.3} (heavy class; light class: \
          {:.3} shared, {:.3} isolated)",
-        error(shared, 0),
-        error(isolated, 0),
-        error(shared, 1),
-        error(isolated, 1),
-    );
+            error(shared, 0),
+            error(isolated, 0),
+            error(shared, 1),
+            error(isolated, 1),
+        );
+    }
     // The engines' prefill backlog at the window's end against the saturation threshold:
     // what the admission let pile up on the workers.
     let backlog = |name: &str, setting: Setting| {
         let (case, m) = measured
             .iter()
-            .find(|(c, _)| c.name == name && c.setting == setting)
-            .expect("the case ran");
-        m.backlog.last().copied().unwrap_or(0.0)
-            / case.saturation.max_prefill_tokens_per_worker() as f64
+            .find(|(c, _)| c.name == name && c.setting == setting)?;
+        Some(
+            m.backlog.last().copied().unwrap_or(0.0)
+                / case.saturation.max_prefill_tokens_per_worker() as f64,
+        )
     };
-    println!(
-        "fair_backlog_end_vs_threshold={:.2} fair_backlog_end_vs_threshold_isolated={:.2}",
+    if let (Some(shared), Some(isolated)) = (
         backlog("fair", Setting::Shared),
         backlog("fair", Setting::Isolated),
-    );
-    let alone = find("priority_unloaded", Setting::Shared).1[0].ttft_p99;
-    for (name, key) in [
+    ) {
+        println!(
+            "fair_backlog_end_vs_threshold={shared:.2} \
+             fair_backlog_end_vs_threshold_isolated={isolated:.2}",
+        );
+    }
+    let alone = find("priority_unloaded", Setting::Shared)
+        .expect("the unloaded case runs in every selection")
+        .1[0]
+        .ttft_p99;
+    // Each overload case's high band against its p99 alone, with what the case completed.
+    let window = plan.measure_end - plan.warmup;
+    let mut keys: Vec<(String, String)> = [
         (
             "priority_overload",
             "priority_ttft_p99_overload_vs_unloaded",
@@ -940,16 +993,36 @@ async fn bench() {
             "priority_overload_engine_priority_kv",
             "priority_ttft_p99_overload_vs_unloaded_engine_priority_kv",
         ),
-    ] {
-        let (case, rows) = find(name, Setting::Shared);
+    ]
+    .into_iter()
+    .map(|(name, key)| (name.to_owned(), key.to_owned()))
+    .collect();
+    keys.extend(sweep.iter().map(|case| {
+        let suffix = case.name.trim_start_matches("priority_overload_");
+        (
+            case.name.clone(),
+            format!("priority_ttft_p99_overload_vs_unloaded_{suffix}"),
+        )
+    }));
+    for (name, key) in keys {
+        let Some((case, rows)) = find(&name, Setting::Shared) else {
+            continue;
+        };
         let over = rows[0].ttft_p99;
+        let completed: usize = rows.iter().map(|r| r.completed).sum();
+        let kv = match case.saturation.kv_capacity_tokens() {
+            Some(_) => format!(" max_kv_share={}", case.saturation.max_kv_share()),
+            None => String::new(),
+        };
         println!(
             "{key}={:.2} (high band p99 TTFT {over:.0} ms under overload at \
-             max_prefill_tokens_per_worker={}, {alone:.0} ms alone; backlog at the end {:.2}x \
-             the threshold)",
+             max_prefill_tokens_per_worker={}{kv}, {alone:.0} ms alone; backlog at the end \
+             {:.2}x the threshold; completed {:.2}x capacity, low band refused {:.3})",
             over / alone,
             case.saturation.max_prefill_tokens_per_worker(),
-            backlog(name, Setting::Shared),
+            backlog(&name, Setting::Shared).unwrap_or(0.0),
+            completed as f64 / window / capacity,
+            rows[1].refused as f64 / rows[1].offered.max(1) as f64,
         );
     }
     println!("admission_wall_s={:.1}", began.elapsed().as_secs_f64());
