@@ -1444,6 +1444,48 @@ async fn a_corrupt_partial_or_missing_snapshot_falls_back_to_replay() {
     }
 }
 
+/// Snapshot buckets that cannot be opened when a replica starts (here a stream that holds
+/// their subjects; in a cluster under load, buckets not placed yet) are opened as soon as
+/// they can be: each failed attempt is counted, and then snapshots are written, instead of
+/// none for the replica's whole life.
+#[tokio::test]
+async fn snapshot_buckets_that_cannot_be_opened_at_start_are_opened_later() {
+    use lease_router::snapshot_bucket;
+    let server = js_server().await;
+    let conn = client(&server.url()).await;
+    let js = jetstream::new(conn.client().clone());
+    let bucket = snapshot_bucket(&subjects("late-open"));
+    js.create_stream(jetstream::stream::Config {
+        name: "blocks-the-snapshots".into(),
+        subjects: vec![format!("$O.{bucket}.>")],
+        ..Default::default()
+    })
+    .await
+    .expect("a stream on the object store's subjects");
+    let writer = durable_router_with(&conn, "late-open", snapshotting(), NO_EXPIRY).await;
+    let (events, live) = lifecycle_with_progress("late-open", 200);
+    let total = events.len() as u64;
+    JsPublisher::new(conn.client().clone(), "late-open", 5)
+        .publish_all(events)
+        .await;
+    let catch_up = writer.catch_up.clone();
+    assert!(
+        eventually(BOUND, || async { catch_up.snapshot_figures().failed >= 2 }).await,
+        "each interval tries to open the buckets: {:?}",
+        catch_up.snapshot_figures()
+    );
+    assert_eq!(catch_up.snapshot_figures().written, 0);
+
+    js.delete_stream("blocks-the-snapshots")
+        .await
+        .expect("the blocking stream goes");
+    snapshot_covers(&writer, total, "a snapshot once the buckets open").await;
+    let late = late_replica(&conn, "late-open").await;
+    let figures = late.catch_up.snapshot_figures();
+    assert!(figures.loaded_sequence >= total, "{figures:?}");
+    assert_eq!(live_ids(&late.router), live);
+}
+
 /// One writer per deployment: of two caught-up replicas one writes; when it goes, the other
 /// takes over once the writer's entry has aged out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -49,7 +49,8 @@ pub(crate) struct SnapshotCounters {
 pub struct SnapshotFigures {
     /// Snapshots this replica wrote.
     pub written: u64,
-    /// Snapshot writes that failed.
+    /// Snapshot writes that failed, and failed attempts to open the snapshot buckets after
+    /// they could not be opened at start.
     pub failed: u64,
     /// Size in bytes of the last snapshot written.
     pub last_bytes: u64,

@@ -199,7 +199,7 @@ impl IngressStart for JetStreamIngress {
         let store = match SnapshotStore::open(&js, &self.subjects, &self.stream).await {
             Ok(store) => Some(store),
             Err(error) => {
-                warn!(%error, "the snapshot buckets are not available: replaying the whole stream, writing no snapshots");
+                warn!(%error, "the snapshot buckets are not available: replaying the whole stream; the snapshot writer tries again every interval");
                 None
             }
         };
@@ -268,24 +268,27 @@ impl IngressStart for JetStreamIngress {
                 .instrument(span.clone()),
         );
         let (cut_requests, cuts) = mpsc::channel(1);
-        let mut tasks = Vec::new();
-        if let Some(store) = store {
-            let writer = snapshot::write_snapshots(
-                store,
-                format!("{:016x}", rand::random::<u64>()),
-                ctx.deployment.to_string(),
-                stream_created,
-                self.stream.snapshot_interval(),
-                ctx.manager.clone(),
-                cut_requests,
-                self.catch_up.clone(),
-                ctx.cancel.clone(),
-            );
-            tasks.push(RouterTask {
-                name: "snapshot-writer",
-                handle: ctx.tracker.spawn(writer.instrument(span.clone())),
-            });
-        }
+        let opener = snapshot::StoreOpener {
+            js: js.clone(),
+            subjects: self.subjects.clone(),
+            config: self.stream.clone(),
+        };
+        let writer = snapshot::write_snapshots(
+            store,
+            opener,
+            format!("{:016x}", rand::random::<u64>()),
+            ctx.deployment.to_string(),
+            stream_created,
+            self.stream.snapshot_interval(),
+            ctx.manager.clone(),
+            cut_requests,
+            self.catch_up.clone(),
+            ctx.cancel.clone(),
+        );
+        let mut tasks = vec![RouterTask {
+            name: "snapshot-writer",
+            handle: ctx.tracker.spawn(writer.instrument(span.clone())),
+        }];
         let handle = ctx.tracker.spawn(
             run.run(messages, consumer, cuts, ctx.reaper, ctx.cancel)
                 .instrument(span),

@@ -39,6 +39,7 @@ use super::catch_up::CatchUpState;
 use super::stream::LeaseStreamConfig;
 use crate::ingress::{ReorderImage, SequenceImage};
 use crate::lease::{LeaseImage, WeakRequestLeaseManager};
+use crate::log_limit::LogRateLimiter;
 use crate::prefix::PrefixImage;
 use crate::router::TaskError;
 use crate::subject::Subjects;
@@ -50,6 +51,8 @@ const LOCK_KEY: &str = "writer";
 pub(crate) const LOCK_INTERVALS: u32 = 3;
 /// How long a load may take before the replica falls back to replay.
 const LOAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// At most one warning this often while the snapshot buckets cannot be opened.
+const OPEN_WARN_INTERVAL: Duration = Duration::from_secs(30);
 
 /// What a snapshot holds.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -312,12 +315,23 @@ pub(crate) struct Cut {
 /// A request for a cut, answered by the ingress task.
 pub(crate) type CutRequest = oneshot::Sender<Cut>;
 
+/// How the writer opens the snapshot buckets when they could not be opened at start.
+pub(crate) struct StoreOpener {
+    pub(crate) js: jetstream::Context,
+    pub(crate) subjects: Subjects,
+    pub(crate) config: LeaseStreamConfig,
+}
+
 /// Writes a snapshot every `interval` while this replica is caught up and holds the
 /// writer's entry; ends with `cancel`. A failed write is logged and counted; the next
-/// interval tries again.
+/// interval tries again. Without `store` (the buckets could not be opened at start: a
+/// cluster still placing them, say), each interval first tries to open them, each failure
+/// counted as a failed write: one transient error at start must not leave a replica that
+/// never writes a snapshot.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn write_snapshots(
-    store: SnapshotStore,
+    mut store: Option<SnapshotStore>,
+    opener: StoreOpener,
     writer: String,
     deployment: String,
     stream_created: i64,
@@ -329,17 +343,41 @@ pub(crate) async fn write_snapshots(
 ) -> Result<(), TaskError> {
     let mut tick = tokio::time::interval_at(Instant::now() + interval, interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let open_warn = LogRateLimiter::new(OPEN_WARN_INTERVAL);
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
             _ = tick.tick() => {}
         }
+        let opened = match store.as_ref() {
+            Some(opened) => opened,
+            None => {
+                let open = SnapshotStore::open(&opener.js, &opener.subjects, &opener.config);
+                let outcome = tokio::select! {
+                    _ = cancel.cancelled() => return Ok(()),
+                    outcome = open => outcome,
+                };
+                match outcome {
+                    Ok(opened) => {
+                        info!("the snapshot buckets are open: snapshots are written from now on");
+                        store.insert(opened)
+                    }
+                    Err(error) => {
+                        state.snapshots.failed.fetch_add(1, Ordering::Relaxed);
+                        if let Some(suppressed) = open_warn.check() {
+                            warn!(%error, suppressed, "the snapshot buckets are still not available; the next interval tries again");
+                        }
+                        continue;
+                    }
+                }
+            }
+        };
         if !state.is_caught_up() {
             continue;
         }
         let started = Instant::now();
         let write = write_one(
-            &store,
+            opened,
             &writer,
             &deployment,
             stream_created,

@@ -687,7 +687,7 @@ pub(super) fn encode_snapshot(
     counter_family(
         encoder,
         "snapshot_write_failures",
-        "Durable mode: snapshot writes that failed (the next interval tries again).",
+        "Durable mode: snapshot writes that failed, and attempts to open the snapshot buckets that failed (the next interval tries again).",
         &snapshots(|s| s.failed),
     )?;
     gauge_family(
