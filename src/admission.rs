@@ -223,6 +223,13 @@ pub const DEFAULT_MAX_QUEUED: usize = 1024;
 /// Default of [`QueueConfig::max_wait_ms`]: 2 seconds.
 pub const DEFAULT_MAX_WAIT_MS: u64 = 2_000;
 
+/// The most [`QueueConfig::max_queued`] may be: a waiting request keeps its body (up to the
+/// route API's 2 MB) until it goes, so this bounds a replica's queue in memory.
+pub const MAX_QUEUED_LIMIT: usize = 65_536;
+
+/// The most [`QueueConfig::max_wait_ms`] may be: 10 minutes. Nothing waits forever.
+pub const MAX_WAIT_LIMIT_MS: u64 = 600_000;
+
 /// The bounded queue of one replica, where a route request waits while the deployment is
 /// saturated and its class may not go yet: [`Default`], then the `with_*` methods, or JSON
 /// `{"max_queued": 1024, "max_wait_ms": 2000}` (each optional).
@@ -266,6 +273,27 @@ impl QueueConfig {
     /// The longest wait, in milliseconds.
     pub fn max_wait_ms(&self) -> u64 {
         self.max_wait_ms
+    }
+
+    /// Refuses a queue that is not bounded.
+    ///
+    /// # Errors
+    /// [`ConfigureAdmissionError::InvalidQueue`] for `max_queued` over [`MAX_QUEUED_LIMIT`]
+    /// or `max_wait_ms` over [`MAX_WAIT_LIMIT_MS`].
+    pub fn validate(&self) -> Result<(), ConfigureAdmissionError> {
+        if self.max_queued > MAX_QUEUED_LIMIT {
+            return Err(ConfigureAdmissionError::InvalidQueue(format!(
+                "max_queued must be at most {MAX_QUEUED_LIMIT} (got {})",
+                self.max_queued
+            )));
+        }
+        if self.max_wait_ms > MAX_WAIT_LIMIT_MS {
+            return Err(ConfigureAdmissionError::InvalidQueue(format!(
+                "max_wait_ms must be at most {MAX_WAIT_LIMIT_MS} (got {})",
+                self.max_wait_ms
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -355,10 +383,11 @@ impl AdmissionConfig {
     /// [`ConfigureAdmissionError`]: more than [`MAX_CLASSES`] classes, a name that is not
     /// a valid class name, a weight that is not finite, above 0 and at most
     /// [`MAX_CLASS_WEIGHT`], two classes of one name, a default class that is missing or
-    /// not one of the classes, a default class without classes, or saturation thresholds
-    /// [`SaturationConfig::validate`] refuses.
+    /// not one of the classes, a default class without classes, saturation thresholds
+    /// [`SaturationConfig::validate`] refuses, or a queue [`QueueConfig::validate`] refuses.
     pub fn validate(&self) -> Result<(), ConfigureAdmissionError> {
         self.saturation.validate()?;
+        self.queue.validate()?;
         if self.classes.is_empty() {
             return match &self.default_class {
                 Some(name) => Err(ConfigureAdmissionError::DefaultWithoutClasses(name.clone())),
@@ -445,6 +474,9 @@ pub enum ConfigureAdmissionError {
     /// Saturation thresholds that make no sense; holds why.
     #[error("invalid saturation: {0}")]
     InvalidSaturation(String),
+    /// A queue that is not bounded; holds why.
+    #[error("invalid queue: {0}")]
+    InvalidQueue(String),
     /// The deployment has configured too many distinct class names over its life.
     #[error("too many distinct class names over this deployment's life (ids are not reused)")]
     TooManyNames,
@@ -889,6 +921,32 @@ mod tests {
         );
         let err = serde_json::from_str::<AdmissionConfig>(r#"{"class": []}"#).unwrap_err();
         assert!(err.to_string().contains("unknown field `class`"), "{err}");
+    }
+
+    #[test]
+    fn a_queue_is_bounded_in_length_and_in_wait() {
+        let at_most = QueueConfig::default()
+            .with_max_queued(MAX_QUEUED_LIMIT)
+            .with_max_wait_ms(MAX_WAIT_LIMIT_MS);
+        assert_eq!(at_most.validate(), Ok(()));
+        for (queue, needle) in [
+            (at_most.with_max_queued(MAX_QUEUED_LIMIT + 1), "max_queued"),
+            (
+                at_most.with_max_wait_ms(MAX_WAIT_LIMIT_MS + 1),
+                "max_wait_ms",
+            ),
+            (at_most.with_max_wait_ms(u64::MAX), "max_wait_ms"),
+        ] {
+            let error = queue.validate().unwrap_err();
+            assert!(matches!(error, ConfigureAdmissionError::InvalidQueue(_)));
+            assert!(error.to_string().contains(needle), "{error}");
+            let config = AdmissionConfig::default().with_queue(queue);
+            assert_eq!(
+                config.validate(),
+                Err(error),
+                "the deployment's check has it too"
+            );
+        }
     }
 
     #[test]

@@ -83,7 +83,7 @@ pub use admission::{
     AdmissionClass, AdmissionConfig, ClassAdmission, ClassLoad, ConfigureAdmissionError,
     QueueConfig, Saturation, SaturationConfig, DEFAULT_MAX_KV_SHARE,
     DEFAULT_MAX_PREFILL_TOKENS_PER_WORKER, DEFAULT_MAX_QUEUED, DEFAULT_MAX_WAIT_MS, MAX_CLASSES,
-    MAX_CLASS_NAME_LEN, MAX_CLASS_WEIGHT,
+    MAX_CLASS_NAME_LEN, MAX_CLASS_WEIGHT, MAX_QUEUED_LIMIT, MAX_WAIT_LIMIT_MS,
 };
 pub use connection::{
     connect, redact_url, ConnectNatsError, ConnectionStats, NatsAuth, NatsConnectConfig,
@@ -129,7 +129,7 @@ pub use router::{
 pub use routing::{
     cost, Candidate, CostWeights, ParsePolicyError, RouteDecision, RouteOutcome, RoutePolicy,
     RouteRequest, RouteRequestError, RoutingConfig, DEFAULT_AFFINITY_GAP, MAX_ROUTE_BLOCK_HASHES,
-    MAX_ROUTE_TOKEN_IDS,
+    MAX_ROUTE_REQUEST_ID_BYTES, MAX_ROUTE_TOKEN_IDS,
 };
 pub use scheduler::{
     QuerySchedulerError, ReleaseReason, SchedulerFigures, SchedulerHandle, WorkerStatus,

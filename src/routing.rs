@@ -158,6 +158,11 @@ impl Default for CostWeights {
 /// prefill on one GPU (see BENCHMARKS.md for the guard's measured effect).
 pub const DEFAULT_AFFINITY_GAP: u32 = 8_192;
 
+/// Bytes a route request's `request_id` may have: 1,024. A worker names the request in an
+/// event of at most `max_event_bytes` (4,096 by default), so a longer id could rarely be
+/// matched, and each provisional booking keeps its id until released.
+pub const MAX_ROUTE_REQUEST_ID_BYTES: usize = 1 << 10;
+
 /// Token ids a route request may carry: a million, longer than any model's context.
 pub const MAX_ROUTE_TOKEN_IDS: usize = 1 << 20;
 
@@ -377,7 +382,8 @@ impl RouteRequest {
     /// Refuses what no worker could be asked to do.
     ///
     /// # Errors
-    /// [`RouteRequestError::InvalidRequest`] for an empty request id, a class that is not a
+    /// [`RouteRequestError::InvalidRequest`] for an empty request id or one over
+    /// [`MAX_ROUTE_REQUEST_ID_BYTES`], a class that is not a
     /// class name (a valid name the deployment does not have is its default class), prompt
     /// text (which only
     /// the HTTP API with a tokenizer turns into token ids), no prompt, more
@@ -387,6 +393,12 @@ impl RouteRequest {
         let invalid = |why: String| Err(RouteRequestError::InvalidRequest(why));
         if self.request_id.is_empty() {
             return invalid("request_id is empty".into());
+        }
+        if self.request_id.len() > MAX_ROUTE_REQUEST_ID_BYTES {
+            return invalid(format!(
+                "request_id is {} bytes: at most {MAX_ROUTE_REQUEST_ID_BYTES}",
+                self.request_id.len()
+            ));
         }
         if self.prompt.is_some() {
             return invalid(if self.token_ids.is_some() || self.block_hashes.is_some() {

@@ -897,6 +897,15 @@ async fn route_over_http() {
     ] {
         route(bad).await.assert_error(400, bad);
     }
+    let long_id = format!(
+        r#"{{"request_id": "{}", "prompt_tokens": 1}}"#,
+        "z".repeat(lease_router::MAX_ROUTE_REQUEST_ID_BYTES + 1)
+    );
+    let error = service
+        .post_json("/v1/deployments/r/route", "POST", &long_id)
+        .await
+        .assert_error(400, "a request id over the limit");
+    assert!(error.contains("request_id"), "{error}");
     let huge = format!(
         r#"{{"request_id": "{}", "prompt_tokens": 1}}"#,
         "x".repeat(3 << 20)
@@ -915,7 +924,8 @@ async fn route_over_http() {
     };
     assert_eq!(decisions("routed"), Some(2.0), "{text}");
     assert_eq!(decisions("no_workers"), Some(1.0));
-    assert_eq!(decisions("invalid"), Some(6.0));
+    // The five bad bodies, the long id and the body over the limit.
+    assert_eq!(decisions("invalid"), Some(7.0));
     // Timed: the decisions the scheduler made (routed and no workers), not the invalid ones.
     assert_eq!(
         metric(
@@ -1223,6 +1233,15 @@ async fn admission_classes_over_http() {
         ),
         ("[1, 2]", "invalid JSON body"),
         ("\"classes\"", "invalid JSON body"),
+        // A queue with no bound: it would hold requests without end, in memory and in time.
+        (
+            r#"{"queue": {"max_queued": 65537}}"#,
+            "max_queued must be at most 65536",
+        ),
+        (
+            r#"{"queue": {"max_wait_ms": 18446744073709551615}}"#,
+            "max_wait_ms must be at most 600000",
+        ),
     ] {
         let error = service
             .post_json("/v1/deployments/c", "PUT", bad)

@@ -13,6 +13,7 @@ use tokio::sync::oneshot;
 
 use crate::admission::{
     AdmissionClass, AdmissionConfig, AdmissionCounts, ClassLoad, ClassSums, ClassTable,
+    MAX_WAIT_LIMIT_MS,
 };
 use crate::load::{BookingWeight, LoadSums, RequestLoad, WorkerLoad};
 use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
@@ -573,7 +574,11 @@ impl SchedulerState {
                 request,
                 class,
                 reply,
-                deadline: now + Duration::from_millis(wait_ms),
+                // The queue's bound keeps this far from overflow; checked all the same, as a
+                // panic here would end the deployment's scheduler.
+                deadline: now
+                    .checked_add(Duration::from_millis(wait_ms))
+                    .unwrap_or(now + Duration::from_millis(MAX_WAIT_LIMIT_MS)),
                 since: now,
                 arrival,
             },

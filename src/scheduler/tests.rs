@@ -674,9 +674,17 @@ async fn bad_requests_and_no_members_are_refused_and_counted() {
         handle.route(request("a", 10)).await,
         Err(RouteRequestError::NoWorkers)
     );
+    let longest = "r".repeat(crate::MAX_ROUTE_REQUEST_ID_BYTES);
+    let too_long = "r".repeat(crate::MAX_ROUTE_REQUEST_ID_BYTES + 1);
+    assert_eq!(
+        handle.route(request(&longest, 10)).await,
+        Err(RouteRequestError::NoWorkers),
+        "an id of the most bytes allowed is valid"
+    );
     for bad in [
         request("a", 0),
         request("", 10),
+        request(&too_long, 10),
         request("a", 10).with_cached_tokens(11),
     ] {
         assert!(matches!(
@@ -695,11 +703,11 @@ async fn bad_requests_and_no_members_are_refused_and_counted() {
     let stats = handle.stats();
     assert_eq!(
         stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::NoWorkers),
-        1
+        2
     );
     assert_eq!(
         stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::Invalid),
-        3
+        4
     );
     assert_eq!(
         stats.decisions(RoutePolicy::PowerOfTwo, RouteOutcome::Routed),
