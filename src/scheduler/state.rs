@@ -574,11 +574,9 @@ impl SchedulerState {
                 request,
                 class,
                 reply,
-                // The queue's bound keeps this far from overflow; checked all the same, as a
-                // panic here would end the deployment's scheduler.
-                deadline: now
-                    .checked_add(Duration::from_millis(wait_ms))
-                    .unwrap_or(now + Duration::from_millis(MAX_WAIT_LIMIT_MS)),
+                // The queue's checked bound keeps this from overflowing; bounded here all the
+                // same, as a panic here would end the deployment's scheduler.
+                deadline: now + Duration::from_millis(wait_ms.min(MAX_WAIT_LIMIT_MS)),
                 since: now,
                 arrival,
             },
