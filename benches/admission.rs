@@ -223,19 +223,27 @@ impl Case {
     }
 
     fn label(&self) -> String {
-        let kv = match self.saturation.kv_capacity_tokens() {
-            Some(tokens) => format!(
-                " kv_capacity_tokens={tokens} max_kv_share={}",
-                self.saturation.max_kv_share()
-            ),
-            None => String::new(),
-        };
         format!(
-            "case={} setting={} max_prefill_tokens_per_worker={}{kv}",
+            "case={} setting={} {}",
             self.name,
             self.setting.name(),
-            self.saturation.max_prefill_tokens_per_worker()
+            self.thresholds()
         )
+    }
+
+    /// The saturation thresholds, as the output lines print them.
+    fn thresholds(&self) -> String {
+        let prefill = format!(
+            "max_prefill_tokens_per_worker={}",
+            self.saturation.max_prefill_tokens_per_worker()
+        );
+        match self.saturation.kv_capacity_tokens() {
+            Some(tokens) => format!(
+                "{prefill} kv_capacity_tokens={tokens} max_kv_share={}",
+                self.saturation.max_kv_share()
+            ),
+            None => prefill,
+        }
     }
 }
 
@@ -867,6 +875,10 @@ async fn bench() {
         engine_priority: false,
     };
     let only = std::env::var("ADMISSION_ONLY").unwrap_or_default();
+    assert!(
+        ["", "kv_shares"].contains(&only.as_str()),
+        "ADMISSION_ONLY={only}: the one selection is kv_shares"
+    );
     let groups: Vec<Vec<Case>> = if only == "kv_shares" {
         let mut group = sweep.clone();
         group.extend([overload_engine_kv.clone(), unloaded.clone()]);
@@ -1010,16 +1022,12 @@ async fn bench() {
         };
         let over = rows[0].ttft_p99;
         let completed: usize = rows.iter().map(|r| r.completed).sum();
-        let kv = match case.saturation.kv_capacity_tokens() {
-            Some(_) => format!(" max_kv_share={}", case.saturation.max_kv_share()),
-            None => String::new(),
-        };
         println!(
-            "{key}={:.2} (high band p99 TTFT {over:.0} ms under overload at \
-             max_prefill_tokens_per_worker={}{kv}, {alone:.0} ms alone; backlog at the end \
-             {:.2}x the threshold; completed {:.2}x capacity, low band refused {:.3})",
+            "{key}={:.2} (high band p99 TTFT {over:.0} ms under overload at {}, {alone:.0} ms \
+             alone; backlog at the end {:.2}x the threshold; completed {:.2}x capacity, low \
+             band refused {:.3})",
             over / alone,
-            case.saturation.max_prefill_tokens_per_worker(),
+            case.thresholds(),
             backlog(&name, Setting::Shared).unwrap_or(0.0),
             completed as f64 / window / capacity,
             rows[1].refused as f64 / rows[1].offered.max(1) as f64,

@@ -196,7 +196,12 @@ impl IngressStart for JetStreamIngress {
             self.stats,
             self.apply,
         );
-        let store = match SnapshotStore::open(&js, &self.subjects, &self.stream).await {
+        let opener = snapshot::StoreOpener {
+            js: js.clone(),
+            subjects: self.subjects.clone(),
+            config: self.stream.clone(),
+        };
+        let store = match opener.open().await {
             Ok(store) => Some(store),
             Err(error) => {
                 warn!(%error, "the snapshot buckets are not available: replaying the whole stream; the snapshot writer tries again every interval");
@@ -268,11 +273,6 @@ impl IngressStart for JetStreamIngress {
                 .instrument(span.clone()),
         );
         let (cut_requests, cuts) = mpsc::channel(1);
-        let opener = snapshot::StoreOpener {
-            js: js.clone(),
-            subjects: self.subjects.clone(),
-            config: self.stream.clone(),
-        };
         let writer = snapshot::write_snapshots(
             store,
             opener,

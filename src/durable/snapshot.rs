@@ -315,11 +315,18 @@ pub(crate) struct Cut {
 /// A request for a cut, answered by the ingress task.
 pub(crate) type CutRequest = oneshot::Sender<Cut>;
 
-/// How the writer opens the snapshot buckets when they could not be opened at start.
+/// What opens a deployment's snapshot buckets: at start, and again in the writer while
+/// they could not be opened.
 pub(crate) struct StoreOpener {
     pub(crate) js: jetstream::Context,
     pub(crate) subjects: Subjects,
     pub(crate) config: LeaseStreamConfig,
+}
+
+impl StoreOpener {
+    pub(crate) async fn open(&self) -> Result<SnapshotStore, TaskError> {
+        SnapshotStore::open(&self.js, &self.subjects, &self.config).await
+    }
 }
 
 /// Writes a snapshot every `interval` while this replica is caught up and holds the
@@ -349,28 +356,12 @@ pub(crate) async fn write_snapshots(
             _ = cancel.cancelled() => return Ok(()),
             _ = tick.tick() => {}
         }
-        let opened = match store.as_ref() {
-            Some(opened) => opened,
-            None => {
-                let open = SnapshotStore::open(&opener.js, &opener.subjects, &opener.config);
-                let outcome = tokio::select! {
-                    _ = cancel.cancelled() => return Ok(()),
-                    outcome = open => outcome,
-                };
-                match outcome {
-                    Ok(opened) => {
-                        info!("the snapshot buckets are open: snapshots are written from now on");
-                        store.insert(opened)
-                    }
-                    Err(error) => {
-                        state.snapshots.failed.fetch_add(1, Ordering::Relaxed);
-                        if let Some(suppressed) = open_warn.check() {
-                            warn!(%error, suppressed, "the snapshot buckets are still not available; the next interval tries again");
-                        }
-                        continue;
-                    }
-                }
-            }
+        let opened = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            opened = open_if_needed(&mut store, &opener, &state, &open_warn) => opened,
+        };
+        let Some(opened) = opened else {
+            continue;
         };
         if !state.is_caught_up() {
             continue;
@@ -409,6 +400,31 @@ pub(crate) async fn write_snapshots(
             }
         }
     }
+}
+
+/// `store`, opened first if it is not yet; `None` (counted as a failed write, warned at
+/// most every [`OPEN_WARN_INTERVAL`]) while the buckets cannot be opened.
+async fn open_if_needed<'a>(
+    store: &'a mut Option<SnapshotStore>,
+    opener: &StoreOpener,
+    state: &CatchUpState,
+    open_warn: &LogRateLimiter,
+) -> Option<&'a SnapshotStore> {
+    if store.is_none() {
+        match opener.open().await {
+            Ok(opened) => {
+                info!("the snapshot buckets are open: snapshots are written from now on");
+                *store = Some(opened);
+            }
+            Err(error) => {
+                state.snapshots.failed.fetch_add(1, Ordering::Relaxed);
+                if let Some(suppressed) = open_warn.check() {
+                    warn!(%error, suppressed, "the snapshot buckets are still not available; the next interval tries again");
+                }
+            }
+        }
+    }
+    store.as_ref()
 }
 
 enum Stop {

@@ -13,7 +13,6 @@ use tokio::sync::oneshot;
 
 use crate::admission::{
     AdmissionClass, AdmissionConfig, AdmissionCounts, ClassLoad, ClassSums, ClassTable,
-    MAX_WAIT_LIMIT_MS,
 };
 use crate::load::{BookingWeight, LoadSums, RequestLoad, WorkerLoad};
 use crate::observer::{AdmitOutcome, DeliverEventError, ReplicaRequestLeaseObserver};
@@ -574,9 +573,9 @@ impl SchedulerState {
                 request,
                 class,
                 reply,
-                // The queue's checked bound keeps this from overflowing; bounded here all the
-                // same, as a panic here would end the deployment's scheduler.
-                deadline: now + Duration::from_millis(wait_ms.min(MAX_WAIT_LIMIT_MS)),
+                // Cannot overflow: every config in force passed `QueueConfig::validate`
+                // (`ClassTable::set`), which bounds the wait.
+                deadline: now + Duration::from_millis(wait_ms),
                 since: now,
                 arrival,
             },
